@@ -1,0 +1,93 @@
+# llama-grpc: every target works on a fresh machine (Python 3.11, registries only).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+STAMP := $(VENV)/.installed
+PROTO_SRC := $(wildcard proto/llama_grpc/v1/*.proto)
+GEN_DIR := client
+HOST ?= 127.0.0.1
+PORT ?= 50051
+ARGS ?=
+export PATH := $(abspath $(BIN)):$(PATH)
+
+.PHONY: install run serve test test-unit test-model test-e2e check lint format types proto proto-check \
+	proto-lint model bench bench-single bench-concurrency bench-strategies bench-prefix \
+	bench-tokenize bench-telemetry bench-peers clean
+
+install: $(STAMP)
+
+# pip's wheel cache keeps llama-cpp-python's ~10 minute source build to the first install only.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=25.1"
+	$(PY) -m pip install -q -e '.[server]' --group dev
+	$(PY) -m llama_grpc_server.model_files --assemble
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(PY) -m llama_grpc_server.model_files --assemble
+
+run: $(STAMP)
+	$(BIN)/llama-grpc serve --host $(HOST) --port $(PORT) $(ARGS)
+
+serve: run
+
+test: $(STAMP)
+	$(PY) -m pytest tests $(ARGS)
+
+test-unit: $(STAMP)
+	$(PY) -m pytest tests/unit $(ARGS)
+
+test-model: $(STAMP)
+	$(PY) -m pytest tests/model $(ARGS)
+
+test-e2e: $(STAMP)
+	$(PY) -m pytest tests/e2e $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+types: $(STAMP)
+	$(BIN)/mypy
+
+check: proto-check lint types test
+
+# Generated code is committed; imports are package-absolute because protoc runs with -Iproto.
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=$(GEN_DIR) --grpc_python_out=$(GEN_DIR) \
+		--mypy_out=$(GEN_DIR) --mypy_grpc_out=$(GEN_DIR) $(PROTO_SRC)
+
+proto-check: $(STAMP) proto-lint
+	rm -rf .proto-check && mkdir -p .proto-check
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=.proto-check --grpc_python_out=.proto-check \
+		--mypy_out=.proto-check --mypy_grpc_out=.proto-check $(PROTO_SRC)
+	diff -r -x __init__.py -x __pycache__ -x py.typed .proto-check/llama_grpc/v1 $(GEN_DIR)/llama_grpc/v1 \
+		|| (echo "generated code is stale: run 'make proto' and commit"; exit 1)
+	rm -rf .proto-check
+
+proto-lint:
+	cd proto && npx --yes @bufbuild/buf@1.47.2 lint
+
+bench: bench-single bench-concurrency bench-strategies bench-prefix bench-tokenize bench-telemetry
+
+bench-single: $(STAMP)
+	$(PY) bench/single.py
+bench-concurrency: $(STAMP)
+	$(PY) bench/concurrency.py
+bench-strategies: $(STAMP)
+	$(PY) bench/strategies.py
+bench-prefix: $(STAMP)
+	$(PY) bench/prefix_cache.py
+bench-tokenize: $(STAMP)
+	$(PY) bench/tokenize_overhead.py
+bench-telemetry: $(STAMP)
+	$(PY) bench/telemetry_overhead.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

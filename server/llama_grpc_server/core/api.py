@@ -1,0 +1,101 @@
+"""What the rpc layer sees of the engine: the EngineApi protocol and the plain values it returns.
+Pure Python; the real implementation is loop.EngineLoop, tests may use fakes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from llama_grpc_server.core.request import Event, GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """Facts found when the model was loaded."""
+
+    model_name: str
+    model_path: str
+    n_ctx_train: int
+    n_ctx: int
+    n_vocab: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    eog_token_ids: tuple[int, ...]
+    has_chat_template: bool
+    n_parallel: int
+    n_batch: int
+    description: str
+    size_bytes: int
+    n_params: int
+    add_bos: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSnapshot:
+    slot_id: int
+    state: str  # "idle" | "prefilling" | "generating"
+    request_id: str
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StatsSnapshot:
+    """Live state plus cumulative counters since start."""
+
+    n_parallel: int
+    active_slots: int
+    idle_slots: int
+    prefilling_slots: int
+    generating_slots: int
+    queue_depth: int
+    kv_cells_used: int
+    kv_cells_total: int
+    requests_started: int
+    requests_finished: int
+    requests_failed: int
+    requests_cancelled: int
+    requests_rejected: int
+    prompt_tokens: int
+    generated_tokens: int
+    cached_prompt_tokens: int
+    ticks: int
+    avg_batch_size: float
+    preemptions: int
+    uptime_s: float
+    slots: tuple[SlotSnapshot, ...]
+    batch_strategy: str
+    prefix_cache_hit_rate: float
+
+
+class RequestStream(Protocol):
+    """Events of one submitted request, ending with exactly one Finished or Failed."""
+
+    def __aiter__(self) -> AsyncIterator[Event]: ...
+
+    def cancel(self) -> None:
+        """Ask the engine to drop the request at its next tick (idempotent)."""
+        ...
+
+
+class EngineApi(Protocol):
+    """The engine as the servicer uses it. Every method is safe to call from the event loop."""
+
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue a request; raises ServiceError (PromptTooLong, Overloaded, ShuttingDown) at once."""
+        ...
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
+
+    def detokenize(self, token_ids: Sequence[int], *, render_special: bool) -> str: ...
+
+    def token_piece(self, token_id: int) -> str: ...
+
+    def stats(self) -> StatsSnapshot: ...
+
+    def close(self) -> None:
+        """Stop the engine thread, fail what is still queued, free llama.cpp resources (blocking)."""
+        ...

@@ -1,0 +1,206 @@
+"""Request values (what a caller asked for), the live Request the scheduler mutates, and the events
+a request emits. Pure Python: no llama_cpp, no grpc."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+from llama_grpc_server.errors import ServiceError
+
+
+class FinishReason(enum.Enum):
+    EOS = "eos"
+    STOP_SEQUENCE = "stop_sequence"
+    STOP_TOKEN = "stop_token"
+    MAX_TOKENS = "max_tokens"
+    CONTEXT_LENGTH = "context_length"
+    TIME_LIMIT = "time_limit"
+    CANCELLED = "cancelled"
+
+
+class RequestState(enum.Enum):
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    GENERATING = "generating"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Sampler settings; temperature <= 0 means greedy."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int | None = None
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repeat_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StoppingParams:
+    """When generation ends. max_tokens_is_default marks a server-chosen limit (clamped to fit)."""
+
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    time_limit_ms: int | None = None
+    max_tokens_is_default: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A validated request, ready for the scheduler. Deadlines are time.monotonic() seconds."""
+
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    stopping: StoppingParams = StoppingParams()
+    session_id: str = ""
+    cache_scope: str = ""
+    cache_prompt: bool = True
+    deadline: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    queue_ms: float
+    ttft_ms: float
+    prefill_ms: float
+    decode_ms: float
+    total_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New output: token ids generated since the last delta and the text that is safe to show."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The last event of a request that ended normally."""
+
+    reason: FinishReason
+    usage: Usage
+    timings: Timings
+    seed: int
+    matched_stop: str = ""
+    matched_token_id: int | None = None
+    slot_id: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The last event of a request that ended with an error."""
+
+    error: ServiceError
+
+
+Event = TokenDelta | Finished | Failed
+
+
+def _ms(start_ns: int, end_ns: int) -> float:
+    return max(0.0, (end_ns - start_ns) / 1e6)
+
+
+@dataclass(slots=True)
+class Request:
+    """A request inside the scheduler. Only the engine thread mutates it.
+
+    Tokens are one list, prompt then output; `num_computed` counts those whose KV the slot holds,
+    so prefill, decode and resume after preemption are one rule: feed tokens[num_computed:].
+    """
+
+    spec: GenerationRequest
+    arrival_ns: int = field(default_factory=time.perf_counter_ns)
+    state: RequestState = RequestState.QUEUED
+    tokens: list[int] = field(default_factory=list)
+    num_prompt: int = 0
+    num_computed: int = 0
+    num_cached_prompt: int = 0
+    slot_id: int = -1
+    seed: int = 0
+    admitted_ns: int = 0
+    first_token_ns: int = 0
+    last_served_tick: int = 0
+    num_preemptions: int = 0
+    is_cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.spec.prompt_tokens)
+        self.num_prompt = len(self.tokens)
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to feed before the next sample."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_pending == 1 and self.num_output > 0
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    def deadline_passed(self, now: float) -> bool:
+        return self.spec.deadline is not None and now >= self.spec.deadline
+
+    def time_limit_passed(self, now_ns: int) -> bool:
+        limit = self.spec.stopping.time_limit_ms
+        return limit is not None and (now_ns - self.arrival_ns) >= limit * 1_000_000
+
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt, self.num_output, self.num_cached_prompt)
+
+    def timings(self, now_ns: int) -> Timings:
+        admitted = self.admitted_ns or now_ns
+        first = self.first_token_ns or now_ns
+        return Timings(
+            queue_ms=_ms(self.arrival_ns, admitted),
+            ttft_ms=_ms(self.arrival_ns, first),
+            prefill_ms=_ms(admitted, first),
+            decode_ms=_ms(first, now_ns),
+            total_ms=_ms(self.arrival_ns, now_ns),
+        )
+
+
+def is_finite_number(value: float) -> bool:
+    return not (math.isnan(value) or math.isinf(value))

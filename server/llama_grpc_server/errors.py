@@ -1,0 +1,95 @@
+"""The ServiceError tree: every failure a caller can see. No grpc import; rpc/ maps these to status."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class ServiceError(Exception):
+    """A failure reported to the caller with a status code name and an ErrorInfo reason."""
+
+    code: ClassVar[str] = "INTERNAL"
+    reason: ClassVar[str] = "INTERNAL"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        metadata: dict[str, str] | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.metadata = dict(metadata or {})
+        self.retry_after_s = retry_after_s
+
+
+class InvalidRequest(ServiceError):
+    """A field of the request is malformed or out of range."""
+
+    code = "INVALID_ARGUMENT"
+    reason = "INVALID_ARGUMENT"
+
+
+class PromptTooLong(InvalidRequest):
+    """prompt + max_tokens can never fit the context."""
+
+    reason = "CONTEXT_LENGTH_EXCEEDED"
+
+
+class ModelNotFound(ServiceError):
+    """The request named a model that is not loaded."""
+
+    code = "NOT_FOUND"
+    reason = "MODEL_NOT_FOUND"
+
+
+class FailedPrecondition(ServiceError):
+    """The request needs something the server is not configured with."""
+
+    code = "FAILED_PRECONDITION"
+    reason = "FAILED_PRECONDITION"
+
+
+class Overloaded(ServiceError):
+    """The queue is full; retry later."""
+
+    code = "RESOURCE_EXHAUSTED"
+    reason = "QUEUE_FULL"
+
+
+class KvCacheFull(ServiceError):
+    """The request alone cannot fit the KV cache."""
+
+    code = "RESOURCE_EXHAUSTED"
+    reason = "KV_CACHE_FULL"
+
+
+class DeadlineExceeded(ServiceError):
+    """The request's deadline passed before it could be served."""
+
+    code = "DEADLINE_EXCEEDED"
+    reason = "DEADLINE_EXCEEDED"
+
+
+class ShuttingDown(ServiceError):
+    """The server is draining and accepts no new work."""
+
+    code = "UNAVAILABLE"
+    reason = "SHUTTING_DOWN"
+
+
+class EngineError(ServiceError):
+    """llama.cpp failed while serving this request; the engine keeps serving others."""
+
+    code = "INTERNAL"
+    reason = "ENGINE_ERROR"
+
+
+class Cancelled(ServiceError):
+    """The caller went away."""
+
+    code = "CANCELLED"
+    reason = "CANCELLED"
