@@ -1,0 +1,241 @@
+"""Frozen result values of the client and their conversion from llama_grpc.v1 messages.
+
+Users see only these values; no grpc or protobuf type leaks out. Imports no grpc.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, TypeAlias, TypeVar
+
+from google.protobuf.message import Message
+
+from llama_grpc.v1 import llm_service_pb2 as pb
+
+_FINISH_PREFIX = "FINISH_REASON_"
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    # Prompt tokens whose KV came from the prefix cache instead of being computed.
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Server-side timings of one request, in milliseconds from its arrival."""
+
+    queue_ms: float
+    ttft_ms: float
+    prefill_ms: float
+    decode_ms: float
+    total_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """A whole completion: text, tokens, why it ended, usage and timings."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    # "eos", "stop_sequence", "stop_token", "max_tokens", "context_length" or "time_limit".
+    finish_reason: str
+    matched_stop: str | None
+    matched_token_id: int | None
+    usage: Usage
+    timings: Timings
+    request_id: str
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """A piece of streamed output: new text and the tokens generated since the last delta."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The final event of a stream: why generation ended, usage and timings."""
+
+    finish_reason: str
+    matched_stop: str | None
+    matched_token_id: int | None
+    usage: Usage
+    timings: Timings
+    request_id: str
+    seed: int
+
+
+StreamEvent: TypeAlias = Delta | Done
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeResult:
+    """Token ids of a text, with each token's text piece."""
+
+    token_ids: tuple[int, ...]
+    pieces: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotStats:
+    """One slot of the server's pool."""
+
+    slot_id: int
+    state: str
+    request_id: str
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """A live scheduler snapshot plus cumulative counters since the server started."""
+
+    n_parallel: int
+    active_slots: int
+    idle_slots: int
+    prefilling_slots: int
+    generating_slots: int
+    queue_depth: int
+    kv_cells_used: int
+    kv_cells_total: int
+    requests_started: int
+    requests_finished: int
+    requests_failed: int
+    requests_cancelled: int
+    requests_rejected: int
+    prompt_tokens: int
+    generated_tokens: int
+    cached_prompt_tokens: int
+    ticks: int
+    avg_batch_size: float
+    preemptions: int
+    uptime_s: float
+    slots: tuple[SlotStats, ...]
+    batch_strategy: str
+    prefix_cache_hit_rate: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """Facts about the loaded model and its context."""
+
+    model_name: str
+    model_path: str
+    n_ctx_train: int
+    n_ctx: int
+    n_vocab: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    eog_token_ids: tuple[int, ...]
+    has_chat_template: bool
+    n_parallel: int
+    n_batch: int
+    description: str
+    size_bytes: int
+    n_params: int
+    add_bos: bool
+
+
+def finish_reason_name(value: int) -> str:
+    """`FINISH_REASON_STOP_SEQUENCE` -> "stop_sequence"."""
+    return pb.FinishReason.Name(value).removeprefix(_FINISH_PREFIX).lower()  # type: ignore[arg-type]
+
+
+def usage_from_proto(message: pb.Usage) -> Usage:
+    """Convert a Usage message."""
+    return Usage(message.prompt_tokens, message.completion_tokens, message.cached_prompt_tokens)
+
+
+def timings_from_proto(message: pb.Timings) -> Timings:
+    """Convert a Timings message."""
+    return Timings(
+        message.queue_ms, message.ttft_ms, message.prefill_ms, message.decode_ms, message.total_ms
+    )
+
+
+def _finish_fields(
+    reason: int, finish: pb.FinishInfo, has_finish: bool
+) -> tuple[str, str | None, int | None]:
+    # FinishInfo.reason is authoritative when the server sent it; the flat field is the fallback.
+    if has_finish and finish.reason != pb.FINISH_REASON_UNSPECIFIED:
+        reason = finish.reason
+    token_id = finish.matched_token_id if finish.HasField("matched_token_id") else None
+    return finish_reason_name(reason), finish.matched_stop or None, token_id
+
+
+def result_from_proto(message: pb.GenerateResponse, request_id: str) -> GenerateResult:
+    """Convert a GenerateResponse; `request_id` is used when the message carries none."""
+    reason, stop, token_id = _finish_fields(
+        message.finish_reason, message.finish, message.HasField("finish")
+    )
+    return GenerateResult(
+        text=message.text,
+        token_ids=tuple(message.token_ids),
+        finish_reason=reason,
+        matched_stop=stop,
+        matched_token_id=token_id,
+        usage=usage_from_proto(message.usage),
+        timings=timings_from_proto(message.timings),
+        request_id=message.request_id or request_id,
+        seed=message.seed,
+    )
+
+
+def done_from_proto(message: pb.GenerationDone, request_id: str) -> Done:
+    """Convert a GenerationDone; `request_id` is used when the message carries none."""
+    reason, stop, token_id = _finish_fields(
+        message.finish_reason, message.finish, message.HasField("finish")
+    )
+    return Done(
+        finish_reason=reason,
+        matched_stop=stop,
+        matched_token_id=token_id,
+        usage=usage_from_proto(message.usage),
+        timings=timings_from_proto(message.timings),
+        request_id=message.request_id or request_id,
+        seed=message.seed,
+    )
+
+
+def delta_from_proto(message: pb.GenerationDelta) -> Delta:
+    """Convert a GenerationDelta."""
+    return Delta(message.text, tuple(message.token_ids))
+
+
+_V = TypeVar("_V")
+
+
+def _same_named_fields(message: Message, cls: type[_V]) -> dict[str, Any]:
+    # Any at the protobuf edge: each value is checked by the dataclass field of the same name,
+    # and a unit test checks that every proto field lands in the value.
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        descriptor = message.DESCRIPTOR.fields_by_name[field.name]
+        value = getattr(message, field.name)
+        if descriptor.has_presence and descriptor.message_type is None:
+            value = value if message.HasField(field.name) else None
+        elif descriptor.is_repeated:
+            value = tuple(value)
+        values[field.name] = value
+    return values
+
+
+def stats_from_proto(message: pb.GetStatsResponse) -> Stats:
+    """Convert a GetStatsResponse."""
+    values = _same_named_fields(message, Stats)
+    values["slots"] = tuple(SlotStats(**_same_named_fields(s, SlotStats)) for s in message.slots)
+    return Stats(**values)
+
+
+def model_info_from_proto(message: pb.GetModelInfoResponse) -> ModelInfo:
+    """Convert a GetModelInfoResponse; unset optional token ids become None."""
+    return ModelInfo(**_same_named_fields(message, ModelInfo))

@@ -1,0 +1,153 @@
+"""Batch strategies: pure functions deciding how one tick's token budget is split between
+decode tokens and prompt chunks. No clock reads, no I/O; table-driven unit tests."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+MAX_DECODE_WAIT_TICKS = 3
+"""Under any built-in strategy a generating slot waits at most this many ticks for a token."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotView:
+    """One active slot as a strategy sees it."""
+
+    slot_id: int
+    num_pending: int  # tokens to feed before its next sample (1 = a decode token)
+    is_decoding: bool
+    last_served_tick: int  # for round-robin: the oldest served goes first
+
+
+@dataclass(frozen=True, slots=True)
+class BatchView:
+    """A frozen picture of the tick to plan."""
+
+    tick: int
+    budget: int  # n_batch: tokens in this forward pass at most
+    chunk_size: int  # one slot's prefill per tick at most
+    queue_depth: int
+    slots: tuple[SlotView, ...]
+
+    def waited(self, slot: SlotView) -> int:
+        return self.tick - slot.last_served_tick
+
+
+Allocation = Mapping[int, int]  # slot_id -> tokens fed this tick
+
+
+@runtime_checkable
+class BatchStrategy(Protocol):
+    name: str
+
+    def allocate(self, view: BatchView) -> Allocation: ...
+
+
+def _round_robin(slots: list[SlotView]) -> list[SlotView]:
+    return sorted(slots, key=lambda s: (s.last_served_tick, s.slot_id))
+
+
+def _give_decodes(view: BatchView, slots: list[SlotView], budget: int, out: dict[int, int]) -> int:
+    for slot in _round_robin(slots):
+        if budget <= 0:
+            break
+        out[slot.slot_id] = 1
+        budget -= 1
+    return budget
+
+
+def _give_prefills(view: BatchView, slots: list[SlotView], budget: int, out: dict[int, int]) -> int:
+    for slot in _round_robin(slots):
+        if budget <= 0:
+            break
+        n = min(slot.num_pending, view.chunk_size, budget)
+        out[slot.slot_id] = n
+        budget -= n
+    return budget
+
+
+def _split(view: BatchView) -> tuple[list[SlotView], list[SlotView], list[SlotView]]:
+    """(starving decoders, other decoders, prefilling slots)."""
+    starving = [s for s in view.slots if s.is_decoding and view.waited(s) >= MAX_DECODE_WAIT_TICKS]
+    decoders = [s for s in view.slots if s.is_decoding and view.waited(s) < MAX_DECODE_WAIT_TICKS]
+    prefills = [s for s in view.slots if not s.is_decoding]
+    return starving, decoders, prefills
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeMaximal:
+    """Every generating slot gets its token first; prompt chunks take the rest (interactive)."""
+
+    name: str = "decode_maximal"
+
+    def allocate(self, view: BatchView) -> Allocation:
+        starving, decoders, prefills = _split(view)
+        out: dict[int, int] = {}
+        budget = _give_decodes(view, starving + decoders, view.budget, out)
+        _give_prefills(view, prefills, budget, out)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPriority:
+    """Prompt chunks first, decode tokens take the rest (batch throughput); a decoder that waited
+    MAX_DECODE_WAIT_TICKS ticks is served before any prefill."""
+
+    name: str = "prefill_priority"
+
+    def allocate(self, view: BatchView) -> Allocation:
+        starving, decoders, prefills = _split(view)
+        out: dict[int, int] = {}
+        budget = _give_decodes(view, starving, view.budget, out)
+        budget = _give_prefills(view, prefills, budget, out)
+        _give_decodes(view, decoders, budget, out)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Balanced:
+    """Half the budget for decode tokens, half for prompt chunks; either side lends what it does
+    not use to the other."""
+
+    name: str = "balanced"
+    decode_share: float = 0.5
+
+    def allocate(self, view: BatchView) -> Allocation:
+        starving, decoders, prefills = _split(view)
+        out: dict[int, int] = {}
+        budget = _give_decodes(view, starving, view.budget, out)
+        decode_budget = max(1, int(budget * self.decode_share)) if decoders else 0
+        left = _give_decodes(view, decoders, min(decode_budget, budget), out)
+        budget = budget - min(decode_budget, budget) + left
+        budget = _give_prefills(view, prefills, budget, out)
+        _give_decodes(view, [d for d in decoders if d.slot_id not in out], budget, out)
+        return out
+
+
+BUILTIN: dict[str, Callable[[], BatchStrategy]] = {
+    "decode_maximal": DecodeMaximal,
+    "prefill_priority": PrefillPriority,
+    "balanced": Balanced,
+}
+
+
+def load_strategy(spec: str) -> BatchStrategy:
+    """A built-in name, or `module:attr` naming a strategy object, class or factory."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]()
+    if ":" not in spec:
+        known = ", ".join(sorted(BUILTIN))
+        raise ValueError(f"unknown batch strategy {spec!r}: use one of {known} or module:attr")
+    module_name, attr = spec.split(":", 1)
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import batch strategy {spec!r}: {exc}") from exc
+    if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "allocate")):
+        obj = obj()
+    if not isinstance(obj, BatchStrategy):
+        raise ValueError(f"batch strategy {spec!r} has no allocate(view) method or name")
+    return obj

@@ -1,0 +1,1 @@
+"""The only package importing llama_cpp: model, context, batch, samplers, runner."""

@@ -1,0 +1,162 @@
+"""LlamaModel: the llama.cpp model, context and vocabulary, created in one place and freed in
+close(). Only the engine thread may decode or edit memory; vocabulary calls are thread-safe."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+
+from llama_grpc_server.config import ModelSettings
+from llama_grpc_server.core.api import ModelInfo
+
+_backend_ready = False
+
+
+class ModelLoadError(RuntimeError):
+    """The GGUF file could not be loaded or the context could not be created."""
+
+
+def _meta(model: Any, key: str) -> str:
+    buf = ctypes.create_string_buffer(512)
+    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", errors="replace") if n >= 0 else ""
+
+
+class LlamaModel:
+    """Owns llama_model + llama_context (unified KV, n_seq_max = slots)."""
+
+    def __init__(self, settings: ModelSettings, model_path: str, n_seq_max: int) -> None:
+        global _backend_ready
+        if not _backend_ready:
+            llama_cpp.llama_backend_init()
+            _backend_ready = True
+        if not Path(model_path).is_file():
+            raise ModelLoadError(f"model file not found: {model_path}")
+        self.path = model_path
+        self.settings = settings
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = settings.n_gpu_layers
+        self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
+        if not self.model:
+            raise ModelLoadError(f"llama.cpp could not load {model_path}")
+        self.ctx = llama_cpp.llama_init_from_model(self.model, self._context_params(n_seq_max))
+        if not self.ctx:
+            llama_cpp.llama_model_free(self.model)
+            raise ModelLoadError(f"could not create a context (n_ctx={settings.n_ctx})")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
+        self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
+        self.n_batch = int(llama_cpp.llama_n_batch(self.ctx))
+        self.n_seq_max = n_seq_max
+        self.eog_ids = frozenset(
+            t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)
+        )
+        self.pieces = self._piece_table()
+        # Recurrent and hybrid models cannot remove part of a sequence.
+        self.supports_partial_removal = not (
+            llama_cpp.llama_model_is_recurrent(self.model)
+            or llama_cpp.llama_model_is_hybrid(self.model)
+        )
+
+    def _context_params(self, n_seq_max: int) -> Any:
+        s = self.settings
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = s.n_ctx
+        params.n_batch = min(s.n_batch, s.n_ctx)
+        params.n_ubatch = min(s.n_ubatch, params.n_batch)
+        params.n_seq_max = n_seq_max
+        params.kv_unified = True  # slots share all cells; seq_cp only tags cells
+        params.swa_full = True  # partial prefix reuse stays correct on sliding-window models
+        params.n_threads = s.n_threads
+        params.n_threads_batch = s.n_threads_batch
+        params.no_perf = True
+        params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
+            if s.flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        return params
+
+    def _piece_table(self) -> list[bytes]:
+        """Each token's bytes (special tokens render empty): one ctypes call per token, once."""
+        buf = ctypes.create_string_buffer(256)
+        out: list[bytes] = []
+        for token in range(self.n_vocab):
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, 256, 0, False)
+            out.append(buf.raw[:n] if n > 0 else b"")
+        return out
+
+    # -- vocabulary (thread-safe) --------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        while True:
+            out = (llama_cpp.llama_token * capacity)()
+            n = llama_cpp.llama_tokenize(
+                self.vocab, data, len(data), out, capacity, add_special, parse_special
+            )
+            if n >= 0:
+                return list(out[:n])
+            capacity = -n
+
+    def detokenize(self, token_ids: Sequence[int], *, render_special: bool) -> str:
+        if not render_special:
+            return b"".join(self.pieces[t] for t in token_ids).decode("utf-8", errors="replace")
+        return b"".join(self.special_piece(t) for t in token_ids).decode("utf-8", errors="replace")
+
+    def special_piece(self, token_id: int) -> bytes:
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token_id, buf, 256, 0, True)
+        return buf.raw[:n] if n > 0 else b""
+
+    def info(self, model_name: str) -> ModelInfo:
+        bos = int(llama_cpp.llama_vocab_bos(self.vocab))
+        eos = int(llama_cpp.llama_vocab_eos(self.vocab))
+        template = llama_cpp.llama_model_chat_template(self.model, None)
+        return ModelInfo(
+            model_name=model_name,
+            model_path=self.path,
+            n_ctx_train=int(llama_cpp.llama_model_n_ctx_train(self.model)),
+            n_ctx=self.n_ctx,
+            n_vocab=self.n_vocab,
+            bos_token_id=bos if bos >= 0 else None,
+            eos_token_id=eos if eos >= 0 else None,
+            eog_token_ids=tuple(sorted(self.eog_ids)),
+            has_chat_template=bool(template),
+            n_parallel=self.n_seq_max,
+            n_batch=self.n_batch,
+            description=_meta(self.model, "general.name") or Path(self.path).stem,
+            size_bytes=int(llama_cpp.llama_model_size(self.model)),
+            n_params=int(llama_cpp.llama_model_n_params(self.model)),
+            add_bos=bool(llama_cpp.llama_vocab_get_add_bos(self.vocab)),
+        )
+
+    # -- memory (engine thread only) -------------------------------------------------------------
+
+    def seq_remove(self, seq_id: int, p0: int, p1: int = -1) -> bool:
+        return bool(llama_cpp.llama_memory_seq_rm(self.memory, seq_id, p0, p1))
+
+    def seq_copy(self, src: int, dst: int, p0: int, p1: int) -> None:
+        llama_cpp.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return int(llama_cpp.llama_memory_seq_pos_max(self.memory, seq_id))
+
+    def close(self) -> None:
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            llama_cpp.llama_model_free(self.model)
+            self.model = None
+
+
+def default_threads() -> int:
+    return max(1, os.cpu_count() or 1)

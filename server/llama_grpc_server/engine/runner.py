@@ -1,0 +1,56 @@
+"""Runner: executes a StepPlan — samplers, KV edits, one llama_decode, sampling. Decides nothing."""
+
+from __future__ import annotations
+
+import time
+
+import llama_cpp
+
+from llama_grpc_server.core.plan import DECODE_OK, SeqOpKind, StepPlan, StepResult
+from llama_grpc_server.engine.batch import Batch
+from llama_grpc_server.engine.llama import LlamaModel
+from llama_grpc_server.engine.sampler import RequestSampler
+
+
+class Runner:
+    """Owns the batch and the per-request samplers; used only by the engine thread."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+        self.batch = Batch(model.n_batch)
+        self.samplers: dict[str, RequestSampler] = {}
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for request_id in plan.close_samplers:
+            sampler = self.samplers.pop(request_id, None)
+            if sampler is not None:
+                sampler.close()
+        for spec in plan.open_samplers:
+            self.samplers[spec.request_id] = RequestSampler(
+                spec.params, spec.seed, self.model.n_vocab
+            )
+        for op in plan.seq_ops:
+            if op.kind is SeqOpKind.REMOVE:
+                self.model.seq_remove(op.seq_id, op.p0, op.p1)
+            else:
+                self.model.seq_copy(op.src_seq_id, op.seq_id, op.p0, op.p1)
+        if not plan.chunks:
+            return StepResult()
+        outputs = self.batch.fill(plan.chunks)
+        t0 = time.perf_counter_ns()
+        status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
+        t1 = time.perf_counter_ns()
+        if status != DECODE_OK:
+            return StepResult(status=status, eval_ms=(t1 - t0) / 1e6)
+        sampled: dict[int, int] = {}
+        ctx = self.model.ctx
+        for chunk, index in zip(plan.chunks, outputs, strict=True):
+            if index >= 0:
+                sampled[chunk.slot_id] = self.samplers[chunk.request_id].sample(ctx, index)
+        t2 = time.perf_counter_ns()
+        return StepResult(DECODE_OK, sampled, (t1 - t0) / 1e6, (t2 - t1) / 1e6)
+
+    def close(self) -> None:
+        for sampler in self.samplers.values():
+            sampler.close()
+        self.samplers.clear()

@@ -1,0 +1,209 @@
+"""EngineLoop: the engine thread. Submissions and cancellations arrive through one inbox; each
+tick is schedule -> execute -> update -> deliver; events reach each request's asyncio queue with
+one call_soon_threadsafe per event loop per tick. It sleeps when idle, never busy-waits."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import structlog
+
+from llama_grpc_server import errors
+from llama_grpc_server.core.api import ModelInfo, StatsSnapshot
+from llama_grpc_server.core.plan import StepPlan, StepResult
+from llama_grpc_server.core.request import Event, Failed, Finished, GenerationRequest, Request
+from llama_grpc_server.core.scheduler import Emitted, Scheduler
+
+log = structlog.get_logger("llama_grpc.engine")
+
+TickHook = Callable[[StepPlan, StepResult, Scheduler], None]
+DoneHook = Callable[[Request, Event], None]
+
+
+class RequestStream:
+    """The asyncio side of one request: an async iterator of events; cancel() is idempotent."""
+
+    def __init__(self, engine: EngineLoop, request: Request, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._engine = engine
+        self._is_done = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        while not self._is_done:
+            event = await self.queue.get()
+            if isinstance(event, Finished | Failed):
+                self._is_done = True
+            yield event
+
+    def cancel(self) -> None:
+        if not self._is_done:
+            self._is_done = True
+            self._engine.cancel(self.request_id)
+
+
+class EngineLoop:
+    """Owns the scheduler, the runner and the thread that drives them."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: Any,
+        model_info: ModelInfo,
+        *,
+        tokenizer: Any,
+        kv_cells_total: int,
+        on_tick: TickHook | None = None,
+        on_done: DoneHook | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self._scheduler = scheduler
+        self._runner = runner
+        self._model_info = model_info
+        self._tokenizer = tokenizer
+        self._kv_cells_total = kv_cells_total
+        self._on_tick = on_tick
+        self._on_done = on_done
+        self._on_close = on_close
+        self._inbox: list[tuple[str, Any]] = []
+        self._wake = threading.Condition()
+        self._streams: dict[str, RequestStream] = {}
+        self._is_stopping = False
+        self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
+        self._thread.start()
+
+    # -- EngineApi --------------------------------------------------------------------------------
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        if self._is_stopping:
+            raise errors.ShuttingDown("server is shutting down")
+        self._scheduler.check_fits(request)
+        stream = RequestStream(self, Request(request), asyncio.get_running_loop())
+        with self._wake:
+            self._streams[request.request_id] = stream
+            self._inbox.append(("add", stream))
+            self._wake.notify()
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        with self._wake:
+            self._inbox.append(("cancel", request_id))
+            self._wake.notify()
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        result: list[int] = self._tokenizer.tokenize(
+            text, add_special=add_special, parse_special=parse_special
+        )
+        return result
+
+    def detokenize(self, token_ids: Sequence[int], *, render_special: bool) -> str:
+        result: str = self._tokenizer.detokenize(token_ids, render_special=render_special)
+        return result
+
+    def token_piece(self, token_id: int) -> str:
+        piece: bytes = self._tokenizer.special_piece(token_id)
+        return piece.decode("utf-8", errors="replace")
+
+    def stats(self) -> StatsSnapshot:
+        return self._scheduler.snapshot(self._kv_cells_total)
+
+    def close(self) -> None:
+        with self._wake:
+            self._is_stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+        if self._on_close is not None and not self._thread.is_alive():
+            self._on_close()
+
+    # -- engine thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._drain_inbox():
+                self._tick()
+        except Exception:
+            log.exception("engine_thread_crashed")
+        finally:
+            self._deliver(self._scheduler.fail_all(errors.ShuttingDown("engine stopped")))
+
+    def _drain_inbox(self) -> bool:
+        """Apply submissions and cancellations; sleep while there is nothing to do."""
+        with self._wake:
+            while not self._inbox and not self._scheduler.has_work and not self._is_stopping:
+                self._wake.wait()
+            inbox, self._inbox = self._inbox, []
+            if self._is_stopping:
+                inbox += [("cancel", rid) for rid in list(self._streams)]
+        events: Emitted = []
+        for kind, item in inbox:
+            if kind == "add":
+                events += self._add(item)
+            else:
+                events += self._scheduler.cancel(item)
+        self._deliver(events)
+        return not self._is_stopping
+
+    def _add(self, stream: RequestStream) -> Emitted:
+        try:
+            self._scheduler.add(stream.request)
+        except errors.ServiceError as exc:
+            return [(stream.request, Failed(exc))]
+        return []
+
+    def _tick(self) -> None:
+        plan, events = self._scheduler.schedule()
+        if plan is not None:
+            result = self._runner.execute(plan)
+            events += self._scheduler.update(plan, result)
+            if self._on_tick is not None and plan.chunks:
+                self._on_tick(plan, result, self._scheduler)
+        self._deliver(events)
+
+    def _deliver(self, events: Emitted) -> None:
+        """One call_soon_threadsafe per event loop for the whole tick."""
+        if not events:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]] = defaultdict(
+            list
+        )
+        ended: list[tuple[Request, Event]] = []
+        with self._wake:
+            for request, event in events:
+                stream = self._streams.get(request.request_id)
+                if stream is None:
+                    continue
+                if isinstance(event, Finished | Failed):
+                    del self._streams[request.request_id]
+                    ended.append((request, event))
+                by_loop[stream.loop].append((stream, event))
+        if self._on_done is not None:
+            for request, event in ended:
+                self._on_done(request, event)
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                continue
+
+
+def _put_all(batch: list[tuple[RequestStream, Event]]) -> None:
+    for stream, event in batch:
+        stream.queue.put_nowait(event)
+
+
+def monotonic_deadline(time_remaining_s: float | None) -> float | None:
+    return None if time_remaining_s is None else time.monotonic() + time_remaining_s
