@@ -92,7 +92,8 @@ class EngineLoop:
         if self._is_stopping:
             raise errors.ShuttingDown("server is shutting down")
         self._scheduler.check_fits(request)
-        stream = RequestStream(self, Request(request), asyncio.get_running_loop())
+        live = Request(request, arrival_ns=time.perf_counter_ns())
+        stream = RequestStream(self, live, asyncio.get_running_loop())
         with self._wake:
             self._streams[request.request_id] = stream
             self._inbox.append(("add", stream))

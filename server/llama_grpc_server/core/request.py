@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 import math
-import time
 from dataclasses import dataclass, field
 
 from llama_grpc_server.errors import ServiceError
@@ -141,7 +140,7 @@ class Request:
     """
 
     spec: GenerationRequest
-    arrival_ns: int = field(default_factory=time.perf_counter_ns)
+    arrival_ns: int = 0  # set by whoever receives it; 0 = when the scheduler queues it
     state: RequestState = RequestState.QUEUED
     tokens: list[int] = field(default_factory=list)
     num_prompt: int = 0

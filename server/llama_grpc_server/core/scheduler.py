@@ -129,6 +129,8 @@ class Scheduler:
         except errors.ServiceError:
             self.counters.rejected += 1
             raise
+        if request.arrival_ns == 0:
+            request.arrival_ns = self._clock_ns()
         seed = request.spec.sampling.seed
         request.seed = seed if seed is not None else random.getrandbits(32)
         self.queue.append(request)

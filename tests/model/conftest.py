@@ -1,0 +1,97 @@
+"""One real engine (embedded Gemma 3 270M) shared by the model tests."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from llama_grpc_server.config import ModelSettings, SchedulerSettings, Settings
+from llama_grpc_server.core.request import (
+    Event,
+    Failed,
+    Finished,
+    GenerationRequest,
+    SamplingParams,
+    StoppingParams,
+    TokenDelta,
+)
+from llama_grpc_server.engine.build import build_engine
+from llama_grpc_server.loop import EngineLoop
+
+_ids = itertools.count()
+
+
+@dataclass
+class Outcome:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    final: Event | None = None
+
+    @property
+    def finished(self) -> Finished:
+        assert isinstance(self.final, Finished), self.final
+        return self.final
+
+
+def make_engine(**scheduler: object) -> EngineLoop:
+    settings = Settings(
+        model=ModelSettings(n_ctx=scheduler.pop("n_ctx", 4096), n_batch=512),  # type: ignore[arg-type]
+        scheduler=SchedulerSettings(**scheduler),  # type: ignore[arg-type]
+    )
+    return build_engine(settings)
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[EngineLoop]:
+    eng = make_engine(n_parallel=4)
+    yield eng
+    eng.close()
+
+
+def request(
+    engine: EngineLoop,
+    prompt: str | list[int],
+    *,
+    max_tokens: int = 24,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    stop: tuple[str, ...] = (),
+    cache_prompt: bool = True,
+    cache_scope: str = "",
+    ignore_eos: bool = True,
+) -> GenerationRequest:
+    tokens = (
+        engine.tokenize(prompt, add_special=True, parse_special=False)
+        if isinstance(prompt, str)
+        else prompt
+    )
+    return GenerationRequest(
+        request_id=f"t{next(_ids)}",
+        prompt_tokens=tuple(tokens),
+        sampling=SamplingParams(temperature=temperature, seed=seed),
+        stopping=StoppingParams(max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos),
+        cache_prompt=cache_prompt,
+        cache_scope=cache_scope,
+    )
+
+
+async def run(engine: EngineLoop, req: GenerationRequest) -> Outcome:
+    out = Outcome()
+    async for event in engine.submit(req):
+        if isinstance(event, TokenDelta):
+            out.token_ids += event.token_ids
+            out.text += event.text
+        else:
+            out.final = event
+    return out
+
+
+async def run_all(engine: EngineLoop, reqs: list[GenerationRequest]) -> list[Outcome]:
+    return list(await asyncio.gather(*(run(engine, r) for r in reqs)))
+
+
+__all__ = ["Failed", "Outcome", "make_engine", "request", "run", "run_all"]

@@ -1,0 +1,88 @@
+"""Continuous batching on the real model: concurrency, batch invariance, cancellation, KV
+pressure, prefix reuse."""
+
+from __future__ import annotations
+
+import asyncio
+
+from llama_grpc_server.core.request import FinishReason
+from llama_grpc_server.loop import EngineLoop
+
+from .conftest import Failed, make_engine, request, run, run_all
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a land far away,",
+    "def fibonacci(n):",
+    "The quick brown fox",
+]
+
+
+async def test_concurrent_requests_finish_with_right_counts(engine: EngineLoop) -> None:
+    """Eight concurrent greedy requests on four slots all finish with max_tokens tokens."""
+    reqs = [request(engine, PROMPTS[i % 4], max_tokens=10 + i) for i in range(8)]
+    outs = await run_all(engine, reqs)
+    assert [len(o.token_ids) for o in outs] == [10 + i for i in range(8)]
+    assert all(o.finished.usage.completion_tokens == len(o.token_ids) for o in outs)
+
+
+async def test_batched_greedy_matches_alone(engine: EngineLoop) -> None:
+    """Greedy output inside a busy batch equals the output alone on the leading tokens.
+
+    llama.cpp's batched kernels change float summation order with the batch shape; measured
+    here, 3 of 4 prompts match for 40 tokens and "Once upon a time..." diverges at token 11.
+    So this asserts the first 8 tokens of every prompt and full equality for most prompts.
+    """
+    solo = [await run(engine, request(engine, p, max_tokens=40, cache_prompt=False)) for p in PROMPTS]
+    batched = await run_all(
+        engine, [request(engine, p, max_tokens=40, cache_prompt=False) for p in PROMPTS]
+    )
+    for s, b in zip(solo, batched, strict=True):
+        assert s.token_ids[:8] == b.token_ids[:8]
+    assert sum(s.token_ids == b.token_ids for s, b in zip(solo, batched, strict=True)) >= 3
+
+
+async def test_cancelled_request_stops_consuming_ticks(engine: EngineLoop) -> None:
+    """After cancel, the request's slot is freed and no more tokens are generated for it."""
+    stream = engine.submit(request(engine, PROMPTS[0], max_tokens=500))
+    got = 0
+    async for _event in stream:
+        got += 1
+        if got == 5:
+            stream.cancel()
+            break
+    await asyncio.sleep(0.3)
+    stats = engine.stats()
+    assert stats.active_slots == 0
+    before = stats.generated_tokens
+    await asyncio.sleep(0.3)
+    assert engine.stats().generated_tokens == before
+    assert engine.stats().requests_cancelled >= 1
+
+
+async def test_repeated_prompt_hits_prefix_cache(engine: EngineLoop) -> None:
+    """An identical repeated prompt reports cached_prompt_tokens == prompt_tokens - 1 and
+    generates the same greedy output as without a cache."""
+    prompt = "In a distant galaxy, the explorers found " * 8
+    cold = await run(engine, request(engine, prompt, cache_prompt=False, max_tokens=16))
+    warm1 = await run(engine, request(engine, prompt, max_tokens=16))
+    warm2 = await run(engine, request(engine, prompt, max_tokens=16))
+    n = warm2.finished.usage.prompt_tokens
+    assert warm2.finished.usage.cached_prompt_tokens == n - 1
+    assert warm1.token_ids == cold.token_ids == warm2.token_ids
+
+
+async def test_kv_pressure_completes_every_request() -> None:
+    """A small KV cache and several long requests: preemption happens, every request finishes
+    with exactly max_tokens tokens, none lost or repeated (stream == final usage)."""
+    eng = make_engine(n_parallel=4, n_ctx=512, cache_prompt=True)
+    try:
+        prompt = "Tell me a long story about dragons and knights. " * 6
+        reqs = [request(eng, prompt + str(i), max_tokens=120) for i in range(4)]
+        outs = await run_all(eng, reqs)
+        assert not any(isinstance(o.final, Failed) for o in outs), [o.final for o in outs]
+        assert [len(o.token_ids) for o in outs] == [120] * 4
+        assert all(o.finished.reason is FinishReason.MAX_TOKENS for o in outs)
+        assert eng.stats().preemptions >= 1
+    finally:
+        eng.close()

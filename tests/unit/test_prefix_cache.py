@@ -1,0 +1,73 @@
+"""Prefix-affinity slot choice and donor selection (no model)."""
+
+from __future__ import annotations
+
+from llama_grpc_server.core.prefix_cache import (
+    choose_slot,
+    common_prefix_length,
+    place,
+)
+from llama_grpc_server.core.request import GenerationRequest, Request
+from llama_grpc_server.core.slot import Slot
+
+
+def idle(slot_id: int, tokens: list[int], used: int = 0, scope: str = "", session: str = "") -> Slot:
+    return Slot(slot_id, None, tokens, scope, session, used)
+
+
+def test_common_prefix_length_long_and_short() -> None:
+    """Block comparison and the per-token tail agree with a naive scan."""
+    a = list(range(1000))
+    b = [*list(range(700)), -1, *list(range(701, 1000))]
+    assert common_prefix_length(a, b) == 700
+    assert common_prefix_length([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_length([], [1]) == 0
+
+
+def test_threshold_is_strict() -> None:
+    """A cache covering exactly 10% of the prompt does not win; LRU is used instead."""
+    prompt = list(range(100))
+    slots = [idle(0, prompt[:10], used=5), idle(1, [], used=1)]
+    assert choose_slot(slots, prompt, "", "").slot_id == 1
+    slots = [idle(0, prompt[:11], used=5), idle(1, [], used=1)]
+    assert choose_slot(slots, prompt, "", "").slot_id == 0
+
+
+def test_lru_fallback_keeps_long_unrelated_cache() -> None:
+    """A tiny unrelated request takes the least recently used slot."""
+    slots = [idle(0, [9] * 500, used=1), idle(1, [8] * 10, used=2)]
+    assert choose_slot(slots, [1, 2, 3], "", "").slot_id == 0
+    slots = [idle(0, [9] * 500, used=3), idle(1, [8] * 10, used=2)]
+    assert choose_slot(slots, [1, 2, 3], "", "").slot_id == 1
+
+
+def test_scope_filters_matches() -> None:
+    """Another scope's cache is never chosen for affinity nor used as a donor."""
+    prompt = list(range(50))
+    slots = [idle(0, prompt, used=9, scope="a"), idle(1, [], used=1, scope="b")]
+    p = place(slots, prompt, "b", "")
+    assert p.slot_id == 1 and p.num_cached == 0
+
+
+def test_session_before_similarity() -> None:
+    """The session's idle slot wins even if another slot shares a longer prefix."""
+    prompt = list(range(50))
+    slots = [idle(0, prompt, used=9), idle(1, [7], used=1, session="s1")]
+    assert choose_slot(slots, prompt, "", "s1").slot_id == 1
+
+
+def test_donor_counts_only_computed_tokens_of_busy_slot() -> None:
+    """A busy slot donates only the tokens whose KV it has computed."""
+    prompt = tuple(range(100))
+    busy_req = Request(GenerationRequest("busy", prompt))
+    busy_req.num_computed = 30
+    busy = Slot(0, busy_req)
+    p = place([busy, idle(1, [], used=1)], list(prompt), "", "")
+    assert p.slot_id == 1 and p.donor_slot_id == 0 and p.donor_tokens == 30
+
+
+def test_last_token_always_recomputed() -> None:
+    """An identical cached prompt reuses all but its last token."""
+    prompt = list(range(20))
+    p = place([idle(0, prompt)], prompt, "", "")
+    assert p.keep == 19

@@ -1,0 +1,111 @@
+"""Built-in batch strategies on table-driven views (no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llama_grpc_server.core.strategies import (
+    MAX_DECODE_WAIT_TICKS,
+    Balanced,
+    BatchStrategy,
+    BatchView,
+    DecodeMaximal,
+    PrefillPriority,
+    SlotView,
+    load_strategy,
+)
+
+
+def dec(slot_id: int, last: int = 9) -> SlotView:
+    return SlotView(slot_id, 1, True, last)
+
+
+def pre(slot_id: int, pending: int, last: int = 9) -> SlotView:
+    return SlotView(slot_id, pending, False, last)
+
+
+def view(*slots: SlotView, budget: int = 64, chunk: int = 16, tick: int = 10) -> BatchView:
+    return BatchView(tick=tick, budget=budget, chunk_size=chunk, queue_depth=0, slots=slots)
+
+
+ALL: list[BatchStrategy] = [DecodeMaximal(), PrefillPriority(), Balanced()]
+
+
+@pytest.mark.parametrize("strategy", ALL, ids=lambda s: s.name)
+def test_budget_and_chunk_size_respected(strategy: BatchStrategy) -> None:
+    """No strategy exceeds the budget, a slot's pending tokens or chunk_size."""
+    v = view(dec(0), dec(1), pre(2, 100), pre(3, 5), budget=24, chunk=16)
+    alloc = strategy.allocate(v)
+    assert sum(alloc.values()) <= 24
+    pending = {s.slot_id: s.num_pending for s in v.slots}
+    for slot_id, n in alloc.items():
+        assert 0 < n <= min(pending[slot_id], 16)
+
+
+def test_decode_maximal_serves_every_decoder_first() -> None:
+    """decode_maximal: decoders get their token, prefill takes only the rest."""
+    alloc = DecodeMaximal().allocate(view(dec(0), dec(1), dec(2), pre(3, 100), budget=10))
+    assert [alloc[0], alloc[1], alloc[2]] == [1, 1, 1]
+    assert alloc[3] == 7
+
+
+def test_prefill_priority_fills_prefill_first() -> None:
+    """prefill_priority: prompt chunks first; decoders only get what is left."""
+    alloc = PrefillPriority().allocate(view(dec(0), dec(1), pre(2, 100), budget=10, chunk=16))
+    assert alloc[2] == 10
+    assert 0 not in alloc and 1 not in alloc
+
+
+def test_balanced_splits_budget() -> None:
+    """balanced: with more decoders than half the budget, half goes to decode and half to prefill."""
+    decoders = [dec(i) for i in range(8)]
+    alloc = Balanced().allocate(view(*decoders, pre(8, 100), budget=8, chunk=16))
+    assert sum(1 for i in range(8) if i in alloc) == 4
+    assert alloc[8] == 4
+
+
+def test_balanced_lends_unused_decode_budget_to_prefill() -> None:
+    """balanced: one decoder uses 1 token; prefill gets everything else."""
+    alloc = Balanced().allocate(view(dec(0), pre(1, 100), budget=20, chunk=32))
+    assert alloc == {0: 1, 1: 19}
+
+
+@pytest.mark.parametrize("strategy", ALL, ids=lambda s: s.name)
+def test_starving_decoder_is_served(strategy: BatchStrategy) -> None:
+    """A decoder that waited MAX_DECODE_WAIT_TICKS gets a token even when prefill would eat all."""
+    starving = dec(0, last=10 - MAX_DECODE_WAIT_TICKS)
+    alloc = strategy.allocate(view(starving, pre(1, 100, last=9), budget=8, chunk=16))
+    assert alloc.get(0) == 1
+
+
+def test_prefills_are_round_robin() -> None:
+    """The prefilling slot served longest ago goes first; a long prompt cannot block another."""
+    v = view(pre(0, 1000, last=9), pre(1, 1000, last=5), budget=16, chunk=16)
+    assert DecodeMaximal().allocate(v) == {1: 16}
+
+
+@pytest.mark.parametrize("strategy", ALL, ids=lambda s: s.name)
+def test_no_prefill_starves_across_ticks(strategy: BatchStrategy) -> None:
+    """Simulated over many ticks with a tiny budget, every prefilling slot makes progress."""
+    pending = {0: 50, 1: 50, 2: 50}
+    last = {0: 0, 1: 0, 2: 0}
+    for tick in range(1, 40):
+        slots = tuple(pre(i, pending[i], last[i]) for i in pending if pending[i] > 0)
+        if not slots:
+            break
+        alloc = strategy.allocate(view(*slots, budget=8, chunk=8, tick=tick))
+        for slot_id, n in alloc.items():
+            pending[slot_id] -= n
+            last[slot_id] = tick
+    assert all(p == 0 for p in pending.values())
+
+
+def test_load_strategy_by_name_and_path() -> None:
+    """Built-ins load by name, custom ones by module:attr; unknown names fail clearly."""
+    assert load_strategy("balanced").name == "balanced"
+    custom = load_strategy("llama_grpc_server.core.strategies:PrefillPriority")
+    assert custom.name == "prefill_priority"
+    with pytest.raises(ValueError, match="unknown batch strategy"):
+        load_strategy("fastest")
+    with pytest.raises(ValueError, match="cannot import"):
+        load_strategy("no_such_module:thing")
