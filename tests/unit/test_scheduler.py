@@ -338,3 +338,33 @@ def test_every_plan_respects_budget_under_prefill_priority() -> None:
                 gaps.append(p.tick - last)
             last = p.tick
     assert gaps and max(gaps) <= 4
+
+
+def test_requests_arriving_together_prefill_shared_prefix_once() -> None:
+    """Four requests with one long shared system prompt: it is computed once and copied."""
+    s, runner = make(n_parallel=4, n_batch=512, chunk=64), FakeRunner()
+    system = tuple(range(1, 201))
+    for i in range(4):
+        s.add(Request(GenerationRequest(f"q{i}", (*system, 300 + i), GREEDY, StoppingParams(3))))
+    events = drive(s, runner)
+    done = finals(events)
+    assert all(isinstance(e, Finished) for e in done.values())
+    fed_total = sum(runner.fed.values())
+    # 200 shared tokens once + 4 distinct last tokens + 4 * 2 decode tokens
+    assert fed_total == 200 + 4 + 4 * 2
+    cached = sorted(e.usage.cached_prompt_tokens for e in done.values())  # type: ignore[union-attr]
+    assert cached == [0, 200, 200, 200]
+
+
+def test_waiting_request_recovers_when_donor_is_cancelled() -> None:
+    """If the slot it waits for is cancelled, the waiting request computes on its own."""
+    s, runner = make(n_parallel=2, n_batch=512, chunk=16), FakeRunner()
+    system = tuple(range(1, 101))
+    s.add(Request(GenerationRequest("a", (*system, 7), GREEDY, StoppingParams(50))))
+    s.add(Request(GenerationRequest("b", (*system, 8), GREEDY, StoppingParams(3))))
+    plan, _ = s.schedule()
+    assert plan is not None
+    s.update(plan, runner.execute(plan))
+    s.cancel("a")
+    done = finals(drive(s, runner))["b"]
+    assert isinstance(done, Finished) and done.usage.completion_tokens == 3

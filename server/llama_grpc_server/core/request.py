@@ -152,7 +152,10 @@ class Request:
     first_token_ns: int = 0
     last_served_tick: int = 0
     num_preemptions: int = 0
-    is_cancelled: bool = False
+    # Waiting for a busy slot to finish computing a shared prefix, then copying it (seq_cp).
+    wait_slot_id: int = -1
+    wait_request_id: str = ""
+    wait_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.tokens = list(self.spec.prompt_tokens)
@@ -161,6 +164,10 @@ class Request:
     @property
     def request_id(self) -> str:
         return self.spec.request_id
+
+    @property
+    def is_waiting(self) -> bool:
+        return self.wait_slot_id >= 0
 
     @property
     def num_output(self) -> int:

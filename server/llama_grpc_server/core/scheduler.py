@@ -39,6 +39,9 @@ from llama_grpc_server.core.text import TextAssembler
 
 Emitted = list[tuple[Request, Event]]
 
+MIN_SHARED_WAIT_TOKENS = 32
+"""A request waits for a busy slot's prefill only to share at least this many more tokens."""
+
 
 @dataclass(slots=True)
 class Counters:
@@ -82,7 +85,7 @@ class Scheduler:
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
-        self.strategy: BatchStrategy = strategy or DecodeMaximal()
+        self.strategy: BatchStrategy = strategy if strategy is not None else DecodeMaximal()
         self.slots = [Slot(i) for i in range(config.n_parallel)]
         self.queue: deque[Request] = deque()
         self.counters = Counters()
@@ -173,6 +176,7 @@ class Scheduler:
         self._tick += 1
         events = self._expire()
         self._admit()
+        self._resolve_waits()
         chunks = self._chunks()
         plan = StepPlan(
             tick=self._tick,
@@ -192,13 +196,10 @@ class Scheduler:
     def _expire(self) -> Emitted:
         now, now_ns = self._monotonic(), self._clock_ns()
         out: Emitted = []
-        for request in [r for r in self.queue if r.deadline_passed(now)]:
-            self.queue.remove(request)
-            out += self._end_failed(request, errors.DeadlineExceeded("deadline passed in queue"))
-        for slot in self.slots:
-            request = slot.request
-            if request is None:
-                continue
+        for queued in [r for r in self.queue if r.deadline_passed(now)]:
+            self.queue.remove(queued)
+            out += self._end_failed(queued, errors.DeadlineExceeded("deadline passed in queue"))
+        for request in [s.request for s in self.slots if s.request is not None]:
             if request.deadline_passed(now):
                 out += self._end_failed(request, errors.DeadlineExceeded("deadline exceeded"))
             elif request.time_limit_passed(now_ns):
@@ -226,12 +227,67 @@ class Scheduler:
         request.last_served_tick = self._tick
         if request.num_preemptions == 0:
             request.admitted_ns = self._clock_ns()
-            request.num_cached_prompt = kept
             self._texts[request.request_id] = TextAssembler(self._pieces, spec.stopping.stop)
             self._open.append(SamplerSpec(request.request_id, spec.sampling, request.seed))
             self.counters.started += 1
             self.counters.prompt_tokens += request.num_prompt
-            self.counters.cached_prompt_tokens += kept
+        if not (spec.cache_prompt and self._wait_for_shared_prefix(request, slot)):
+            self._count_cached(request, kept)
+
+    def _count_cached(self, request: Request, num_cached: int) -> None:
+        if request.num_preemptions == 0:
+            request.num_cached_prompt = num_cached
+            self.counters.cached_prompt_tokens += num_cached
+
+    def _wait_for_shared_prefix(self, request: Request, slot: Slot) -> bool:
+        """If a busy slot is still prefilling a longer shared prefix (a system prompt sent by
+        requests arriving together), wait for it and copy its KV instead of computing it twice."""
+        best_slot, best_n = None, request.num_computed + MIN_SHARED_WAIT_TOKENS
+        for other in self.slots:
+            donor = other.request
+            if donor is None or other is slot or other.cache_scope != slot.cache_scope:
+                continue
+            n = prefix_cache.common_prefix_length(donor.tokens[: donor.num_prompt], request.tokens)
+            n = min(n, len(request.tokens) - 1)
+            if n > best_n and donor.num_computed < n:
+                best_slot, best_n = other, n
+        if best_slot is None or best_slot.request is None:
+            return False
+        if request.num_computed:
+            self._seq_ops.append(SeqOp(SeqOpKind.REMOVE, slot.slot_id, 0, -1))
+            request.num_computed = 0
+        request.wait_slot_id = best_slot.slot_id
+        request.wait_request_id = best_slot.request.request_id
+        request.wait_tokens = best_n
+        return True
+
+    def _resolve_waits(self) -> None:
+        """Copy a shared prefix once its donor has computed it; if the donor went away, copy the
+        best prefix any slot still holds (or compute from scratch)."""
+        for slot in self.slots:
+            request = slot.request
+            if request is None or not request.is_waiting:
+                continue
+            donor = self.slots[request.wait_slot_id]
+            if donor.request is not None and donor.request.request_id == request.wait_request_id:
+                if donor.request.num_computed < request.wait_tokens:
+                    continue
+                src, n = donor.slot_id, request.wait_tokens
+            else:
+                src, n = -1, 0
+                for other in self.slots:
+                    m = (
+                        0
+                        if other is slot
+                        else prefix_cache.usable_prefix(other, request.tokens, slot.cache_scope)
+                    )
+                    if m > n:
+                        src, n = other.slot_id, m
+            if n:
+                self._seq_ops.append(SeqOp(SeqOpKind.COPY, slot.slot_id, 0, n, src_seq_id=src))
+            request.num_computed = n
+            request.wait_slot_id = -1
+            self._count_cached(request, n)
 
     def _reuse(self, slot: Slot, placement: prefix_cache.Placement | None) -> int:
         """Queue the seq_rm / seq_cp that make `slot` hold exactly the reused prefix."""
@@ -262,7 +318,9 @@ class Scheduler:
         return keep
 
     def _chunks(self) -> list[Chunk]:
-        active = [s.request for s in self.slots if s.request is not None]
+        active = [
+            s.request for s in self.slots if s.request is not None and not s.request.is_waiting
+        ]
         if not active:
             return []
         view = BatchView(
@@ -444,8 +502,9 @@ class Scheduler:
             self._seq_ops.append(SeqOp(SeqOpKind.REMOVE, victim.slot_id, 0, -1))
             return []
         active = [s.request for s in self.slots if s.request is not None]
-        if len(active) > 1:
-            self._preempt(max(active, key=lambda r: r.arrival_ns))
+        holding = [r for r in active if r.num_computed > 0]
+        if len(active) > 1 and holding:
+            self._preempt(max(holding, key=lambda r: r.arrival_ns))
             return []
         out: Emitted = []
         for request in active:

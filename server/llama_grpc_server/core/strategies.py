@@ -41,7 +41,8 @@ Allocation = Mapping[int, int]  # slot_id -> tokens fed this tick
 
 @runtime_checkable
 class BatchStrategy(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def allocate(self, view: BatchView) -> Allocation: ...
 

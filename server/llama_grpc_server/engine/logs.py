@@ -16,7 +16,7 @@ _log = structlog.get_logger("llama.cpp")
 _state: dict[str, Any] = {"buffer": "", "level": logging.DEBUG, "debug": False}
 
 
-@llama_cpp.llama_log_callback  # type: ignore[misc]  # ctypes CFUNCTYPE decorator is untyped
+@llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]  # ctypes CFUNCTYPE is untyped
 def _callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     py_level = _LEVELS.get(level, logging.DEBUG) if level != 5 else _state["level"]
     _state["level"] = py_level

@@ -1,0 +1,463 @@
+"""`llama-grpc serve`: argv + LLAMA_GRPC_* env + a TOML config file -> frozen Settings -> serve().
+The only reader of os.environ in the server; engine and rpc are imported lazily, after parsing."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import difflib
+import logging
+import math
+import os
+import sys
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import structlog
+
+from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSettings, Settings
+from llama_grpc_server.core.request import SamplingParams
+from llama_grpc_server.core.strategies import load_strategy
+
+PROG = "llama-grpc serve"
+ENV_PREFIX = "LLAMA_GRPC_"
+CONFIG_ENV = "LLAMA_GRPC_CONFIG"
+LOG_FORMATS = ("json", "console")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+Value = str | int | float | bool | None
+Check = Callable[[Value], str | None]  # the problem with a value, or None when it is fine
+
+
+class ConfigError(Exception):
+    """An option is unknown or invalid; the message names the option and where it came from."""
+
+
+class HelpRequested(Exception):
+    """-h/--help was given; `text` is the help to print."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__("help requested")
+        self.text = text
+
+
+def at_least(low: float) -> Check:
+    def check(v: Value) -> str | None:
+        ok = v is None or (isinstance(v, int | float) and v >= low)
+        return None if ok else f"must be >= {low:g}"
+
+    return check
+
+
+def between(low: float, high: float) -> Check:
+    def check(v: Value) -> str | None:
+        ok = v is None or (isinstance(v, int | float) and low <= v <= high)
+        return None if ok else f"must be between {low:g} and {high:g}"
+
+    return check
+
+
+def one_of(*choices: str) -> Check:
+    return lambda v: None if v in choices else f"must be one of {', '.join(choices)}"
+
+
+def _is_file(v: Value) -> str | None:
+    return None if v == "" or Path(str(v)).is_file() else "no such file"
+
+
+def _non_empty(v: Value) -> str | None:
+    return None if v else "must not be empty"
+
+
+def _loads_strategy(v: Value) -> str | None:
+    try:
+        load_strategy(str(v))
+    except Exception as exc:  # a module:attr strategy may raise anything on import
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One setting: flag --name-with-dashes, env LLAMA_GRPC_NAME, TOML key name."""
+
+    name: str
+    kind: type[str | int | float | bool]
+    default: Value
+    target: str  # "section.field"; section "sampling" is scheduler.default_sampling
+    help: str
+    check: Check | None = None
+    metavar: str = ""
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("model", str, "", "model.model_path", "GGUF file (default: embedded Gemma 3 270M)",
+           _is_file, "PATH"),
+    Option("model_name", str, "", "model.model_name", "name shown to clients (default: file stem)",
+           metavar="NAME"),
+    Option("host", str, "127.0.0.1", "server.host", "address to listen on", _non_empty, "HOST"),
+    Option("port", int, 50051, "server.port", "gRPC port (0 = any free port)", between(0, 65535)),
+    Option("n_ctx", int, 8192, "model.n_ctx", "KV cache tokens, shared by all slots", at_least(1)),
+    Option("n_parallel", int, 4, "scheduler.n_parallel", "slots decoded together",
+           between(1, 256)),
+    Option("n_batch", int, 2048, "model.n_batch", "tokens per forward pass (<= n_ctx)",
+           at_least(1)),
+    Option("n_ubatch", int, 512, "model.n_ubatch", "physical micro-batch (<= n_batch)",
+           at_least(1)),
+    Option("chunk_size", int, 512, "scheduler.chunk_size", "prompt tokens per slot per tick",
+           at_least(1)),
+    Option("threads", int, None, "model.n_threads", "generation threads (default: CPUs)",
+           at_least(1)),
+    Option("threads_batch", int, None, "model.n_threads_batch",
+           "prompt threads (default: --threads)", at_least(1)),
+    Option("n_gpu_layers", int, 0, "model.n_gpu_layers", "layers offloaded to the GPU (-1 = all)",
+           at_least(-1)),
+    Option("max_queue", int, 64, "scheduler.max_queue", "waiting requests (0 = unbounded)",
+           at_least(0)),
+    Option("batch_strategy", str, "decode_maximal", "scheduler.batch_strategy",
+           "decode_maximal | prefill_priority | balanced | module:attr", _loads_strategy, "NAME"),
+    Option("metrics_port", int, 0, "server.metrics_port", "Prometheus port (0 = off)",
+           between(0, 65535)),
+    Option("log_format", str, "json", "server.log_format", " | ".join(LOG_FORMATS),
+           one_of(*LOG_FORMATS), "FORMAT"),
+    Option("log_level", str, "info", "server.log_level", " | ".join(LOG_LEVELS),
+           one_of(*LOG_LEVELS), "LEVEL"),
+    Option("grace_s", float, 10.0, "server.grace_s", "seconds to finish requests on shutdown",
+           at_least(0)),
+    Option("cache_prompt", bool, True, "scheduler.cache_prompt", "reuse KV of a cached prefix"),
+    Option("default_max_tokens", int, 256, "scheduler.default_max_tokens",
+           "max_tokens when a request sets none", at_least(1)),
+    Option("temperature", float, 0.8, "sampling.temperature", "default temperature (0 = greedy)",
+           at_least(0)),
+    Option("top_k", int, 40, "sampling.top_k", "default top-k (0 = off)", at_least(0)),
+    Option("top_p", float, 0.95, "sampling.top_p", "default top-p (1 = off)", between(0, 1)),
+    Option("min_p", float, 0.05, "sampling.min_p", "default min-p (0 = off)", between(0, 1)),
+    Option("repeat_penalty", float, 1.0, "sampling.repeat_penalty",
+           "default repetition penalty (1 = off)", between(0.01, 100)),
+    Option("seed", int, None, "sampling.seed", "default seed (unset or -1: random per request)",
+           between(-1, 2**32 - 1)),
+)  # fmt: skip
+BY_NAME: dict[str, Option] = {opt.name: opt for opt in OPTIONS}
+
+EPILOG = f"""\
+precedence, lowest first: defaults < TOML config file (--config PATH or {CONFIG_ENV})
+  < environment variables < command-line flags.
+
+environment: each option --some-name is also {ENV_PREFIX}SOME_NAME, e.g. {ENV_PREFIX}N_PARALLEL=8,
+  {ENV_PREFIX}CACHE_PROMPT=false (or {ENV_PREFIX}NO_CACHE_PROMPT=1). Empty values count as unset;
+  any other {ENV_PREFIX}* variable is an error.
+
+config file: flat TOML keys named like the flags, with underscores (no [sections]); a relative
+  model path is relative to the file:
+    model = "models/my-model.gguf"
+    n_ctx = 4096
+    n_parallel = 8
+    batch_strategy = "balanced"
+    temperature = 0.7
+    cache_prompt = false
+
+invalid or unknown options stop the server at start with exit code 2."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """A typed option value and where it came from (for error messages)."""
+
+    value: Value
+    source: str
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (command line)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Serve a local GGUF model over gRPC with continuous batching.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
+        allow_abbrev=False,
+    )
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    parser.add_argument("--config", metavar="PATH", default=None, help="TOML config file")
+    for opt in OPTIONS:
+        default = "" if opt.default in (None, "") else f" (default: {opt.default})"
+        kwargs: dict[str, Any] = {"dest": opt.name, "default": argparse.SUPPRESS}
+        if opt.kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["metavar"] = opt.metavar or opt.kind.__name__.upper()
+        parser.add_argument(opt.flag, help=opt.help + default, **kwargs)
+    return parser
+
+
+def _from_text(opt: Option, text: str) -> Value:
+    """An env var or flag string as the option's type; ValueError says what was expected."""
+    if opt.kind is bool:
+        word = text.strip().lower()
+        if word not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ValueError(f"expected true or false, got {text!r}")
+        return word in ("1", "true", "yes", "on")
+    if opt.kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {text!r}") from None
+    if opt.kind is float:
+        try:
+            number = float(text)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number):
+            raise ValueError(f"expected a number, got {text!r}")
+        return number
+    return text
+
+
+def _from_toml(opt: Option, raw: object) -> Value:
+    """A TOML value as the option's type: no strings for numbers, ints are fine for floats."""
+    same_boolness = isinstance(raw, bool) == (opt.kind is bool)
+    if same_boolness and opt.kind is float and isinstance(raw, int | float) and math.isfinite(raw):
+        return float(raw)
+    if same_boolness and isinstance(raw, opt.kind):
+        return raw
+    hint = "; the config file takes flat keys, not [sections]" if isinstance(raw, dict) else ""
+    got = _TOML_NAMES.get(type(raw), type(raw).__name__)
+    raise ValueError(f"expected {_KIND_NAMES[opt.kind]}, got {got}{hint}")
+
+
+_KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+_TOML_NAMES = {dict: "a table", list: "an array", str: "a string", bool: "a boolean"}
+
+
+def _lookup(key: str) -> tuple[Option, bool] | None:
+    """The option a TOML key or lower-cased env suffix names; True for a no_<bool> negation."""
+    if key in BY_NAME:
+        return BY_NAME[key], False
+    negated = BY_NAME.get(key.removeprefix("no_")) if key.startswith("no_") else None
+    return (negated, True) if negated is not None and negated.kind is bool else None
+
+
+def _read_layer(
+    items: Mapping[str, object],
+    spell: Callable[[str], str],
+    label: Callable[[str], str],
+    convert: Callable[[Option, Any], Value],
+) -> dict[str, Resolved]:
+    """Env vars (keyed by lower-cased suffix) or TOML keys -> typed values. spell(key) is the
+    name as the user writes it, label(key) the source for messages."""
+    out: dict[str, Resolved] = {}
+    for key, raw in items.items():
+        found = _lookup(key)
+        if found is None:
+            close = difflib.get_close_matches(key, BY_NAME, n=1)
+            hint = f" (did you mean {spell(close[0])}?)" if close else ""
+            raise ConfigError(f"unknown option: {label(key)}{hint}")
+        opt, negated = found
+        source = label(key)
+        try:
+            value = convert(opt, raw)
+        except ValueError as exc:
+            raise ConfigError(f"{opt.flag} ({source}): {exc}") from None
+        out[opt.name] = Resolved(not value if negated else value, source)
+    return out
+
+
+def _env_layer(environ: Mapping[str, str]) -> dict[str, Resolved]:
+    items = {
+        name.removeprefix(ENV_PREFIX).lower(): text
+        for name, text in environ.items()
+        if name.startswith(ENV_PREFIX) and name != CONFIG_ENV and text != ""
+    }
+    return _read_layer(items, _env_name, lambda key: f"env {_env_name(key)}", _from_text)
+
+
+def _env_name(key: str) -> str:
+    return ENV_PREFIX + key.upper()
+
+
+def _file_layer(path: Path, via: str) -> dict[str, Resolved]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"config file {path} ({via}): {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} ({via}): invalid TOML: {exc}") from None
+    layer = _read_layer(data, str, lambda key: f"config file {path}, key {key}", _from_toml)
+    model = layer.get("model")
+    if model is not None and model.value:
+        # Relative to the file, so a config file and its model can move together.
+        layer["model"] = Resolved(
+            str(path.parent / Path(str(model.value)).expanduser()), model.source
+        )
+    return layer
+
+
+def _flag_layer(args: argparse.Namespace) -> dict[str, Resolved]:
+    out: dict[str, Resolved] = {}
+    for opt in OPTIONS:
+        if opt.name not in vars(args):
+            continue
+        raw = getattr(args, opt.name)
+        try:
+            value = raw if opt.kind is bool else _from_text(opt, raw)
+        except ValueError as exc:
+            raise ConfigError(f"{opt.flag} (command line): {exc}") from None
+        out[opt.name] = Resolved(value, "command line")
+    return out
+
+
+def _config_path(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[Path, str] | None:
+    if args.config is not None:
+        return Path(args.config).expanduser(), "--config"
+    if environ.get(CONFIG_ENV):
+        return Path(environ[CONFIG_ENV]).expanduser(), f"env {CONFIG_ENV}"
+    return None
+
+
+def _fit_defaults(values: dict[str, Resolved]) -> None:
+    """Shrink defaulted batch sizes to a smaller configured n_ctx / n_batch instead of failing."""
+    for small, large in _AT_MOST:
+        low, high = values[small], values[large]
+        if low.source == "default" and isinstance(high.value, int):
+            values[small] = Resolved(min(int(low.value or 0), high.value), "default")
+
+
+_AT_MOST = (("n_batch", "n_ctx"), ("n_ubatch", "n_batch"))  # (option, option it may not exceed)
+
+
+def _check(values: Mapping[str, Resolved]) -> None:
+    """Each option's own check, then the relations between options."""
+    for opt in OPTIONS:
+        got = values[opt.name]
+        problem = opt.check(got.value) if opt.check else None
+        if problem:
+            raise ConfigError(f"{opt.flag}={got.value!r} ({got.source}): {problem}")
+    for small, large in _AT_MOST:
+        low, high = values[small], values[large]
+        if isinstance(low.value, int) and isinstance(high.value, int) and low.value > high.value:
+            raise ConfigError(
+                f"{BY_NAME[small].flag}={low.value} ({low.source}): must be <= "
+                f"{BY_NAME[large].flag}={high.value} ({high.source})"
+            )
+    port, metrics = values["port"], values["metrics_port"]
+    if metrics.value and metrics.value == port.value:
+        raise ConfigError(f"--metrics-port={metrics.value} ({metrics.source}): same as --port")
+
+
+def _build(values: Mapping[str, Resolved], cpus: int) -> Settings:
+    # Values are heterogeneous; the option table types them, so Any is confined to this dict.
+    sections: dict[str, dict[str, Any]] = {
+        "model": {},
+        "scheduler": {},
+        "server": {},
+        "sampling": {},
+    }
+    for opt in OPTIONS:
+        section, field = opt.target.split(".")
+        sections[section][field] = values[opt.name].value
+    model, sampling = sections["model"], sections["sampling"]
+    model["n_threads"] = model["n_threads"] or cpus
+    model["n_threads_batch"] = model["n_threads_batch"] or model["n_threads"]
+    sampling["seed"] = None if sampling["seed"] == -1 else sampling["seed"]
+    return Settings(
+        model=ModelSettings(**model),
+        scheduler=SchedulerSettings(
+            **sections["scheduler"], default_sampling=SamplingParams(**sampling)
+        ),
+        server=ServerSettings(**sections["server"]),
+    )
+
+
+def num_cpus() -> int:
+    """CPUs this process may run on (respects affinity / container cpusets where the OS has it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def load_settings(
+    argv: Sequence[str], environ: Mapping[str, str], *, cpus: int | None = None
+) -> Settings:
+    """Settings from defaults < config file < env < flags. Reads the config file and checks the
+    model file exists; changes nothing. Raises ConfigError, or HelpRequested for -h/--help."""
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    if args.help:
+        raise HelpRequested(parser.format_help())
+    values = {opt.name: Resolved(opt.default, "default") for opt in OPTIONS}
+    config = _config_path(args, environ)
+    if config is not None:
+        values.update(_file_layer(*config))
+    values.update(_env_layer(environ))
+    values.update(_flag_layer(args))
+    _fit_defaults(values)
+    _check(values)
+    return _build(values, cpus if cpus is not None else num_cpus())
+
+
+def configure_logging(log_format: str, level: str) -> None:
+    """structlog to stderr as JSON lines (or the console renderer) at `level`; stdlib logging
+    (grpc, asyncio) goes through the same renderer."""
+    num_level = logging.getLevelNamesMapping()[level.upper()]
+    shared: list[structlog.types.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer: structlog.types.Processor = structlog.dev.ConsoleRenderer()
+    if log_format == "json":
+        shared.append(structlog.processors.dict_tracebacks)
+        renderer = structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[*shared, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(num_level),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(num_level)
+
+
+def run(settings: Settings) -> int:
+    """Load the model inside serve() (so health can report NOT_SERVING meanwhile) and serve."""
+    from llama_grpc_server.engine.build import build_engine
+    from llama_grpc_server.rpc.server import serve
+
+    debug_logs = settings.server.log_level == "debug"
+    return asyncio.run(serve(settings, lambda: build_engine(settings, debug_logs=debug_logs)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`llama-grpc serve [options]`; returns the process exit code (2 for a bad option)."""
+    try:
+        settings = load_settings(sys.argv[1:] if argv is None else argv, os.environ)
+    except HelpRequested as help_:
+        print(help_.text, end="")
+        return 0
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.server.log_format, settings.server.log_level)
+    try:
+        return run(settings)
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,349 @@
+"""cli.py: defaults < TOML file < env < flags -> Settings; bad options exit 2 (no model)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+from llama_grpc_server import cli
+from llama_grpc_server.cli import OPTIONS, ConfigError, HelpRequested, load_settings
+from llama_grpc_server.config import Settings
+from llama_grpc_server.core.request import SamplingParams
+
+
+def settings(*argv: str, env: dict[str, str] | None = None) -> Settings:
+    return load_settings(list(argv), env or {}, cpus=6)
+
+
+def write_toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "serve.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def target(s: Settings, dotted: str) -> object:
+    section, field = dotted.split(".")
+    owner = s.scheduler.default_sampling if section == "sampling" else getattr(s, section)
+    return getattr(owner, field)
+
+
+def test_table_defaults_match_config_defaults() -> None:
+    """Each option's table default is the config.py default of the field it sets."""
+    plain = Settings()
+    for opt in OPTIONS:
+        if opt.name in ("threads", "threads_batch"):
+            continue
+        assert target(plain, opt.target) == opt.default, opt.name
+
+
+def test_defaults_without_any_input() -> None:
+    """No flags, env or file: config defaults, threads = CPUs, threads_batch = threads."""
+    got = settings()
+    assert got.model.n_threads == 6
+    assert got.model.n_threads_batch == 6
+    assert got == dataclasses.replace(
+        Settings(),
+        model=dataclasses.replace(Settings().model, n_threads=6, n_threads_batch=6),
+    )
+
+
+def test_precedence_defaults_file_env_flag(tmp_path: Path) -> None:
+    """A flag beats env, env beats the file, the file beats the default."""
+    path = write_toml(tmp_path, "n_parallel = 2\ntemperature = 0.5\nn_ctx = 4096\n")
+    env = {
+        "LLAMA_GRPC_CONFIG": str(path),
+        "LLAMA_GRPC_N_PARALLEL": "3",
+        "LLAMA_GRPC_TEMPERATURE": "0.6",
+    }
+    got = settings("--n-parallel", "5", env=env)
+    assert got.scheduler.n_parallel == 5
+    assert got.scheduler.default_sampling.temperature == 0.6
+    assert got.model.n_ctx == 4096
+    assert got.scheduler.default_sampling.top_k == 40
+
+
+def test_config_flag_beats_config_env(tmp_path: Path) -> None:
+    """--config PATH wins over LLAMA_GRPC_CONFIG."""
+    chosen = write_toml(tmp_path, "port = 6000\n")
+    other = tmp_path / "other.toml"
+    other.write_text("port = 7000\n", encoding="utf-8")
+    got = settings("--config", str(chosen), env={"LLAMA_GRPC_CONFIG": str(other)})
+    assert got.server.port == 6000
+
+
+def test_default_sampling_reaches_scheduler_settings() -> None:
+    """Sampling flags build scheduler.default_sampling."""
+    got = settings(
+        "--temperature", "0", "--top-k", "1", "--top-p", "0.5", "--min-p", "0",
+        "--repeat-penalty", "1.1", "--seed", "7",
+    )  # fmt: skip
+    assert got.scheduler.default_sampling == SamplingParams(
+        temperature=0.0, top_k=1, top_p=0.5, min_p=0.0, repeat_penalty=1.1, seed=7
+    )
+
+
+def test_seed_minus_one_means_random() -> None:
+    """--seed -1 leaves the default seed unset (random per request)."""
+    assert settings("--seed", "-1").scheduler.default_sampling.seed is None
+
+
+def test_every_flag_sets_its_field() -> None:
+    """Each non-boolean flag, given a valid non-default value, lands in its target field."""
+    values = {
+        "model_name": "m", "host": "0.0.0.0", "port": "0", "n_ctx": "1024", "n_parallel": "8",
+        "n_batch": "256", "n_ubatch": "128", "chunk_size": "64", "threads": "3",
+        "threads_batch": "5", "n_gpu_layers": "-1", "max_queue": "0", "batch_strategy": "balanced",
+        "metrics_port": "9100", "log_format": "console", "log_level": "debug", "grace_s": "2.5",
+        "default_max_tokens": "32", "temperature": "0.1", "top_k": "5", "top_p": "0.9",
+        "min_p": "0.1", "repeat_penalty": "1.2", "seed": "3",
+    }  # fmt: skip
+    argv = [arg for name, text in values.items() for arg in ("--" + name.replace("_", "-"), text)]
+    got = settings(*argv)
+    for opt in OPTIONS:
+        if opt.name in values:
+            assert str(target(got, opt.target)) == str(opt.kind(values[opt.name])), opt.name
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "toml"),
+    [
+        (["--no-cache-prompt"], {}, ""),
+        ([], {"LLAMA_GRPC_CACHE_PROMPT": "false"}, ""),
+        ([], {"LLAMA_GRPC_NO_CACHE_PROMPT": "1"}, ""),
+        ([], {}, "cache_prompt = false\n"),
+        ([], {}, "no_cache_prompt = true\n"),
+    ],
+)
+def test_cache_prompt_can_be_turned_off(
+    tmp_path: Path, argv: list[str], env: dict[str, str], toml: str
+) -> None:
+    """--no-cache-prompt and its env/TOML spellings disable prompt caching."""
+    if toml:
+        env = {**env, "LLAMA_GRPC_CONFIG": str(write_toml(tmp_path, toml))}
+    assert settings(*argv, env=env).scheduler.cache_prompt is False
+
+
+def test_flag_turns_cache_prompt_back_on() -> None:
+    """--cache-prompt on the command line beats LLAMA_GRPC_NO_CACHE_PROMPT."""
+    got = settings("--cache-prompt", env={"LLAMA_GRPC_NO_CACHE_PROMPT": "yes"})
+    assert got.scheduler.cache_prompt is True
+
+
+def test_defaulted_batch_sizes_shrink_to_a_small_context() -> None:
+    """Only --n-ctx 256 given: n_batch and n_ubatch default down to fit instead of failing."""
+    got = settings("--n-ctx", "256")
+    assert (got.model.n_batch, got.model.n_ubatch) == (256, 256)
+
+
+def test_env_ignores_other_prefixes_and_empty_values() -> None:
+    """Variables without the LLAMA_GRPC_ prefix, and empty LLAMA_GRPC_ ones, are ignored."""
+    got = settings(env={"PATH": "/bin", "LLAMA_GRPCX": "1", "LLAMA_GRPC_N_CTX": ""})
+    assert got.model.n_ctx == 8192
+
+
+def test_toml_model_path_is_relative_to_the_file(tmp_path: Path) -> None:
+    """model = "x.gguf" in a config file means x.gguf beside that file."""
+    (tmp_path / "x.gguf").write_bytes(b"GGUF")
+    got = settings("--config", str(write_toml(tmp_path, 'model = "x.gguf"\n')))
+    assert Path(got.model.model_path) == tmp_path / "x.gguf"
+
+
+def test_toml_ints_accepted_for_floats(tmp_path: Path) -> None:
+    """temperature = 1 in TOML is the float 1.0."""
+    got = settings("--config", str(write_toml(tmp_path, "temperature = 1\n")))
+    assert got.scheduler.default_sampling.temperature == 1.0
+    assert isinstance(got.scheduler.default_sampling.temperature, float)
+
+
+def test_custom_batch_strategy_accepted() -> None:
+    """A module:attr batch strategy that loads is kept as given."""
+    spec = "llama_grpc_server.core.strategies:PrefillPriority"
+    assert settings("--batch-strategy", spec).scheduler.batch_strategy == spec
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        (["--bogus"], {}, ["--bogus", "command line"]),
+        (["--n-ctx"], {}, ["--n-ctx", "command line"]),
+        (["--n-ctx", "abc"], {}, ["--n-ctx", "command line", "integer"]),
+        (["--n-parallel", "0"], {}, ["--n-parallel", "command line"]),
+        ([], {"LLAMA_GRPC_N_PARALLEL": "257"}, ["--n-parallel", "env LLAMA_GRPC_N_PARALLEL"]),
+        (["--port", "65536"], {}, ["--port", "command line"]),
+        ([], {"LLAMA_GRPC_PORT": "-1"}, ["--port", "env LLAMA_GRPC_PORT"]),
+        (["--n-ctx", "512", "--n-batch", "1024"], {}, ["--n-batch", "<= --n-ctx"]),
+        (["--n-batch", "256", "--n-ubatch", "512"], {}, ["--n-ubatch", "<= --n-batch"]),
+        (["--model", "/nonexistent/m.gguf"], {}, ["--model", "no such file"]),
+        ([], {"LLAMA_GRPC_MODEL": "/nonexistent/m.gguf"}, ["--model", "env LLAMA_GRPC_MODEL"]),
+        (["--log-format", "xml"], {}, ["--log-format", "json, console"]),
+        (["--log-level", "trace"], {}, ["--log-level", "command line"]),
+        (["--temperature", "-0.1"], {}, ["--temperature", "command line"]),
+        (["--temperature", "nan"], {}, ["--temperature", "number"]),
+        (["--top-p", "1.5"], {}, ["--top-p", "between"]),
+        (["--max-queue", "-1"], {}, ["--max-queue", ">= 0"]),
+        (["--grace-s", "soon"], {}, ["--grace-s", "number"]),
+        (["--threads", "0"], {}, ["--threads", ">= 1"]),
+        (["--seed", "-2"], {}, ["--seed", "command line"]),
+        (["--metrics-port", "50051"], {}, ["--metrics-port", "same as --port"]),
+        ([], {"LLAMA_GRPC_CACHE_PROMPT": "maybe"}, ["--cache-prompt", "true or false"]),
+        ([], {"LLAMA_GRPC_N_CTXX": "1"}, ["LLAMA_GRPC_N_CTXX", "did you mean LLAMA_GRPC_N_CTX"]),
+        ([], {"LLAMA_GRPC_CONFIG": "/nonexistent/c.toml"}, ["env LLAMA_GRPC_CONFIG"]),
+        (["--config", "/nonexistent/c.toml"], {}, ["/nonexistent/c.toml", "--config"]),
+        (["--batch-strategy", "fastest"], {}, ["--batch-strategy", "unknown batch strategy"]),
+        (["--batch-strategy", "no_such_mod_xyz:S"], {}, ["--batch-strategy", "cannot import"]),
+        (["--batch-strategy", "json:dumps"], {}, ["--batch-strategy", "command line"]),
+    ],
+)
+def test_invalid_option_names_option_and_source(
+    argv: list[str], env: dict[str, str], expected: list[str]
+) -> None:
+    """An invalid option raises ConfigError naming the option and where it was set."""
+    with pytest.raises(ConfigError) as caught:
+        settings(*argv, env=env)
+    for part in expected:
+        assert part in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ("n_ctxx = 1\n", ["unknown option", "key n_ctxx", "did you mean n_ctx"]),
+        ('n_ctx = "4096"\n', ["--n-ctx", "key n_ctx", "an integer, got a string"]),
+        ("n_parallel = true\n", ["--n-parallel", "an integer, got a boolean"]),
+        ("cache_prompt = 1\n", ["--cache-prompt", "true or false"]),
+        ("[model]\nn_ctx = 1\n", ["--model", "got a table", "not [sections]"]),
+        ("config = 'x.toml'\n", ["unknown option", "key config"]),
+        ("n_ctx = \n", ["invalid TOML"]),
+        ("n_ctx = 100\nn_batch = 200\n", ["--n-batch=200", "key n_batch", "key n_ctx"]),
+    ],
+)
+def test_invalid_toml_names_key_and_file(tmp_path: Path, toml: str, expected: list[str]) -> None:
+    """A bad config file raises ConfigError naming the file and the offending key."""
+    path = write_toml(tmp_path, toml)
+    with pytest.raises(ConfigError) as caught:
+        settings("--config", str(path))
+    assert str(path) in str(caught.value)
+    for part in expected:
+        assert part in str(caught.value)
+
+
+def test_help_is_requested_not_printed() -> None:
+    """load_settings(['--help']) raises HelpRequested with the text instead of printing it."""
+    with pytest.raises(HelpRequested) as caught:
+        settings("--help")
+    for opt in OPTIONS:
+        assert opt.flag in caught.value.text
+    assert "LLAMA_GRPC_CONFIG" in caught.value.text
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in list(cli.os.environ):
+        if name.startswith("LLAMA_GRPC_"):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def test_main_bad_option_one_line_exit_2(
+    clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """main() prints one error line naming the option and its source, and returns 2."""
+    clean_env.setenv("LLAMA_GRPC_N_PARALLEL", "0")
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("llama-grpc serve: error: --n-parallel=0 (env LLAMA_GRPC_N_PARALLEL)")
+
+
+def test_main_passes_settings_to_run(clean_env: pytest.MonkeyPatch, restore_logging: None) -> None:
+    """main() configures logging, hands the parsed Settings to run() and returns its code."""
+    seen: list[Settings] = []
+    clean_env.setattr(cli, "run", lambda s: seen.append(s) or 7)
+    assert cli.main(["--n-parallel", "2", "--log-level", "warning"]) == 7
+    assert seen[0].scheduler.n_parallel == 2
+    assert logging.getLogger().level == logging.WARNING
+
+
+def test_run_wires_serve_and_build_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run() passes the settings to serve() and a factory calling build_engine(debug_logs=...)."""
+    calls: list[tuple[str, object]] = []
+
+    async def serve(settings: Settings, factory: Callable[[], object], **_: object) -> int:
+        calls.append(("serve", settings))
+        factory()
+        return 3
+
+    def build_engine(settings: Settings, **kwargs: object) -> object:
+        calls.append(("build", kwargs))
+        return object()
+
+    fake_rpc = types.SimpleNamespace(serve=serve)
+    fake_build = types.SimpleNamespace(build_engine=build_engine)
+    monkeypatch.setitem(sys.modules, "llama_grpc_server.rpc.server", fake_rpc)
+    monkeypatch.setitem(sys.modules, "llama_grpc_server.engine.build", fake_build)
+    got = settings("--log-level", "debug")
+    assert cli.run(got) == 3
+    assert calls == [("serve", got), ("build", {"debug_logs": True})]
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    structlog.reset_defaults()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_json_logging_writes_one_object_per_line(
+    restore_logging: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configure_logging('json', 'info') writes JSON lines to stderr and drops debug events."""
+    cli.configure_logging("json", "info")
+    log = structlog.get_logger("test")
+    log.debug("hidden")
+    log.info("shown", n=1)
+    logging.getLogger("grpc").warning("from stdlib")
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [(d["event"], d["level"]) for d in lines] == [
+        ("shown", "info"),
+        ("from stdlib", "warning"),
+    ]
+    assert lines[0]["n"] == 1
+    assert "timestamp" in lines[0]
+
+
+def run_module(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin"}  # no LLAMA_GRPC_* from the developer's shell
+    return subprocess.run(
+        [sys.executable, "-m", "llama_grpc_server", *args],
+        capture_output=True, text=True, timeout=60, env=env, check=False,
+    )  # fmt: skip
+
+
+def test_python_m_help() -> None:
+    """`python -m llama_grpc_server --help` prints the options and exits 0."""
+    done = run_module("--help")
+    assert done.returncode == 0, done.stderr
+    assert "--n-parallel" in done.stdout
+    assert "LLAMA_GRPC_CONFIG" in done.stdout
+
+
+def test_python_m_bad_flag_exits_2_without_traceback() -> None:
+    """`python -m llama_grpc_server --n-batch 9999 --n-ctx 512` exits 2 with a one-line error."""
+    done = run_module("--n-batch", "9999", "--n-ctx", "512")
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "llama-grpc serve: error: --n-batch=9999 (command line): must be <= --n-ctx=512 "
+        "(command line)"
+    ]
