@@ -17,11 +17,24 @@ export PATH := $(abspath $(BIN)):$(PATH)
 
 install: $(STAMP)
 
-# pip's wheel cache keeps llama-cpp-python's ~10 minute source build to the first install only.
+# llama-cpp-python has no wheel on PyPI: we build it once (~10 minutes on 2 cores) into a
+# wheelhouse outside the checkout, so fresh clones and CI on this machine install it in seconds.
+# Built for x86-64-v3 (AVX2/FMA/F16C) rather than -march=native: on CPUs with AMX (Sapphire
+# Rapids) a native build of llama.cpp as bundled with 0.3.36 enables the AMX repack buffers and
+# segfaults in the first llama_decode of Gemma 3 (Q4_K_M). Set LLAMA_CMAKE_ARGS to build otherwise
+# (e.g. -DGGML_CUDA=on) and WHEELHOUSE to keep that build apart.
+LLAMA_CPP_VERSION := 0.3.36
+WHEELHOUSE ?= $(HOME)/.cache/llama-grpc/wheelhouse
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=25.1"
-	$(PY) -m pip install -q -e '.[server]' --group dev
+	ls $(WHEELHOUSE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip wheel --no-deps --no-cache-dir \
+		--no-binary llama-cpp-python -w $(WHEELHOUSE) llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(PY) -m pip install -q --find-links $(WHEELHOUSE) -e '.[server]' --group dev
 	$(PY) -m llama_grpc_server.model_files --assemble
 	touch $(STAMP)
 

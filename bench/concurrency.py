@@ -18,12 +18,12 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import llama_grpc_server, machine_facts, progress, summary, write_json  # noqa: E402
-from raw_limit import RawLoop  # noqa: E402
+from common import llama_grpc_server, machine_facts, progress, summary, write_json
+from raw_limit import RawLoop
 
-from llama_grpc.v1 import llm_service_pb2 as pb  # noqa: E402
-from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc  # noqa: E402
-from llama_grpc_server.model_files import default_model_path  # noqa: E402
+from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
+from llama_grpc_server.model_files import default_model_path
 
 PROMPT_TOKENS = 41
 GEN_TOKENS = 48
@@ -37,7 +37,9 @@ TEXT = (
 def make_prompts(model: RawLoop, batch: int, rep: int) -> list[list[int]]:
     prompts = []
     for i in range(batch):
-        ids = model.model.tokenize(TEXT.format(i=i + 100 * rep), add_special=True, parse_special=False)
+        ids = model.model.tokenize(
+            TEXT.format(i=i + 100 * rep), add_special=True, parse_special=False
+        )
         assert len(ids) >= PROMPT_TOKENS, len(ids)
         prompts.append(ids[:PROMPT_TOKENS])
     return prompts
@@ -92,7 +94,9 @@ def main() -> int:
                 if n != b * GEN_TOKENS:
                     raise RuntimeError(f"expected {b * GEN_TOKENS} tokens, got {n}")
                 grpc_t.append(seconds)
-                progress(f"B={b} rep {rep + 1}/{args.reps}: raw {raw_t[-1]:.3f}s grpc {seconds:.3f}s")
+                progress(
+                    f"B={b} rep {rep + 1}/{args.reps}: raw {raw_t[-1]:.3f}s grpc {seconds:.3f}s"
+                )
             raw_m, grpc_m = statistics.median(raw_t), statistics.median(grpc_t)
             rows.append(
                 {
@@ -128,7 +132,6 @@ def plot(rows: list[dict[str, object]]) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from common import RESULTS
 
     xs = [r["batch"] for r in rows]
@@ -136,8 +139,14 @@ def plot(rows: list[dict[str, object]]) -> None:
     ax.plot(xs, [r["raw_tok_s"] for r in rows], "o-", label="raw llama.cpp loop (limit)")
     ax.plot(xs, [r["llama_grpc_tok_s"] for r in rows], "s-", label="llama-grpc (gRPC streams)")
     for r in rows:
-        ax.annotate(f"{r['efficiency']:.2f}", (r["batch"], r["llama_grpc_tok_s"]),
-                    textcoords="offset points", xytext=(0, -14), ha="center", fontsize=8)
+        ax.annotate(
+            f"{r['efficiency']:.2f}",
+            (r["batch"], r["llama_grpc_tok_s"]),
+            textcoords="offset points",
+            xytext=(0, -14),
+            ha="center",
+            fontsize=8,
+        )
     ax.set_xlabel("concurrent sequences B")
     ax.set_ylabel("aggregate tokens/s")
     ax.set_title("Gemma 3 270M Q4_K_M, 41-token prompts, 48 tokens")

@@ -54,4 +54,3 @@ class RawLoop:
     def close(self) -> None:
         llama_cpp.llama_batch_free(self.batch)
         self.model.close()
-

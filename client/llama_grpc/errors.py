@@ -9,7 +9,10 @@ from collections.abc import Iterable, Mapping
 from typing import ClassVar
 
 import grpc
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import (
+    error_details_pb2,
+    status_pb2,
+)
 from grpc_status import rpc_status
 
 ERROR_DOMAIN = "llama-grpc"
@@ -154,7 +157,8 @@ class _Details:
         request = error_details_pb2.RequestInfo()
         for detail in status.details:
             if detail.Unpack(info):
-                self.reason, self.domain, self.metadata = info.reason, info.domain, dict(info.metadata)
+                self.reason, self.domain = info.reason, info.domain
+                self.metadata = dict(info.metadata)
             elif detail.Unpack(bad) and bad.field_violations:
                 self.field = bad.field_violations[0].field
             elif detail.Unpack(retry):

@@ -122,6 +122,11 @@ class Stats:
     slots: tuple[SlotStats, ...]
     batch_strategy: str
     prefix_cache_hit_rate: float
+    ram_cache_entries: int = 0
+    ram_cache_bytes: int = 0
+    ram_cache_hits: int = 0
+    ram_cache_misses: int = 0
+    ram_cache_evictions: int = 0
 
 
 @dataclass(frozen=True, slots=True)

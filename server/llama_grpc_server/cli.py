@@ -25,6 +25,7 @@ from llama_grpc_server.core.strategies import load_strategy
 PROG = "llama-grpc serve"
 ENV_PREFIX = "LLAMA_GRPC_"
 CONFIG_ENV = "LLAMA_GRPC_CONFIG"
+CLIENT_ENV = frozenset({CONFIG_ENV, "LLAMA_GRPC_TARGET"})  # not server options
 LOG_FORMATS = ("json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -132,6 +133,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("grace_s", float, 10.0, "server.grace_s", "seconds to finish requests on shutdown",
            at_least(0)),
     Option("cache_prompt", bool, True, "scheduler.cache_prompt", "reuse KV of a cached prefix"),
+    Option("prompt_cache_ram_mb", int, 0, "scheduler.prompt_cache_ram_mb",
+           "RAM tier: MiB of saved slot caches kept after eviction (0 = off)", at_least(0)),
     Option("default_max_tokens", int, 256, "scheduler.default_max_tokens",
            "max_tokens when a request sets none", at_least(1)),
     Option("temperature", float, 0.8, "sampling.temperature", "default temperature (0 = greedy)",
@@ -277,7 +280,7 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Resolved]:
     items = {
         name.removeprefix(ENV_PREFIX).lower(): text
         for name, text in environ.items()
-        if name.startswith(ENV_PREFIX) and name != CONFIG_ENV and text != ""
+        if name.startswith(ENV_PREFIX) and name not in CLIENT_ENV and text != ""
     }
     return _read_layer(items, _env_name, lambda key: f"env {_env_name(key)}", _from_text)
 

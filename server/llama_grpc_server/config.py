@@ -29,6 +29,7 @@ class SchedulerSettings:
     max_queue: int = 64
     batch_strategy: str = "decode_maximal"
     cache_prompt: bool = True
+    prompt_cache_ram_mb: int = 0
     default_max_tokens: int = 256
     max_stop_strings: int = 16
     max_stop_length: int = 256

@@ -1,4 +1,4 @@
-"""The ServiceError tree: every failure a caller can see. No grpc import; rpc/ maps these to status."""
+"""The ServiceError tree: every failure a caller can see. No grpc here; rpc/ maps them to status."""
 
 from __future__ import annotations
 

@@ -33,7 +33,9 @@ async def test_batched_greedy_matches_alone(engine: EngineLoop) -> None:
     here, 3 of 4 prompts match for 40 tokens and "Once upon a time..." diverges at token 11.
     So this asserts the first 8 tokens of every prompt and full equality for most prompts.
     """
-    solo = [await run(engine, request(engine, p, max_tokens=40, cache_prompt=False)) for p in PROMPTS]
+    solo = [
+        await run(engine, request(engine, p, max_tokens=40, cache_prompt=False)) for p in PROMPTS
+    ]
     batched = await run_all(
         engine, [request(engine, p, max_tokens=40, cache_prompt=False) for p in PROMPTS]
     )

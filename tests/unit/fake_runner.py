@@ -33,15 +33,23 @@ class FakeRunner:
         for spec in plan.open_samplers:
             assert spec.request_id not in self.samplers
             self.samplers.add(spec.request_id)
+        saved: dict[int, bytes] = {}
+        restored: dict[int, bool] = {}
         for op in plan.seq_ops:
             if op.kind is SeqOpKind.REMOVE:
                 del self.kv[op.seq_id][op.p0 :]
-            else:
+            elif op.kind is SeqOpKind.COPY:
                 assert not self.kv[op.seq_id], "copy into a non-empty sequence"
                 self.kv[op.seq_id] = list(self.kv[op.src_seq_id][: op.p1])
+            elif op.kind is SeqOpKind.SAVE:
+                saved[op.seq_id] = ",".join(map(str, self.kv[op.seq_id])).encode()
+            else:
+                assert not self.kv[op.seq_id], "restore into a non-empty sequence"
+                self.kv[op.seq_id] = [int(t) for t in op.data.decode().split(",")]
+                restored[op.seq_id] = True
         used = sum(len(v) for v in self.kv.values())
         if used + plan.num_tokens > self.kv_cells:
-            return StepResult(status=DECODE_KV_FULL)
+            return StepResult(status=DECODE_KV_FULL, saved=saved, restored=restored)
         sampled = {}
         for chunk in plan.chunks:
             seq = self.kv[chunk.slot_id]
@@ -51,4 +59,4 @@ class FakeRunner:
             if chunk.wants_logits:
                 assert chunk.request_id in self.samplers, "sampling without a sampler"
                 sampled[chunk.slot_id] = self.next_token(seq)
-        return StepResult(sampled=sampled)
+        return StepResult(sampled=sampled, saved=saved, restored=restored)

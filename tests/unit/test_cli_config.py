@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import structlog
+
 from llama_grpc_server import cli
 from llama_grpc_server.cli import OPTIONS, ConfigError, HelpRequested, load_settings
 from llama_grpc_server.config import Settings

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from llama_grpc_server.core.prefix_cache import (
+    RamTier,
     choose_slot,
     common_prefix_length,
     place,
@@ -11,7 +12,9 @@ from llama_grpc_server.core.request import GenerationRequest, Request
 from llama_grpc_server.core.slot import Slot
 
 
-def idle(slot_id: int, tokens: list[int], used: int = 0, scope: str = "", session: str = "") -> Slot:
+def idle(
+    slot_id: int, tokens: list[int], used: int = 0, scope: str = "", session: str = ""
+) -> Slot:
     return Slot(slot_id, None, tokens, scope, session, used)
 
 
@@ -71,3 +74,33 @@ def test_last_token_always_recomputed() -> None:
     prompt = list(range(20))
     p = place([idle(0, prompt)], prompt, "", "")
     assert p.keep == 19
+
+
+def test_ram_tier_evicts_least_recently_used_by_bytes() -> None:
+    """The store stays within its byte bound; a taken entry becomes most recently used."""
+    ram = RamTier(max_bytes=250)
+    ram.put("", [1, 2, 3], b"a" * 100)
+    ram.put("", [4, 5, 6], b"b" * 100)
+    key, _ = ram.best("", [1, 2, 3, 9])
+    ram.take(key)  # [1,2,3] is now the most recently used
+    ram.put("", [7, 8, 9], b"c" * 100)
+    assert ram.num_bytes == 200 and ram.num_entries == 2 and ram.evictions == 1
+    assert ram.best("", [4, 5, 6, 0]) == (-1, 0), "the LRU entry was evicted"
+    assert ram.best("", [1, 2, 3, 0])[1] == 3
+    ram.put("", [0], b"x" * 251)  # larger than the whole store: not kept
+    assert ram.num_entries == 2
+
+
+def test_ram_tier_verifies_tokens_and_scope() -> None:
+    """Lookups compare the tokens themselves (longest verified prefix wins), never across
+    scopes, and always leave the last prompt token to be evaluated."""
+    ram = RamTier(max_bytes=10_000)
+    ram.put("a", [1, 2, 3, 4, 5], b"short")
+    ram.put("a", [1, 2, 9, 9, 9, 9, 9], b"other")
+    ram.put("b", [1, 2, 3, 4, 5, 6, 7], b"tenant-b")
+    key, n = ram.best("a", [1, 2, 3, 4, 5, 6])
+    assert n == 5 and ram.take(key).data == b"short"
+    assert ram.best("a", [1, 2, 3, 4, 5])[1] == 4, "last prompt token is re-evaluated"
+    assert ram.best("c", [1, 2, 3, 4, 5, 6]) == (-1, 0)
+    ram.put("a", [1, 2, 3, 4, 5, 6, 7, 8], b"longer")  # supersedes its prefix entry
+    assert ram.num_entries == 3 and ram.best("a", [1, 2, 3, 4, 5, 6, 7, 8, 0])[1] == 8

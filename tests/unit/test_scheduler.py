@@ -12,8 +12,8 @@ from llama_grpc_server.core.plan import SeqOpKind
 from llama_grpc_server.core.request import (
     Event,
     Failed,
-    FinishReason,
     Finished,
+    FinishReason,
     GenerationRequest,
     Request,
     SamplingParams,
@@ -42,7 +42,7 @@ class Clock:
         return self.s
 
 
-def make(
+def make(  # noqa: PLR0917  # positional sizes keep the many call sites short
     n_parallel: int = 2,
     n_ctx: int = 512,
     n_batch: int = 64,
@@ -50,11 +50,14 @@ def make(
     max_queue: int = 8,
     eog: frozenset[int] = frozenset(),
     clock: Clock | None = None,
+    ram_cache_bytes: int = 0,
     **kw: object,
 ) -> Scheduler:
     clock = clock or Clock()
     return Scheduler(
-        SchedulerConfig(n_parallel, n_ctx, n_batch, chunk, max_queue),
+        SchedulerConfig(
+            n_parallel, n_ctx, n_batch, chunk, max_queue, ram_cache_bytes=ram_cache_bytes
+        ),
         pieces=PIECES,
         eog_ids=eog,
         clock_ns=clock.tick_ns,
@@ -368,3 +371,26 @@ def test_waiting_request_recovers_when_donor_is_cancelled() -> None:
     s.cancel("a")
     done = finals(drive(s, runner))["b"]
     assert isinstance(done, Finished) and done.usage.completion_tokens == 3
+
+
+def test_ram_tier_saves_evicted_cache_and_restores_it() -> None:
+    """With one slot, an unrelated request evicts a long cache; the RAM tier saves it first and a
+    later request with that prefix restores it instead of recomputing, with identical output."""
+    s = make(n_parallel=1, ram_cache_bytes=1 << 20)
+    s_cold = make(n_parallel=1)
+    runner, cold_runner = FakeRunner(), FakeRunner()
+    first, other = req("first", 100, 4), req("unrelated", 90, 4)
+    s.add(first)
+    drive(s, runner)
+    s.add(other)
+    drive(s, runner)
+    assert s.ram is not None and s.ram.num_entries == 1
+    prompt = (*first.spec.prompt_tokens, 5, 6, 7)
+    again = Request(GenerationRequest("again", prompt, GREEDY, StoppingParams(max_tokens=6)))
+    s.add(again)
+    got = outputs(drive(s, runner))["again"]
+    s_cold.add(Request(GenerationRequest("again", prompt, GREEDY, StoppingParams(max_tokens=6))))
+    assert got == outputs(drive(s_cold, cold_runner))["again"]
+    assert s.ram.hits == 1
+    assert again.num_cached_prompt == 100
+    assert runner.fed["again"] == 3 + 6 - 1, "only the new tail and decode tokens were fed"

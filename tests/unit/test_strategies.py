@@ -57,7 +57,7 @@ def test_prefill_priority_fills_prefill_first() -> None:
 
 
 def test_balanced_splits_budget() -> None:
-    """balanced: with more decoders than half the budget, half goes to decode and half to prefill."""
+    """balanced: with more decoders than half the budget, half goes to decode, half to prefill."""
     decoders = [dec(i) for i in range(8)]
     alloc = Balanced().allocate(view(*decoders, pre(8, 100), budget=8, chunk=16))
     assert sum(1 for i in range(8) if i in alloc) == 4

@@ -800,6 +800,11 @@ class GetStatsResponse(_message.Message):
     SLOTS_FIELD_NUMBER: _builtins.int
     BATCH_STRATEGY_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _builtins.int
+    RAM_CACHE_ENTRIES_FIELD_NUMBER: _builtins.int
+    RAM_CACHE_BYTES_FIELD_NUMBER: _builtins.int
+    RAM_CACHE_HITS_FIELD_NUMBER: _builtins.int
+    RAM_CACHE_MISSES_FIELD_NUMBER: _builtins.int
+    RAM_CACHE_EVICTIONS_FIELD_NUMBER: _builtins.int
     n_parallel: _builtins.int
     active_slots: _builtins.int
     idle_slots: _builtins.int
@@ -823,6 +828,12 @@ class GetStatsResponse(_message.Message):
     batch_strategy: _builtins.str
     prefix_cache_hit_rate: _builtins.float
     """Share of prompt tokens served from the prefix cache."""
+    ram_cache_entries: _builtins.int
+    """RAM tier (--prompt-cache-ram-mb): saved slot caches kept after eviction."""
+    ram_cache_bytes: _builtins.int
+    ram_cache_hits: _builtins.int
+    ram_cache_misses: _builtins.int
+    ram_cache_evictions: _builtins.int
     @_builtins.property
     def slots(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotStats]: ...
     def __init__(
@@ -851,10 +862,15 @@ class GetStatsResponse(_message.Message):
         slots: _abc.Iterable[Global___SlotStats] | None = ...,
         batch_strategy: _builtins.str = ...,
         prefix_cache_hit_rate: _builtins.float = ...,
+        ram_cache_entries: _builtins.int = ...,
+        ram_cache_bytes: _builtins.int = ...,
+        ram_cache_hits: _builtins.int = ...,
+        ram_cache_misses: _builtins.int = ...,
+        ram_cache_evictions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "n_parallel", b"n_parallel", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "requests_cancelled", b"requests_cancelled", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "slots", b"slots", "ticks", b"ticks", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "n_parallel", b"n_parallel", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "slots", b"slots", "ticks", b"ticks", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -66,6 +66,11 @@ class StatsSnapshot:
     slots: tuple[SlotSnapshot, ...]
     batch_strategy: str
     prefix_cache_hit_rate: float
+    ram_cache_entries: int = 0
+    ram_cache_bytes: int = 0
+    ram_cache_hits: int = 0
+    ram_cache_misses: int = 0
+    ram_cache_evictions: int = 0
 
 
 class RequestStream(Protocol):
@@ -85,7 +90,7 @@ class EngineApi(Protocol):
     def model_info(self) -> ModelInfo: ...
 
     def submit(self, request: GenerationRequest) -> RequestStream:
-        """Queue a request; raises ServiceError (PromptTooLong, Overloaded, ShuttingDown) at once."""
+        """Queue a request; raises ServiceError (PromptTooLong, Overloaded, ShuttingDown) now."""
         ...
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
@@ -97,5 +102,5 @@ class EngineApi(Protocol):
     def stats(self) -> StatsSnapshot: ...
 
     def close(self) -> None:
-        """Stop the engine thread, fail what is still queued, free llama.cpp resources (blocking)."""
+        """Stop the engine thread, fail what is still queued, free llama.cpp resources (blocks)."""
         ...

@@ -11,6 +11,8 @@ from llama_grpc_server.core.request import SamplingParams
 class SeqOpKind(enum.Enum):
     REMOVE = "remove"  # llama_memory_seq_rm(seq_id, p0, -1)
     COPY = "copy"  # llama_memory_seq_cp(src_seq_id, seq_id, 0, p1)
+    SAVE = "save"  # llama_state_seq_get_data(seq_id) -> StepResult.saved[seq_id]
+    RESTORE = "restore"  # llama_state_seq_set_data(data, seq_id) -> StepResult.restored
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +24,7 @@ class SeqOp:
     p0: int = 0
     p1: int = -1
     src_seq_id: int = -1
+    data: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,5 +78,7 @@ class StepResult:
 
     status: int = DECODE_OK
     sampled: dict[int, int] = field(default_factory=dict)  # slot_id -> token
+    saved: dict[int, bytes] = field(default_factory=dict)  # seq_id -> state (SAVE ops)
+    restored: dict[int, bool] = field(default_factory=dict)  # seq_id -> ok (RESTORE ops)
     eval_ms: float = 0.0
     sample_ms: float = 0.0

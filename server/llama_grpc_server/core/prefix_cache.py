@@ -80,3 +80,67 @@ def place(slots: Sequence[Slot], tokens: Sequence[int], scope: str, session_id: 
     if donor < 0:
         return Placement(slot.slot_id, keep)
     return Placement(slot.slot_id, keep, donor, donor_len)
+
+
+@dataclass(slots=True)
+class RamEntry:
+    """A sequence's saved KV state and the tokens it holds (verified on lookup, never hashed)."""
+
+    scope: str
+    tokens: tuple[int, ...]
+    data: bytes
+
+
+class RamTier:
+    """LRU store of saved sequence states bounded by bytes; the scheduler decides when to save
+    (before an idle slot's cache is destroyed) and when to restore (best verified LCP)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: dict[int, RamEntry] = {}  # insertion order = LRU order
+        self._next_key = 0
+        self.num_bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    def put(self, scope: str, tokens: Sequence[int], data: bytes) -> None:
+        if not data or len(data) > self.max_bytes:
+            return
+        tokens = tuple(tokens)
+        for key, entry in list(self._entries.items()):
+            # an entry whose tokens are a prefix of the new one is superseded by it
+            if entry.scope == scope and tokens[: len(entry.tokens)] == entry.tokens:
+                self._drop(key)
+        while self.num_bytes + len(data) > self.max_bytes and self._entries:
+            self._drop(next(iter(self._entries)))
+            self.evictions += 1
+        self._entries[self._next_key] = RamEntry(scope, tokens, data)
+        self._next_key += 1
+        self.num_bytes += len(data)
+
+    def _drop(self, key: int) -> None:
+        entry = self._entries.pop(key)
+        self.num_bytes -= len(entry.data)
+
+    def best(self, scope: str, tokens: Sequence[int]) -> tuple[int, int]:
+        """(key, usable prefix length) of the entry sharing the longest verified prefix."""
+        best_key, best_len = -1, 0
+        for key, entry in self._entries.items():
+            if entry.scope != scope:
+                continue
+            n = min(common_prefix_length(entry.tokens, tokens), len(tokens) - 1)
+            if n > best_len:
+                best_key, best_len = key, n
+        return best_key, best_len
+
+    def take(self, key: int) -> RamEntry:
+        """Use an entry: it becomes the most recently used."""
+        entry = self._entries.pop(key)
+        self._entries[key] = entry
+        self.hits += 1
+        return entry

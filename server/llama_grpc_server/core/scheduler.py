@@ -69,6 +69,8 @@ class SchedulerConfig:
     chunk_size: int = 512
     max_queue: int = 64
     supports_partial_removal: bool = True
+    ram_cache_bytes: int = 0  # 0 = no RAM tier
+    ram_min_tokens: int = 64  # smaller caches are not worth saving
 
 
 class Scheduler:
@@ -100,6 +102,8 @@ class Scheduler:
         self._tick = 0
         self._is_admission_paused = False
         self._started_ns = clock_ns()
+        self.ram = prefix_cache.RamTier(config.ram_cache_bytes) if config.ram_cache_bytes else None
+        self._saving: dict[int, tuple[str, list[int]]] = {}
 
     # -- intake ---------------------------------------------------------------------------------
 
@@ -219,7 +223,8 @@ class Scheduler:
             self.slots, request.tokens, spec.cache_scope, spec.session_id
         )
         slot = self.slots[placement.slot_id]
-        kept = self._reuse(slot, placement if spec.cache_prompt else None)
+        restore_keep = self._try_restore(slot, request, placement.num_cached)
+        kept = 0 if restore_keep else self._reuse(slot, placement if spec.cache_prompt else None)
         slot.request, slot.cached_tokens = request, []
         slot.cache_scope, slot.session_id = spec.cache_scope, spec.session_id
         request.slot_id, request.num_computed = slot.slot_id, kept
@@ -231,8 +236,44 @@ class Scheduler:
             self._open.append(SamplerSpec(request.request_id, spec.sampling, request.seed))
             self.counters.started += 1
             self.counters.prompt_tokens += request.num_prompt
-        if not (spec.cache_prompt and self._wait_for_shared_prefix(request, slot)):
+        if restore_keep:
+            request.restore_keep = restore_keep
+        elif not (spec.cache_prompt and self._wait_for_shared_prefix(request, slot)):
             self._count_cached(request, kept)
+
+    def _try_restore(self, slot: Slot, request: Request, num_cached: int) -> int:
+        """Restore a saved state from the RAM tier when it beats what the slots offer; returns
+        the prefix length it will provide (0 = no restore)."""
+        if self.ram is None or not request.spec.cache_prompt or request.num_preemptions:
+            return 0
+        key, n = self.ram.best(request.spec.cache_scope, request.tokens)
+        if key < 0 or n < num_cached + MIN_SHARED_WAIT_TOKENS:
+            self.ram.misses += 1
+            return 0
+        entry = self.ram.take(key)
+        self._drop_cache(slot)
+        self._seq_ops.append(SeqOp(SeqOpKind.RESTORE, slot.slot_id, data=entry.data))
+        if len(entry.tokens) > n:
+            self._seq_ops.append(SeqOp(SeqOpKind.REMOVE, slot.slot_id, n, -1))
+        return n
+
+    def _drop_cache(self, slot: Slot, keep: int = 0) -> None:
+        """Remove an idle slot's KV from `keep` on, saving it to the RAM tier first if it is
+        worth keeping."""
+        held = slot.cached_tokens if slot.is_idle else slot.kv_tokens()
+        if not held or len(held) <= keep:
+            return
+        if (
+            self.ram is not None
+            and slot.is_idle
+            and len(held) >= self.config.ram_min_tokens
+            and len(held) - keep >= MIN_SHARED_WAIT_TOKENS
+        ):
+            self._saving[slot.slot_id] = (slot.cache_scope, list(held))
+            self._seq_ops.append(SeqOp(SeqOpKind.SAVE, slot.slot_id))
+        self._seq_ops.append(SeqOp(SeqOpKind.REMOVE, slot.slot_id, keep, -1))
+        if slot.is_idle:
+            slot.cached_tokens = held[:keep]
 
     def _count_cached(self, request: Request, num_cached: int) -> None:
         if request.num_preemptions == 0:
@@ -291,14 +332,11 @@ class Scheduler:
 
     def _reuse(self, slot: Slot, placement: prefix_cache.Placement | None) -> int:
         """Queue the seq_rm / seq_cp that make `slot` hold exactly the reused prefix."""
-        held = slot.num_kv_tokens
         if placement is None or placement.num_cached == 0:
-            if held:
-                self._seq_ops.append(SeqOp(SeqOpKind.REMOVE, slot.slot_id, 0, -1))
+            self._drop_cache(slot)
             return 0
         if placement.donor_slot_id >= 0:
-            if held:
-                self._seq_ops.append(SeqOp(SeqOpKind.REMOVE, slot.slot_id, 0, -1))
+            self._drop_cache(slot)
             self._seq_ops.append(
                 SeqOp(
                     SeqOpKind.COPY,
@@ -310,16 +348,15 @@ class Scheduler:
             )
             return placement.donor_tokens
         keep = placement.keep
-        if held > keep:
-            if not self.config.supports_partial_removal:
-                self._seq_ops.append(SeqOp(SeqOpKind.REMOVE, slot.slot_id, 0, -1))
-                return 0
-            self._seq_ops.append(SeqOp(SeqOpKind.REMOVE, slot.slot_id, keep, -1))
+        if slot.num_kv_tokens > keep and not self.config.supports_partial_removal:
+            self._drop_cache(slot)
+            return 0
+        self._drop_cache(slot, keep)
         return keep
 
     def _chunks(self) -> list[Chunk]:
         active = [
-            s.request for s in self.slots if s.request is not None and not s.request.is_waiting
+            s.request for s in self.slots if s.request is not None and not s.request.is_blocked
         ]
         if not active:
             return []
@@ -372,6 +409,7 @@ class Scheduler:
 
     def update(self, plan: StepPlan, result: StepResult) -> Emitted:
         """Apply one tick's outcome; returns (request, event) pairs in order."""
+        self._apply_ram_results(result)
         if result.status == DECODE_KV_FULL:
             return self._relieve_kv_pressure(plan)
         if result.status != DECODE_OK:
@@ -387,6 +425,21 @@ class Scheduler:
             if chunk.wants_logits:
                 out += self._accept(request, result.sampled[chunk.slot_id])
         return out
+
+    def _apply_ram_results(self, result: StepResult) -> None:
+        for seq_id, data in result.saved.items():
+            scope, tokens = self._saving.pop(seq_id, ("", []))
+            if self.ram is not None and tokens:
+                self.ram.put(scope, tokens, data)
+        for seq_id, ok in result.restored.items():
+            request = self.slots[seq_id].request
+            if request is None or not request.restore_keep:
+                continue
+            n = request.restore_keep if ok else 0
+            if not ok:
+                self._seq_ops.append(SeqOp(SeqOpKind.REMOVE, seq_id, 0, -1))
+            request.num_computed, request.restore_keep = n, 0
+            self._count_cached(request, n)
 
     def _accept(self, request: Request, token: int) -> Emitted:
         now_ns = self._clock_ns()
@@ -497,9 +550,7 @@ class Scheduler:
         preempt the youngest running request; fail a request only if it alone cannot fit."""
         idle = [s for s in self.slots if s.is_idle and s.cached_tokens]
         if idle:
-            victim = min(idle, key=lambda s: s.last_used_ns)
-            victim.cached_tokens = []
-            self._seq_ops.append(SeqOp(SeqOpKind.REMOVE, victim.slot_id, 0, -1))
+            self._drop_cache(min(idle, key=lambda s: s.last_used_ns))
             return []
         active = [s.request for s in self.slots if s.request is not None]
         holding = [r for r in active if r.num_computed > 0]
@@ -570,4 +621,17 @@ class Scheduler:
             prefix_cache_hit_rate=c.cached_prompt_tokens / c.prompt_tokens
             if c.prompt_tokens
             else 0.0,
+            **self._ram_stats(),
         )
+
+    def _ram_stats(self) -> dict[str, int]:
+        ram = self.ram
+        if ram is None:
+            return {}
+        return {
+            "ram_cache_entries": ram.num_entries,
+            "ram_cache_bytes": ram.num_bytes,
+            "ram_cache_hits": ram.hits,
+            "ram_cache_misses": ram.misses,
+            "ram_cache_evictions": ram.evictions,
+        }

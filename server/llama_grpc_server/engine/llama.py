@@ -4,6 +4,7 @@ close(). Only the engine thread may decode or edit memory; vocabulary calls are 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +15,11 @@ import llama_cpp
 from llama_grpc_server.config import ModelSettings
 from llama_grpc_server.core.api import ModelInfo
 
-_backend_ready = False
+
+@functools.cache
+def _init_backend() -> None:
+    """llama_backend_init once per process."""
+    llama_cpp.llama_backend_init()
 
 
 class ModelLoadError(RuntimeError):
@@ -31,10 +36,7 @@ class LlamaModel:
     """Owns llama_model + llama_context (unified KV, n_seq_max = slots)."""
 
     def __init__(self, settings: ModelSettings, model_path: str, n_seq_max: int) -> None:
-        global _backend_ready
-        if not _backend_ready:
-            llama_cpp.llama_backend_init()
-            _backend_ready = True
+        _init_backend()
         if not Path(model_path).is_file():
             raise ModelLoadError(f"model file not found: {model_path}")
         self.path = model_path
@@ -145,6 +147,20 @@ class LlamaModel:
 
     def seq_copy(self, src: int, dst: int, p0: int, p1: int) -> None:
         llama_cpp.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
+
+    def seq_save(self, seq_id: int) -> bytes:
+        """The sequence's KV state as bytes (llama_state_seq_get_data), for the RAM tier."""
+        size = int(llama_cpp.llama_state_seq_get_size(self.ctx, seq_id))
+        if size <= 0:
+            return b""
+        buf = (ctypes.c_uint8 * size)()
+        n = int(llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, seq_id))
+        return ctypes.string_at(buf, n)
+
+    def seq_restore(self, seq_id: int, data: bytes) -> bool:
+        """Load a saved state into an empty sequence; False when llama.cpp finds no room."""
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return int(llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(data), seq_id)) > 0
 
     def seq_pos_max(self, seq_id: int) -> int:
         return int(llama_cpp.llama_memory_seq_pos_max(self.memory, seq_id))

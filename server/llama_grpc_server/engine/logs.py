@@ -11,7 +11,13 @@ import llama_cpp
 import structlog
 
 # ggml_log_level: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (continues the previous line).
-_LEVELS = {0: logging.DEBUG, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+_LEVELS = {
+    0: logging.DEBUG,
+    1: logging.DEBUG,
+    2: logging.INFO,
+    3: logging.WARNING,
+    4: logging.ERROR,
+}
 _log = structlog.get_logger("llama.cpp")
 _state: dict[str, Any] = {"buffer": "", "level": logging.DEBUG, "debug": False}
 

@@ -29,26 +29,32 @@ class Runner:
             self.samplers[spec.request_id] = RequestSampler(
                 spec.params, spec.seed, self.model.n_vocab
             )
+        saved: dict[int, bytes] = {}
+        restored: dict[int, bool] = {}
         for op in plan.seq_ops:
             if op.kind is SeqOpKind.REMOVE:
                 self.model.seq_remove(op.seq_id, op.p0, op.p1)
-            else:
+            elif op.kind is SeqOpKind.COPY:
                 self.model.seq_copy(op.src_seq_id, op.seq_id, op.p0, op.p1)
+            elif op.kind is SeqOpKind.SAVE:
+                saved[op.seq_id] = self.model.seq_save(op.seq_id)
+            else:
+                restored[op.seq_id] = self.model.seq_restore(op.seq_id, op.data)
         if not plan.chunks:
-            return StepResult()
+            return StepResult(saved=saved, restored=restored)
         outputs = self.batch.fill(plan.chunks)
         t0 = time.perf_counter_ns()
         status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
         t1 = time.perf_counter_ns()
         if status != DECODE_OK:
-            return StepResult(status=status, eval_ms=(t1 - t0) / 1e6)
+            return StepResult(status, saved=saved, restored=restored, eval_ms=(t1 - t0) / 1e6)
         sampled: dict[int, int] = {}
         ctx = self.model.ctx
         for chunk, index in zip(plan.chunks, outputs, strict=True):
             if index >= 0:
                 sampled[chunk.slot_id] = self.samplers[chunk.request_id].sample(ctx, index)
         t2 = time.perf_counter_ns()
-        return StepResult(DECODE_OK, sampled, (t1 - t0) / 1e6, (t2 - t1) / 1e6)
+        return StepResult(DECODE_OK, sampled, saved, restored, (t1 - t0) / 1e6, (t2 - t1) / 1e6)
 
     def close(self) -> None:
         for sampler in self.samplers.values():

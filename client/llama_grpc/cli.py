@@ -1,0 +1,214 @@
+"""`llama-grpc` command line: call a server (generate, stream, tokenize...) or `serve` one.
+
+Reads LLAMA_GRPC_TARGET; `serve` is handed to llama_grpc_server.cli, imported only when asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from llama_grpc.client import DEFAULT_TARGET, Client, GenerationParams
+from llama_grpc.errors import LlamaGrpcError
+from llama_grpc.types import Delta, Done
+
+TARGET_ENV = "LLAMA_GRPC_TARGET"
+SERVE_HINT = "llama-grpc serve needs the server extra: pip install 'llama-grpc[server]'"
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+_Command = Callable[[Client, argparse.Namespace], int]
+
+
+def _print_json(value: object) -> None:
+    data = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value  # type: ignore[arg-type]
+    print(json.dumps(data, indent=2, ensure_ascii=False))
+
+
+def _prompt(args: argparse.Namespace) -> str:
+    return sys.stdin.read() if args.prompt == "-" else str(args.prompt)
+
+
+def _generation_params(args: argparse.Namespace) -> GenerationParams:
+    """The sampling flags given on the command line; flags left out stay unset."""
+    return GenerationParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos or None,
+        model=args.model,
+        session_id=args.session_id,
+    )
+
+
+def _summary(done: Done) -> str:
+    usage, timings = done.usage, done.timings
+    return (
+        f"[done] finish_reason={done.finish_reason} prompt_tokens={usage.prompt_tokens} "
+        f"completion_tokens={usage.completion_tokens} "
+        f"cached_prompt_tokens={usage.cached_prompt_tokens} ttft_ms={timings.ttft_ms:.1f} "
+        f"total_ms={timings.total_ms:.1f} seed={done.seed} request_id={done.request_id}"
+    )
+
+
+def run_generate(client: Client, args: argparse.Namespace) -> int:
+    """Print the whole completion (or the whole result as JSON with --json)."""
+    result = client.generate(_prompt(args), **_generation_params(args))
+    if args.json:
+        _print_json(result)
+    else:
+        print(result.text)
+    return 0
+
+
+def run_stream(client: Client, args: argparse.Namespace) -> int:
+    """Print text as it arrives, then a summary line on stderr."""
+    with client.stream(_prompt(args), **_generation_params(args)) as stream:
+        for event in stream:
+            if isinstance(event, Delta):
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            else:
+                sys.stdout.write("\n")
+                print(_summary(event), file=sys.stderr)
+    return 0
+
+
+def run_tokenize(client: Client, args: argparse.Namespace) -> int:
+    """Print the token ids as JSON (with their pieces when --pieces is given)."""
+    flags = {"add_special": not args.no_add_special, "parse_special": args.parse_special}
+    if args.pieces:
+        _print_json(client.tokenize(args.text, return_pieces=True, **flags))
+    else:
+        print(json.dumps(client.tokenize(args.text, **flags)))
+    return 0
+
+
+def run_detokenize(client: Client, args: argparse.Namespace) -> int:
+    """Print the text of the given token ids."""
+    print(client.detokenize(args.token_ids, render_special=args.render_special))
+    return 0
+
+
+def run_stats(client: Client, args: argparse.Namespace) -> int:
+    """Print the server's stats as JSON."""
+    _print_json(client.stats())
+    return 0
+
+
+def run_info(client: Client, args: argparse.Namespace) -> int:
+    """Print the model info as JSON."""
+    _print_json(client.model_info())
+    return 0
+
+
+def run_health(client: Client, args: argparse.Namespace) -> int:
+    """Print the health status; exit 0 only when SERVING (usable as a probe)."""
+    status = client.health(args.service)
+    print(status)
+    return 0 if status == "SERVING" else EXIT_ERROR
+
+
+def _connection_parser(default_target: str) -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--target",
+        default=default_target,
+        help=f"server HOST:PORT (default: ${TARGET_ENV} or {DEFAULT_TARGET})",
+    )
+    parent.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    return parent
+
+
+def _sampling_parser() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("prompt", help='the prompt text, or "-" to read it from stdin')
+    parent.add_argument("--max-tokens", type=int)
+    parent.add_argument("--temperature", type=float, help="0 = greedy")
+    parent.add_argument("--seed", type=int)
+    parent.add_argument("--top-k", type=int)
+    parent.add_argument("--top-p", type=float)
+    parent.add_argument("--min-p", type=float)
+    parent.add_argument("--repeat-penalty", type=float)
+    parent.add_argument("--stop", action="append", help="stop string (repeatable)")
+    parent.add_argument("--ignore-eos", action="store_true")
+    parent.add_argument("--model")
+    parent.add_argument("--session-id")
+    return parent
+
+
+def _add_command(
+    commands: Any, name: str, run: _Command, parents: list[argparse.ArgumentParser]
+) -> argparse.ArgumentParser:
+    doc = (run.__doc__ or "").strip()
+    command: argparse.ArgumentParser = commands.add_parser(
+        name, parents=parents, help=doc, description=doc
+    )
+    command.set_defaults(run=run)
+    return command
+
+
+def build_parser(default_target: str = DEFAULT_TARGET) -> argparse.ArgumentParser:
+    """The argument parser of every client subcommand (`serve` is dispatched before it)."""
+    parser = argparse.ArgumentParser(prog="llama-grpc", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    connection, sampling = _connection_parser(default_target), _sampling_parser()
+    generate = _add_command(commands, "generate", run_generate, [connection, sampling])
+    generate.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    _add_command(commands, "stream", run_stream, [connection, sampling])
+    tokenize = _add_command(commands, "tokenize", run_tokenize, [connection])
+    tokenize.add_argument("text")
+    tokenize.add_argument("--no-add-special", action="store_true", help="do not add BOS")
+    tokenize.add_argument("--parse-special", action="store_true")
+    tokenize.add_argument("--pieces", action="store_true", help="also print each token's text")
+    detokenize = _add_command(commands, "detokenize", run_detokenize, [connection])
+    detokenize.add_argument("token_ids", type=int, nargs="+")
+    detokenize.add_argument("--render-special", action="store_true")
+    _add_command(commands, "stats", run_stats, [connection])
+    _add_command(commands, "info", run_info, [connection])
+    health = _add_command(commands, "health", run_health, [connection])
+    health.add_argument("--service", default="", help='service name ("" = whole server)')
+    commands.add_parser("serve", help="run a server (needs the [server] extra; see serve --help)")
+    return parser
+
+
+def serve(argv: Sequence[str]) -> int:
+    """Hand `llama-grpc serve ARGS` to the server's CLI, when the server extra is installed."""
+    try:
+        server_cli = importlib.import_module("llama_grpc_server.cli")
+    except ImportError as error:
+        print(f"{SERVE_HINT}\n({error})", file=sys.stderr)
+        return EXIT_USAGE
+    serve_main: Callable[[list[str]], int | None] = server_cli.main
+    return int(serve_main(list(argv)) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI on `argv` (default: sys.argv[1:]) and return the exit status."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["serve"]:
+        return serve(arguments[1:])
+    args = build_parser(os.environ.get(TARGET_ENV, DEFAULT_TARGET)).parse_args(arguments)
+    try:
+        with Client(args.target, timeout=args.timeout) as client:
+            return int(args.run(client, args))
+    except LlamaGrpcError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    except ImportError as error:  # health() without grpcio-health-checking
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED

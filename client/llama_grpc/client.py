@@ -1,0 +1,583 @@
+"""Client (sync) and AsyncClient (grpc.aio) for LlmService; streams cancel their RPC on close.
+
+Builds requests from keyword parameters, converts replies to frozen values (types.py) and
+every grpc.RpcError to a LlamaGrpcError (errors.py). Never imports the server package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from types import ModuleType
+from typing import Literal, Self, TypedDict, TypeVar, Unpack, overload
+
+import grpc
+import grpc.aio
+from google.protobuf.message import Message
+
+from llama_grpc import types as t
+from llama_grpc.errors import REQUEST_ID_KEY, InternalError, from_rpc_error
+from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
+
+MetadataLike = Mapping[str, str] | Sequence[tuple[str, str]]
+_Metadata = tuple[tuple[str, str], ...]
+_EventMessage = pb.StreamGenerateResponse | pb.GenerateTokensResponse
+_Request = TypeVar(
+    "_Request", pb.GenerateRequest, pb.StreamGenerateRequest, pb.GenerateTokensRequest
+)
+_Req = TypeVar("_Req", bound=Message)
+_Resp = TypeVar("_Resp", bound=Message)
+
+
+class CallOptions(TypedDict, total=False):
+    """Per-call options: a deadline in seconds and extra metadata (added to the client's)."""
+
+    timeout: float | None
+    metadata: MetadataLike | None
+
+
+class TokenGenerationParams(CallOptions, total=False):
+    """Keyword parameters of generate_tokens(); None (or leaving one out) means server default."""
+
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
+    seed: int | None
+    repeat_penalty: float | None
+    frequency_penalty: float | None
+    presence_penalty: float | None
+    penalty_last_n: int | None
+    max_tokens: int | None
+    stop: str | Sequence[str] | None
+    stop_token_ids: Sequence[int] | None
+    ignore_eos: bool | None
+    time_limit_ms: int | None
+    cache_prompt: bool | None
+    session_id: str | None
+    cache_scope: str | None
+    model: str | None
+
+
+class GenerationParams(TokenGenerationParams, total=False):
+    """Keyword parameters of generate() and stream(): those of generate_tokens() + add_special."""
+
+    add_special: bool | None
+
+
+_SAMPLING_KEYS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+_STOPPING_KEYS = frozenset(pb.StoppingCriteria.DESCRIPTOR.fields_by_name)
+_CALL_KEYS = frozenset(CallOptions.__annotations__)
+_REQUEST_KEYS = frozenset({"session_id", "cache_scope", "model", "add_special"})
+
+
+def _fill(message: Message, values: Mapping[str, object]) -> None:
+    """Set the given fields only, so every optional field left out stays unset on the wire."""
+    for name, value in values.items():
+        if message.DESCRIPTOR.fields_by_name[name].is_repeated:
+            items = [value] if isinstance(value, str) else value
+            getattr(message, name).extend(items)
+        else:
+            setattr(message, name, value)
+
+
+def _pick(params: Mapping[str, object], keys: frozenset[str]) -> dict[str, object]:
+    return {key: value for key, value in params.items() if key in keys and value is not None}
+
+
+def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
+    """Add keyword `params` to a generation request; unknown names raise TypeError."""
+    request_keys = _REQUEST_KEYS & set(request.DESCRIPTOR.fields_by_name)
+    allowed = _SAMPLING_KEYS | _STOPPING_KEYS | _CALL_KEYS | request_keys | {"cache_prompt"}
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(unknown)}")
+    _fill(request, _pick(params, request_keys))
+    _fill(request.params.sampling, _pick(params, _SAMPLING_KEYS))
+    _fill(request.params.stopping, _pick(params, _STOPPING_KEYS))
+    _fill(request.params, _pick(params, frozenset({"cache_prompt"})))
+    return request
+
+
+def tokenize_request(
+    text: str, add_special: bool, parse_special: bool, return_pieces: bool, model: str | None
+) -> pb.TokenizeRequest:
+    """Build a TokenizeRequest."""
+    return pb.TokenizeRequest(
+        model=model or "",
+        text=text,
+        add_special=add_special,
+        parse_special=parse_special,
+        return_pieces=return_pieces,
+    )
+
+
+def _to_metadata(metadata: MetadataLike | None) -> _Metadata:
+    items: Iterable[tuple[str, str]] = (
+        metadata.items() if isinstance(metadata, Mapping) else metadata or ()
+    )
+    return tuple((key, value) for key, value in items)
+
+
+def request_id_of(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """The `x-request-id` value in call metadata, or ""."""
+    for key, value in metadata or ():
+        if key == REQUEST_ID_KEY:
+            return value.decode() if isinstance(value, bytes) else value
+    return ""
+
+
+def _tokenized(response: pb.TokenizeResponse, return_pieces: bool) -> list[int] | t.TokenizeResult:
+    if return_pieces:
+        return t.TokenizeResult(tuple(response.token_ids), tuple(response.pieces))
+    return list(response.token_ids)
+
+
+def _health_modules() -> tuple[ModuleType, ModuleType]:
+    try:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+    except ImportError as error:
+        raise ImportError(
+            "health() needs grpcio-health-checking: pip install grpcio-health-checking"
+        ) from error
+    return health_pb2, health_pb2_grpc
+
+
+class _Defaults:
+    """Client-wide call defaults: a deadline and metadata sent with every call."""
+
+    def __init__(self, timeout: float | None, metadata: MetadataLike | None) -> None:
+        self.timeout = timeout
+        self.metadata = _to_metadata(metadata)
+
+    def call_options(self, options: CallOptions) -> tuple[float | None, _Metadata | None]:
+        """The (timeout, metadata) of one call: per-call values over the client's."""
+        timeout = options.get("timeout")
+        metadata = self.metadata + _to_metadata(options.get("metadata"))
+        return (self.timeout if timeout is None else timeout), (metadata or None)
+
+
+class Stream:
+    """A sync stream of Delta values ending with one Done; close() or GC cancels the RPC."""
+
+    def __init__(self, call: grpc.Call, messages: Iterator[_EventMessage]) -> None:
+        self._call = call
+        self._messages = messages
+        self._is_ended = False
+        self._done: t.Done | None = None
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> t.StreamEvent:
+        while not self._is_ended:
+            message = self._read()
+            if message is None:
+                break
+            kind = message.WhichOneof("event")
+            if kind == "delta":
+                return t.delta_from_proto(message.delta)
+            if kind == "done":
+                request_id = message.done.request_id or self._fallback_request_id()
+                self._done = t.done_from_proto(message.done, request_id)
+                return self._done
+        raise StopIteration
+
+    def _read(self) -> _EventMessage | None:
+        try:
+            return next(self._messages)
+        except StopIteration:
+            self._is_ended = True
+            if self._done is None:
+                raise InternalError("the stream ended without a final done message") from None
+            return None
+        except grpc.RpcError as error:
+            self._is_ended = True
+            raise from_rpc_error(error) from error
+
+    def _fallback_request_id(self) -> str:
+        return request_id_of(self._call.initial_metadata())
+
+    @property
+    def done(self) -> t.Done | None:
+        """The final Done value, once the stream has yielded it."""
+        return self._done
+
+    @property
+    def request_id(self) -> str:
+        """The server's `x-request-id` (waits for the response headers)."""
+        return self._fallback_request_id()
+
+    def close(self) -> None:
+        """Cancel the RPC unless it already ended; later iteration stops at once."""
+        if not self._is_ended:
+            self._is_ended = True
+            self._call.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs leaves cancel untyped
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if hasattr(self, "_is_ended"):
+            self.close()
+
+
+class AsyncStream:
+    """An async stream of Delta values ending with one Done; aclose() or GC cancels the RPC."""
+
+    def __init__(self, call: grpc.aio.Call, messages: AsyncIterator[_EventMessage]) -> None:
+        self._call = call
+        self._messages = messages
+        self._is_ended = False
+        self._done: t.Done | None = None
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> t.StreamEvent:
+        while not self._is_ended:
+            message = await self._read()
+            if message is None:
+                break
+            kind = message.WhichOneof("event")
+            if kind == "delta":
+                return t.delta_from_proto(message.delta)
+            if kind == "done":
+                request_id = message.done.request_id or await self._fallback_request_id()
+                self._done = t.done_from_proto(message.done, request_id)
+                return self._done
+        raise StopAsyncIteration
+
+    async def _read(self) -> _EventMessage | None:
+        try:
+            return await anext(self._messages)
+        except StopAsyncIteration:
+            self._is_ended = True
+            if self._done is None:
+                raise InternalError("the stream ended without a final done message") from None
+            return None
+        except grpc.RpcError as error:
+            self._is_ended = True
+            raise from_rpc_error(error) from error
+
+    async def _fallback_request_id(self) -> str:
+        return request_id_of(await self._call.initial_metadata())
+
+    @property
+    def done(self) -> t.Done | None:
+        """The final Done value, once the stream has yielded it."""
+        return self._done
+
+    async def request_id(self) -> str:
+        """The server's `x-request-id` (waits for the response headers)."""
+        return await self._fallback_request_id()
+
+    async def aclose(self) -> None:
+        """Cancel the RPC unless it already ended; later iteration stops at once."""
+        self._cancel()
+
+    def _cancel(self) -> None:
+        if not self._is_ended:
+            self._is_ended = True
+            self._call.cancel()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._cancel()
+
+    def __del__(self) -> None:
+        if hasattr(self, "_is_ended"):
+            # The event loop may already be closed at interpreter exit; nothing is left to cancel.
+            with contextlib.suppress(RuntimeError):
+                self._cancel()
+
+
+_StreamResp = TypeVar("_StreamResp", pb.StreamGenerateResponse, pb.GenerateTokensResponse)
+
+
+def _open_stream(call: grpc.CallIterator[_StreamResp]) -> Stream:
+    return Stream(call, iter(call))
+
+
+def _open_async_stream(call: grpc.aio.UnaryStreamCall[_Req, _StreamResp]) -> AsyncStream:
+    return AsyncStream(call, aiter(call))
+
+
+class Client:
+    """A sync client of one llama-grpc server; close() it or use it as a context manager."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        channel: grpc.Channel | None = None,
+        timeout: float | None = None,
+        metadata: MetadataLike | None = None,
+        options: Sequence[tuple[str, str | int]] | None = None,
+    ) -> None:
+        """Connect to `target` (or use `channel`); `timeout` (s) is the default deadline."""
+        self._owns_channel = channel is None
+        self._channel = channel or grpc.insecure_channel(target, options=list(options or ()))
+        self._stub = pb_grpc.LlmServiceStub(self._channel)
+        self._defaults = _Defaults(timeout, metadata)
+
+    def _unary(
+        self,
+        method: grpc.UnaryUnaryMultiCallable[_Req, _Resp],
+        request: _Req,
+        options: CallOptions,
+    ) -> tuple[_Resp, str]:
+        timeout, metadata = self._defaults.call_options(options)
+        try:
+            response, call = method.with_call(request, timeout=timeout, metadata=metadata)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from error
+        return response, request_id_of(call.initial_metadata())
+
+    def generate(self, prompt: str, **params: Unpack[GenerationParams]) -> t.GenerateResult:
+        """Generate a whole completion of `prompt`."""
+        request = build_request(pb.GenerateRequest(prompt=prompt), params)
+        response, request_id = self._unary(self._stub.Generate, request, params)
+        return t.result_from_proto(response, request_id)
+
+    def stream(self, prompt: str, **params: Unpack[GenerationParams]) -> Stream:
+        """Stream the completion of `prompt` as Delta values, then one Done."""
+        request = build_request(pb.StreamGenerateRequest(prompt=prompt), params)
+        timeout, metadata = self._defaults.call_options(params)
+        return _open_stream(self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata))
+
+    def generate_tokens(
+        self, token_ids: Sequence[int], **params: Unpack[TokenGenerationParams]
+    ) -> Stream:
+        """Stream the completion of a pre-tokenized prompt (used as given: add BOS yourself)."""
+        request = build_request(pb.GenerateTokensRequest(token_ids=token_ids), params)
+        timeout, metadata = self._defaults.call_options(params)
+        return _open_stream(self._stub.GenerateTokens(request, timeout=timeout, metadata=metadata))
+
+    @overload
+    def tokenize(
+        self,
+        text: str,
+        *,
+        add_special: bool = ...,
+        parse_special: bool = ...,
+        return_pieces: Literal[False] = ...,
+        model: str | None = ...,
+        **options: Unpack[CallOptions],
+    ) -> list[int]: ...
+    @overload
+    def tokenize(
+        self,
+        text: str,
+        *,
+        add_special: bool = ...,
+        parse_special: bool = ...,
+        return_pieces: Literal[True],
+        model: str | None = ...,
+        **options: Unpack[CallOptions],
+    ) -> t.TokenizeResult: ...
+    def tokenize(
+        self,
+        text: str,
+        *,
+        add_special: bool = True,
+        parse_special: bool = False,
+        return_pieces: bool = False,
+        model: str | None = None,
+        **options: Unpack[CallOptions],
+    ) -> list[int] | t.TokenizeResult:
+        """Token ids of `text`; with return_pieces=True a TokenizeResult with each token's text."""
+        request = tokenize_request(text, add_special, parse_special, return_pieces, model)
+        response, _ = self._unary(self._stub.Tokenize, request, options)
+        return _tokenized(response, return_pieces)
+
+    def detokenize(
+        self,
+        token_ids: Sequence[int],
+        *,
+        render_special: bool = False,
+        model: str | None = None,
+        **options: Unpack[CallOptions],
+    ) -> str:
+        """The text of `token_ids`."""
+        request = pb.DetokenizeRequest(
+            model=model or "", token_ids=token_ids, render_special=render_special
+        )
+        response, _ = self._unary(self._stub.Detokenize, request, options)
+        return response.text
+
+    def stats(self, **options: Unpack[CallOptions]) -> t.Stats:
+        """The server's live scheduler snapshot and cumulative counters."""
+        response, _ = self._unary(self._stub.GetStats, pb.GetStatsRequest(), options)
+        return t.stats_from_proto(response)
+
+    def model_info(self, **options: Unpack[CallOptions]) -> t.ModelInfo:
+        """Facts about the loaded model and context."""
+        response, _ = self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), options)
+        return t.model_info_from_proto(response)
+
+    def health(self, service: str = "", **options: Unpack[CallOptions]) -> str:
+        """The grpc.health.v1 status of `service` ("" = whole server): "SERVING", "NOT_SERVING"."""
+        health_pb2, health_pb2_grpc = _health_modules()
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        request = health_pb2.HealthCheckRequest(service=service)
+        response, _ = self._unary(stub.Check, request, options)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+
+    def close(self) -> None:
+        """Close the channel if this client created it."""
+        if self._owns_channel:
+            self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """An asyncio client of one llama-grpc server; aclose() it or use `async with`."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        channel: grpc.aio.Channel | None = None,
+        timeout: float | None = None,
+        metadata: MetadataLike | None = None,
+        options: Sequence[tuple[str, str | int]] | None = None,
+    ) -> None:
+        """Connect to `target` (or use `channel`); `timeout` (s) is the default deadline."""
+        self._owns_channel = channel is None
+        self._channel = channel or grpc.aio.insecure_channel(target, options=list(options or ()))
+        self._stub = pb_grpc.LlmServiceStub(self._channel)
+        self._defaults = _Defaults(timeout, metadata)
+
+    async def _unary(
+        self,
+        method: grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp],
+        request: _Req,
+        options: CallOptions,
+    ) -> tuple[_Resp, str]:
+        timeout, metadata = self._defaults.call_options(options)
+        call = method(request, timeout=timeout, metadata=metadata)
+        try:
+            response = await call
+            initial_metadata = await call.initial_metadata()
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from error
+        return response, request_id_of(initial_metadata)
+
+    async def generate(self, prompt: str, **params: Unpack[GenerationParams]) -> t.GenerateResult:
+        """Generate a whole completion of `prompt`."""
+        request = build_request(pb.GenerateRequest(prompt=prompt), params)
+        response, request_id = await self._unary(self._stub.Generate, request, params)
+        return t.result_from_proto(response, request_id)
+
+    def stream(self, prompt: str, **params: Unpack[GenerationParams]) -> AsyncStream:
+        """Stream the completion of `prompt` as Delta values, then one Done."""
+        request = build_request(pb.StreamGenerateRequest(prompt=prompt), params)
+        timeout, metadata = self._defaults.call_options(params)
+        call = self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata)
+        return _open_async_stream(call)
+
+    def generate_tokens(
+        self, token_ids: Sequence[int], **params: Unpack[TokenGenerationParams]
+    ) -> AsyncStream:
+        """Stream the completion of a pre-tokenized prompt (used as given: add BOS yourself)."""
+        request = build_request(pb.GenerateTokensRequest(token_ids=token_ids), params)
+        timeout, metadata = self._defaults.call_options(params)
+        call = self._stub.GenerateTokens(request, timeout=timeout, metadata=metadata)
+        return _open_async_stream(call)
+
+    @overload
+    async def tokenize(
+        self,
+        text: str,
+        *,
+        add_special: bool = ...,
+        parse_special: bool = ...,
+        return_pieces: Literal[False] = ...,
+        model: str | None = ...,
+        **options: Unpack[CallOptions],
+    ) -> list[int]: ...
+    @overload
+    async def tokenize(
+        self,
+        text: str,
+        *,
+        add_special: bool = ...,
+        parse_special: bool = ...,
+        return_pieces: Literal[True],
+        model: str | None = ...,
+        **options: Unpack[CallOptions],
+    ) -> t.TokenizeResult: ...
+    async def tokenize(
+        self,
+        text: str,
+        *,
+        add_special: bool = True,
+        parse_special: bool = False,
+        return_pieces: bool = False,
+        model: str | None = None,
+        **options: Unpack[CallOptions],
+    ) -> list[int] | t.TokenizeResult:
+        """Token ids of `text`; with return_pieces=True a TokenizeResult with each token's text."""
+        request = tokenize_request(text, add_special, parse_special, return_pieces, model)
+        response, _ = await self._unary(self._stub.Tokenize, request, options)
+        return _tokenized(response, return_pieces)
+
+    async def detokenize(
+        self,
+        token_ids: Sequence[int],
+        *,
+        render_special: bool = False,
+        model: str | None = None,
+        **options: Unpack[CallOptions],
+    ) -> str:
+        """The text of `token_ids`."""
+        request = pb.DetokenizeRequest(
+            model=model or "", token_ids=token_ids, render_special=render_special
+        )
+        response, _ = await self._unary(self._stub.Detokenize, request, options)
+        return response.text
+
+    async def stats(self, **options: Unpack[CallOptions]) -> t.Stats:
+        """The server's live scheduler snapshot and cumulative counters."""
+        response, _ = await self._unary(self._stub.GetStats, pb.GetStatsRequest(), options)
+        return t.stats_from_proto(response)
+
+    async def model_info(self, **options: Unpack[CallOptions]) -> t.ModelInfo:
+        """Facts about the loaded model and context."""
+        request = pb.GetModelInfoRequest()
+        response, _ = await self._unary(self._stub.GetModelInfo, request, options)
+        return t.model_info_from_proto(response)
+
+    async def health(self, service: str = "", **options: Unpack[CallOptions]) -> str:
+        """The grpc.health.v1 status of `service` ("" = whole server): "SERVING", "NOT_SERVING"."""
+        health_pb2, health_pb2_grpc = _health_modules()
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        request = health_pb2.HealthCheckRequest(service=service)
+        response, _ = await self._unary(stub.Check, request, options)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+
+    async def aclose(self) -> None:
+        """Close the channel if this client created it."""
+        if self._owns_channel:
+            await self._channel.close(None)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

@@ -1,0 +1,107 @@
+"""core events and snapshots -> proto messages. Pure: no grpc, no engine calls.
+
+FinishReason.CANCELLED has no wire value: a cancelled request ends with a status, not a result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc_server.core import request as core
+from llama_grpc_server.core.api import ModelInfo, StatsSnapshot
+
+FINISH_REASONS: dict[core.FinishReason, pb.FinishReason.ValueType] = {
+    core.FinishReason.EOS: pb.FINISH_REASON_EOS,
+    core.FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+    core.FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
+    core.FinishReason.MAX_TOKENS: pb.FINISH_REASON_MAX_TOKENS,
+    core.FinishReason.CONTEXT_LENGTH: pb.FINISH_REASON_CONTEXT_LENGTH,
+    core.FinishReason.TIME_LIMIT: pb.FINISH_REASON_TIME_LIMIT,
+}
+
+
+def finish_reason(reason: core.FinishReason) -> pb.FinishReason.ValueType:
+    """The wire enum; raises ValueError for CANCELLED, which is a status, never a result."""
+    try:
+        return FINISH_REASONS[reason]
+    except KeyError:
+        raise ValueError(f"finish reason {reason.value!r} has no wire value") from None
+
+
+def usage(value: core.Usage) -> pb.Usage:
+    return pb.Usage(**dataclasses.asdict(value))
+
+
+def timings(value: core.Timings) -> pb.Timings:
+    return pb.Timings(**dataclasses.asdict(value))
+
+
+def finish_info(finished: core.Finished) -> pb.FinishInfo:
+    return pb.FinishInfo(
+        reason=finish_reason(finished.reason),
+        matched_stop=finished.matched_stop,
+        matched_token_id=finished.matched_token_id,
+    )
+
+
+def generation_delta(delta: core.TokenDelta) -> pb.GenerationDelta:
+    return pb.GenerationDelta(text=delta.text, token_ids=delta.token_ids)
+
+
+def generation_done(finished: core.Finished, request_id: str) -> pb.GenerationDone:
+    return pb.GenerationDone(
+        finish_reason=finish_reason(finished.reason),
+        usage=usage(finished.usage),
+        timings=timings(finished.timings),
+        finish=finish_info(finished),
+        request_id=request_id,
+        seed=finished.seed,
+    )
+
+
+def generate_response(
+    request_id: str, deltas: Sequence[core.TokenDelta], finished: core.Finished
+) -> pb.GenerateResponse:
+    """All deltas joined into one result."""
+    return pb.GenerateResponse(
+        text="".join(delta.text for delta in deltas),
+        token_ids=[token_id for delta in deltas for token_id in delta.token_ids],
+        finish_reason=finish_reason(finished.reason),
+        usage=usage(finished.usage),
+        timings=timings(finished.timings),
+        finish=finish_info(finished),
+        request_id=request_id,
+        seed=finished.seed,
+    )
+
+
+def stream_generate_response(
+    event: core.TokenDelta | core.Finished, request_id: str
+) -> pb.StreamGenerateResponse:
+    if isinstance(event, core.TokenDelta):
+        return pb.StreamGenerateResponse(delta=generation_delta(event))
+    return pb.StreamGenerateResponse(done=generation_done(event, request_id))
+
+
+def generate_tokens_response(
+    event: core.TokenDelta | core.Finished, request_id: str
+) -> pb.GenerateTokensResponse:
+    if isinstance(event, core.TokenDelta):
+        return pb.GenerateTokensResponse(delta=generation_delta(event))
+    return pb.GenerateTokensResponse(done=generation_done(event, request_id))
+
+
+def stats_response(snapshot: StatsSnapshot) -> pb.GetStatsResponse:
+    """Field for field by name; snapshot fields the proto does not carry (yet) are left out."""
+    names = [f.name for f in pb.GetStatsResponse.DESCRIPTOR.fields if f.name != "slots"]
+    fields = {name: getattr(snapshot, name) for name in names}
+    slots = [pb.SlotStats(**dataclasses.asdict(slot)) for slot in snapshot.slots]
+    return pb.GetStatsResponse(**fields, slots=slots)
+
+
+def model_info_response(info: ModelInfo) -> pb.GetModelInfoResponse:
+    """Field for field by name; unknown BOS/EOS ids stay unset."""
+    fields = {f.name: getattr(info, f.name) for f in pb.GetModelInfoResponse.DESCRIPTOR.fields}
+    return pb.GetModelInfoResponse(**{k: v for k, v in fields.items() if v is not None})

@@ -1,0 +1,239 @@
+"""Per-RPC plumbing for every method, unary or streaming: the request id (x-request-id in and out,
+a contextvar, structlog context), one access-log line, and RpcRecorder metric hooks.
+Imports grpc and structlog only; knows nothing of LlmService messages; never logs payloads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import aclosing
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol
+
+import grpc
+import structlog
+
+REQUEST_ID_KEY = "x-request-id"
+MAX_REQUEST_ID_LENGTH = 128
+
+log = structlog.get_logger("llama_grpc.rpc")
+
+_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+
+Behavior = Callable[..., Any]
+
+if TYPE_CHECKING:  # generic only in grpc-stubs; the runtime classes take no parameters
+    Context = grpc.aio.ServicerContext[Any, Any]
+    Handler = grpc.RpcMethodHandler[Any, Any]
+    RpcFactory = Callable[[Context, bool], "_Rpc"]
+    _ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]
+else:
+    _ServerInterceptor = grpc.aio.ServerInterceptor
+
+_ERROR_CODES = frozenset({"INTERNAL", "UNKNOWN", "DATA_LOSS"})
+
+
+def current_request_id() -> str:
+    """The request id of the RPC being handled, or "" outside one."""
+    return _request_id.get()
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _incoming_request_id(metadata: Any) -> str:
+    """The caller's x-request-id when it is sane (short, printable), else a fresh one."""
+    for key, value in metadata or ():
+        is_sane = isinstance(value, str) and 0 < len(value) <= MAX_REQUEST_ID_LENGTH
+        if key == REQUEST_ID_KEY and is_sane and value.isprintable():
+            return str(value)
+    return new_request_id()
+
+
+class RpcRecorder(Protocol):
+    """Where per-RPC metrics go; telemetry plugs Prometheus in here. `code` is a status name."""
+
+    def rpc_started(self, method: str) -> None: ...
+
+    def rpc_handled(self, method: str, code: str, seconds: float) -> None: ...
+
+
+class NullRecorder:
+    """Records nothing."""
+
+    def rpc_started(self, method: str) -> None:
+        pass
+
+    def rpc_handled(self, method: str, code: str, seconds: float) -> None:
+        pass
+
+
+def status_name(context: Context, error: BaseException | None) -> str:
+    """The status an RPC ended with, as seen from inside the server."""
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        remaining = context.time_remaining()
+        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+    if error is not None and not isinstance(error, grpc.aio.AbortError):
+        return "UNKNOWN"
+    code: grpc.StatusCode | None = context.code()
+    if code is None:
+        return "OK" if error is None else "UNKNOWN"
+    return code.name
+
+
+class _Rpc:
+    """One call, from entry to its access-log line. An async context manager around the handler."""
+
+    def __init__(
+        self, method: str, metadata: Any, context: Context, recorder: RpcRecorder, is_stream: bool
+    ) -> None:
+        self.method = method
+        self.request_id = _incoming_request_id(metadata)
+        self.context = context
+        self.recorder = recorder
+        self.is_stream = is_stream
+        self.num_messages = 0
+        self.start_ns = time.perf_counter_ns()
+        self.first_message_ns = 0
+        self._tokens: tuple[contextvars.Token[str], Mapping[str, Any]] | None = None
+
+    async def __aenter__(self) -> _Rpc:
+        self.recorder.rpc_started(self.method)
+        bound = structlog.contextvars.bind_contextvars(request_id=self.request_id)
+        self._tokens = (_request_id.set(self.request_id), bound)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        code = status_name(self.context, exc)
+        seconds = (time.perf_counter_ns() - self.start_ns) / 1e9
+        self._log(code, seconds)
+        self.recorder.rpc_handled(self.method, code, seconds)
+        self._reset()
+
+    async def send_request_id(self) -> None:
+        """Response headers go out before the first message, so clients see the id at once."""
+        await self.context.send_initial_metadata(((REQUEST_ID_KEY, self.request_id),))
+
+    def on_message(self) -> None:
+        if self.num_messages == 0:
+            self.first_message_ns = time.perf_counter_ns()
+        self.num_messages += 1
+
+    def _log(self, code: str, seconds: float) -> None:
+        fields: dict[str, Any] = {
+            "method": self.method,
+            "code": code,
+            "duration_ms": round(seconds * 1000, 3),
+            "messages_sent": self.num_messages,
+            "peer": self.context.peer(),
+            "request_id": self.request_id,
+        }
+        if self.is_stream and self.first_message_ns:
+            fields["ttft_ms"] = round((self.first_message_ns - self.start_ns) / 1e6, 3)
+        if code in _ERROR_CODES:
+            log.error("rpc", **fields)
+        else:
+            log.info("rpc", **fields)
+
+    def _reset(self) -> None:
+        if self._tokens is None:
+            return
+        token, bound = self._tokens
+        self._tokens = None
+        try:
+            _request_id.reset(token)
+            structlog.contextvars.reset_contextvars(**bound)
+        except ValueError:  # finalized from another context (a GC'd stream): nothing to undo
+            pass
+
+
+def _wrap_unary_response(behavior: Behavior, start: RpcFactory) -> Behavior:
+    async def unary_response(request: Any, context: Context) -> Any:
+        async with start(context, False) as rpc:
+            await rpc.send_request_id()
+            response = await behavior(request, context)
+            rpc.on_message()
+            return response
+
+    return unary_response
+
+
+def _wrap_written_stream(behavior: Behavior, start: RpcFactory) -> Behavior:
+    """A streaming handler written as a coroutine using context.write (the aio health Watch)."""
+
+    async def written_stream(request: Any, context: Context) -> None:
+        async with start(context, True) as rpc:
+            await rpc.send_request_id()
+            await behavior(request, context)
+
+    return written_stream
+
+
+def _wrap_yielded_stream(behavior: Behavior, start: RpcFactory) -> Behavior:
+    async def yielded_stream(request: Any, context: Context) -> AsyncIterator[Any]:
+        async with start(context, True) as rpc:
+            await rpc.send_request_id()
+            async with aclosing(behavior(request, context)) as messages:
+                async for message in messages:
+                    rpc.on_message()
+                    yield message
+
+    return yielded_stream
+
+
+# (request_streaming, response_streaming) -> the behaviour's attribute, its handler builder
+_KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., Any]]] = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
+def _rebuild(handler: Handler, start: RpcFactory) -> Handler:
+    """The handler with its behaviour wrapped for its arity; sync behaviours stay as they are."""
+    name, build = _KINDS[(handler.request_streaming, handler.response_streaming)]
+    behavior: Behavior = getattr(handler, name)
+    if inspect.isasyncgenfunction(behavior):
+        wrapped = _wrap_yielded_stream(behavior, start)
+    elif not inspect.iscoroutinefunction(behavior):
+        return handler
+    elif handler.response_streaming:
+        wrapped = _wrap_written_stream(behavior, start)
+    else:
+        wrapped = _wrap_unary_response(behavior, start)
+    rebuilt: Handler = build(wrapped, handler.request_deserializer, handler.response_serializer)
+    return rebuilt
+
+
+class RequestInterceptor(_ServerInterceptor):
+    """Request id + access log + metric hooks around every RPC of the server."""
+
+    def __init__(self, recorder: RpcRecorder | None = None) -> None:
+        self._recorder: RpcRecorder = recorder or NullRecorder()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Handler:
+        handler = await continuation(handler_call_details)
+        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
+            return handler
+        method = handler_call_details.method
+        metadata = handler_call_details.invocation_metadata
+
+        def start(context: Context, is_stream: bool) -> _Rpc:
+            return _Rpc(method, metadata, context, self._recorder, is_stream)
+
+        return _rebuild(handler, start)

@@ -1,0 +1,210 @@
+"""The grpc.aio server: LlmService, grpc.health.v1 and reflection behind the request interceptor.
+
+The port opens at once; the engine loads in a thread meanwhile (health NOT_SERVING, RPCs answer
+NOT_READY). SIGTERM/SIGINT drain gracefully. Never imports llama_cpp: the engine comes from a
+factory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
+from llama_grpc_server.config import Settings
+from llama_grpc_server.core.api import EngineApi
+from llama_grpc_server.rpc.interceptors import RequestInterceptor, RpcRecorder
+from llama_grpc_server.rpc.servicer import SERVICE_NAME, LlmServicer
+
+EngineFactory = Callable[[], EngineApi]
+
+HEALTH_NAMES = ("", SERVICE_NAME)  # "" = the server as a whole
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+log = structlog.get_logger("llama_grpc.server")
+
+
+class ServerStartError(Exception):
+    """The server could not bind its address."""
+
+
+def server_options(settings: Settings) -> list[tuple[str, Any]]:
+    max_bytes = settings.server.max_message_bytes
+    return [
+        ("grpc.max_send_message_length", max_bytes),
+        ("grpc.max_receive_message_length", max_bytes),
+        # Without this a second server can silently bind the same port (grpc#16920).
+        ("grpc.so_reuseport", 0),
+        # Clients may ping during a long unary Generate without being sent GOAWAY.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ]
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _try_command(host: str, port: int) -> str:
+    target = _address("127.0.0.1" if host in ("0.0.0.0", "::", "") else host, port)
+    return f'grpcurl -plaintext -d \'{{"prompt":"Hello"}}\' {target} {SERVICE_NAME}/StreamGenerate'
+
+
+@dataclass(eq=False)
+class RunningServer:
+    """A started server. `port` is the bound one (useful with port 0); stop() is idempotent."""
+
+    port: int
+    server: grpc.aio.Server
+    servicer: LlmServicer
+    health: Any  # grpc_health.v1.health.aio.HealthServicer (grpc-stubs has no aio stubs)
+    grace_s: float
+    _loading: asyncio.Task[EngineApi | None]
+    _stopping: asyncio.Task[None] | None = field(default=None, init=False)
+
+    async def wait_loaded(self) -> bool:
+        """True once the engine serves; False if its factory failed."""
+        return await asyncio.shield(self._loading) is not None
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Health NOT_SERVING -> refuse new RPCs, let in-flight ones finish for the grace period
+        -> close the engine in a thread. Waits for a still-loading engine, then closes it."""
+        if self._stopping is None:
+            grace = self.grace_s if grace_s is None else grace_s
+            self._stopping = asyncio.create_task(self._stop(grace))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace_s: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        engine = await self._loading
+        if engine is not None:
+            await asyncio.to_thread(engine.close)
+        log.info("stopped", port=self.port)
+
+
+async def _load_engine(
+    factory: EngineFactory, servicer: LlmServicer, health_servicer: Any
+) -> EngineApi | None:
+    """Run the (seconds-long, blocking) factory in a thread, then switch to SERVING."""
+    try:
+        engine = await asyncio.to_thread(factory)
+    except Exception:
+        log.exception("engine_load_failed")
+        return None
+    servicer.attach(engine)
+    for name in HEALTH_NAMES:
+        await health_servicer.set(name, SERVING)
+    info = engine.model_info
+    log.info("ready", model=info.model_name, n_ctx=info.n_ctx, n_parallel=info.n_parallel)
+    return engine
+
+
+async def _started(
+    settings: Settings, engine_factory: EngineFactory, recorder: RpcRecorder | None
+) -> RunningServer:
+    server = grpc.aio.server(
+        interceptors=[RequestInterceptor(recorder)], options=server_options(settings)
+    )
+    servicer = LlmServicer(settings)
+    pb_grpc.add_LlmServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]  # no aio stubs
+    for name in HEALTH_NAMES:
+        await health_servicer.set(name, NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    host = settings.server.host
+    try:
+        port = server.add_insecure_port(_address(host, settings.server.port))
+    except RuntimeError as exc:
+        raise ServerStartError(f"cannot listen on {_address(host, settings.server.port)}") from exc
+    await server.start()
+    log.info("listening", address=_address(host, port), port=port)
+    log.info("try", command=_try_command(host, port))
+    loading = asyncio.create_task(_load_engine(engine_factory, servicer, health_servicer))
+    return RunningServer(port, server, servicer, health_servicer, settings.server.grace_s, loading)
+
+
+@contextlib.asynccontextmanager
+async def start_server(
+    settings: Settings,
+    engine_factory: EngineFactory,
+    *,
+    recorder: RpcRecorder | None = None,
+) -> AsyncIterator[RunningServer]:
+    """Start listening now, load the engine in the background; stop gracefully on exit."""
+    running = await _started(settings, engine_factory, recorder)
+    try:
+        yield running
+    finally:
+        await running.stop()
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
+    """SIGTERM/SIGINT set `stop` while inside; signal handlers can only live in the main thread.
+    Once outside, a second signal gets the default behaviour (a forced exit)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        log.info("signal", signal=sig.name)
+        stop.set()
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        yield
+    finally:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+
+
+async def _loaded_unless_stopped(running: RunningServer, stop: asyncio.Event) -> bool | None:
+    """True: the engine serves; False: it failed to load; None: a stop came first."""
+    loaded = asyncio.ensure_future(running.wait_loaded())
+    stopped = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({loaded, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (loaded, stopped):
+        task.cancel()
+    return loaded.result() if loaded in done else None
+
+
+async def serve(
+    settings: Settings,
+    engine_factory: EngineFactory,
+    *,
+    ready: asyncio.Event | None = None,
+    recorder: RpcRecorder | None = None,
+) -> int:
+    """Run until SIGTERM/SIGINT (then drain) and return the exit code: 0, or 1 when the server
+    cannot listen or the engine fails to load. `ready` is set once the engine serves."""
+    try:
+        async with start_server(settings, engine_factory, recorder=recorder) as running:
+            stop = asyncio.Event()
+            with _stop_on_signals(stop):
+                is_loaded = await _loaded_unless_stopped(running, stop)
+                if is_loaded is False:
+                    return 1
+                if is_loaded and ready is not None:
+                    ready.set()
+                await stop.wait()
+            log.info("stopping", grace_s=settings.server.grace_s)
+    except ServerStartError as exc:
+        log.error("listen_failed", error=str(exc))
+        return 1
+    return 0

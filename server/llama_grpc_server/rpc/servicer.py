@@ -1,0 +1,203 @@
+"""LlmService handlers: validate -> submit -> convert -> yield. Nothing lives here beyond one
+call's locals and the engine reference (None while the model loads: RPCs answer NOT_READY).
+Never touches the scheduler thread directly; never imports llama_cpp."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
+from llama_grpc_server import errors
+from llama_grpc_server.config import Settings
+from llama_grpc_server.core.api import EngineApi
+from llama_grpc_server.core.request import (
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    TokenDelta,
+)
+from llama_grpc_server.rpc import convert, validation
+from llama_grpc_server.rpc.interceptors import current_request_id, new_request_id
+from llama_grpc_server.rpc.status import ErrorsToStatus
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["LlmService"].full_name
+# Short texts tokenize inline; only long ones are worth a thread hop.
+TOKENIZE_INLINE_MAX_CHARS = 4096
+NO_RESULT = "the engine ended the request without a result"
+
+if TYPE_CHECKING:  # generic only in grpc-stubs
+    Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class NotReady(errors.ServiceError):
+    """The model is still loading; retry shortly (or elsewhere)."""
+
+    code = "UNAVAILABLE"
+    reason = "NOT_READY"
+
+
+async def _tokenize(
+    engine: EngineApi, text: str, *, add_special: bool, parse_special: bool
+) -> list[int]:
+    """llama_tokenize releases the GIL and is thread-safe, so long texts go to a thread."""
+    if len(text) <= TOKENIZE_INLINE_MAX_CHARS:
+        return engine.tokenize(text, add_special=add_special, parse_special=parse_special)
+    return await asyncio.to_thread(
+        engine.tokenize, text, add_special=add_special, parse_special=parse_special
+    )
+
+
+def _request_id() -> str:
+    """The interceptor's id; a fresh one when the servicer runs without it."""
+    return current_request_id() or new_request_id()
+
+
+def _deadline(context: Context) -> float | None:
+    return validation.deadline_from(context.time_remaining(), time.monotonic())
+
+
+async def _run(
+    engine: EngineApi, spec: GenerationRequest
+) -> AsyncGenerator[TokenDelta | Finished, None]:
+    """Submit and yield deltas, then the Finished event. A Failed event raises its error.
+    Leaving early (client cancel, deadline, closed stream) cancels the request in the engine."""
+    stream = engine.submit(spec)
+    is_done = False
+    try:
+        async for event in stream:
+            if isinstance(event, Failed):
+                is_done = True
+                raise event.error
+            if isinstance(event, Finished):
+                is_done = True
+                if event.reason is FinishReason.CANCELLED:  # a status, never a result
+                    raise errors.Cancelled("the request was cancelled")
+                yield event
+                return
+            yield event
+        raise errors.EngineError(NO_RESULT)
+    finally:
+        if not is_done:
+            stream.cancel()
+
+
+async def _collect(engine: EngineApi, spec: GenerationRequest) -> tuple[list[TokenDelta], Finished]:
+    deltas: list[TokenDelta] = []
+    async with aclosing(_run(engine, spec)) as events:
+        async for event in events:
+            if isinstance(event, Finished):
+                return deltas, event
+            deltas.append(event)
+    raise errors.EngineError(NO_RESULT)  # unreachable: _run ends with Finished or raises
+
+
+class LlmServicer(pb_grpc.LlmServiceServicer):
+    """The LlmService. `engine` is attached once the model has loaded (see rpc.server)."""
+
+    def __init__(self, settings: Settings, engine: EngineApi | None = None) -> None:
+        self._settings = settings
+        self._engine = engine
+
+    def attach(self, engine: EngineApi) -> None:
+        """Start serving with a loaded engine."""
+        self._engine = engine
+
+    @property
+    def is_ready(self) -> bool:
+        return self._engine is not None
+
+    def _ready_engine(self) -> EngineApi:
+        if self._engine is None:
+            raise NotReady("the model is still loading; retry shortly")
+        return self._engine
+
+    async def _text_request(
+        self, message: validation.TextRequest, engine: EngineApi, request_id: str, context: Context
+    ) -> GenerationRequest:
+        draft = validation.parse_text_request(message, engine.model_info, self._settings.scheduler)
+        add_special = validation.add_special(message)
+        tokens = await _tokenize(
+            engine, message.prompt, add_special=add_special, parse_special=False
+        )
+        return validation.complete_request(
+            draft, tokens, request_id=request_id, deadline=_deadline(context)
+        )
+
+    # -- generation -------------------------------------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
+        request_id = _request_id()
+        async with ErrorsToStatus(context, request_id):
+            engine = self._ready_engine()
+            spec = await self._text_request(request, engine, request_id, context)
+            deltas, finished = await _collect(engine, spec)
+            return convert.generate_response(request_id, deltas, finished)
+
+    async def StreamGenerate(
+        self, request: pb.StreamGenerateRequest, context: Context
+    ) -> AsyncIterator[pb.StreamGenerateResponse]:
+        request_id = _request_id()
+        async with ErrorsToStatus(context, request_id):
+            engine = self._ready_engine()
+            spec = await self._text_request(request, engine, request_id, context)
+            async with aclosing(_run(engine, spec)) as events:
+                async for event in events:
+                    yield convert.stream_generate_response(event, request_id)
+
+    async def GenerateTokens(
+        self, request: pb.GenerateTokensRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateTokensResponse]:
+        request_id = _request_id()
+        async with ErrorsToStatus(context, request_id):
+            engine = self._ready_engine()
+            limits = self._settings.scheduler
+            draft = validation.parse_tokens_request(request, engine.model_info, limits)
+            spec = validation.complete_request(
+                draft, draft.prompt_tokens, request_id=request_id, deadline=_deadline(context)
+            )
+            async with aclosing(_run(engine, spec)) as events:
+                async for event in events:
+                    yield convert.generate_tokens_response(event, request_id)
+
+    # -- no scheduler: answered on the event loop -------------------------------------------------
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:
+        async with ErrorsToStatus(context, _request_id()):
+            engine = self._ready_engine()
+            validation.check_model(request.model, engine.model_info)
+            token_ids = await _tokenize(
+                engine,
+                request.text,
+                add_special=validation.add_special(request),
+                parse_special=request.parse_special,
+            )
+            pieces = [engine.token_piece(t) for t in token_ids] if request.return_pieces else []
+            return pb.TokenizeResponse(token_ids=token_ids, pieces=pieces)
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: Context
+    ) -> pb.DetokenizeResponse:
+        async with ErrorsToStatus(context, _request_id()):
+            engine = self._ready_engine()
+            validation.check_model(request.model, engine.model_info)
+            validation.check_token_ids(request.token_ids, engine.model_info.n_vocab)
+            text = engine.detokenize(list(request.token_ids), render_special=request.render_special)
+            return pb.DetokenizeResponse(text=text)
+
+    async def GetStats(self, request: pb.GetStatsRequest, context: Context) -> pb.GetStatsResponse:
+        async with ErrorsToStatus(context, _request_id()):
+            return convert.stats_response(self._ready_engine().stats())
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: Context
+    ) -> pb.GetModelInfoResponse:
+        async with ErrorsToStatus(context, _request_id()):
+            return convert.model_info_response(self._ready_engine().model_info)

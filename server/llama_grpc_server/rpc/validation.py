@@ -1,0 +1,331 @@
+"""Proto requests -> core.GenerationRequest, or a ServiceError naming the offending field.
+
+Pure: no grpc context, no engine calls (the servicer tokenizes text prompts between the two steps:
+parse_* checks every field, complete_request applies the prompt length). Messages live in Message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc_server import errors
+from llama_grpc_server.config import SchedulerSettings
+from llama_grpc_server.core.api import ModelInfo
+from llama_grpc_server.core.request import GenerationRequest, SamplingParams, StoppingParams
+
+MAX_ID_LENGTH = 256  # session_id, cache_scope
+
+TextRequest = pb.GenerateRequest | pb.StreamGenerateRequest
+
+
+class Message(enum.StrEnum):
+    """Every validation message, written once; format() fills the numbers."""
+
+    EMPTY_PROMPT = "prompt must not be empty"
+    EMPTY_TOKEN_IDS = "token_ids must not be empty"
+    TOKEN_OUT_OF_RANGE = (
+        "token id {token_id} at index {index} is out of range: the vocabulary has {n_vocab} tokens"
+    )
+    MODEL_NOT_FOUND = "model {model!r} is not loaded here; this server serves {loaded!r}"
+    MAX_TOKENS_ZERO = "max_tokens must be at least 1 (leave it unset for the server default)"
+    MAX_TOKENS_ABSURD = "max_tokens ({max_tokens}) exceeds the context ({n_ctx} tokens)"
+    PROMPT_FILLS_CONTEXT = (
+        "prompt ({prompt_tokens} tokens) leaves no room to generate in the context ({n_ctx} tokens)"
+    )
+    PROMPT_PLUS_MAX_TOKENS = (
+        "prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
+        "({n_ctx} tokens)"
+    )
+    NOT_FINITE = "{name} must be a finite number, got {value:g}"
+    OUT_OF_RANGE = "{name} must be {bounds}, got {value:g}"
+    TOO_MANY_STOPS = "stop has {count} strings; at most {limit} are allowed"
+    EMPTY_STOP = "stop strings must not be empty"
+    STOP_TOO_LONG = "stop string is {length} characters long; at most {limit} are allowed"
+    TIME_LIMIT_ZERO = "time_limit_ms must be at least 1 (leave it unset for no limit)"
+    ID_TOO_LONG = "{name} is {length} characters long; at most {limit} are allowed"
+
+
+def _invalid(field: str, message: Message, **values: Any) -> errors.InvalidRequest:
+    return errors.InvalidRequest(message.format(**values), field=field)
+
+
+@dataclass(frozen=True, slots=True)
+class _Range:
+    """A closed interval, optionally open at the low end."""
+
+    low: float
+    high: float = math.inf
+    is_low_open: bool = False
+
+    def contains(self, value: float) -> bool:
+        above = value > self.low if self.is_low_open else value >= self.low
+        return above and value <= self.high
+
+    def describe(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.is_low_open else '>='} {self.low:g}"
+        return f"in {'(' if self.is_low_open else '['}{self.low:g}, {self.high:g}]"
+
+
+_SamplingField = Literal[
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repeat_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "penalty_last_n",
+]
+
+_SAMPLING_RANGES: dict[_SamplingField, _Range] = {
+    "temperature": _Range(0.0, 100.0),
+    "top_k": _Range(0.0),
+    "top_p": _Range(0.0, 1.0, is_low_open=True),
+    "min_p": _Range(0.0, 1.0),
+    "repeat_penalty": _Range(0.0, is_low_open=True),
+    "frequency_penalty": _Range(-2.0, 2.0),
+    "presence_penalty": _Range(-2.0, 2.0),
+    "penalty_last_n": _Range(-1.0),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """A request whose fields are all checked, waiting for its prompt tokens (they fix the
+    default max_tokens and the context check)."""
+
+    sampling: SamplingParams
+    stopping: StoppingParams  # max_tokens is filled in by complete_request
+    max_tokens: int | None  # as asked for; None = the server default, clamped to fit
+    session_id: str
+    cache_scope: str
+    cache_prompt: bool
+    n_ctx: int
+    default_max_tokens: int
+    prompt_field: str  # "prompt" or "token_ids": where a context error points
+    prompt_tokens: tuple[int, ...] = ()  # set for token requests only
+
+
+# -- public entry points ---------------------------------------------------------------------------
+
+
+def check_model(model: str, info: ModelInfo) -> None:
+    """An empty name means the loaded model; otherwise accept its name, path or file name."""
+    if not model:
+        return
+    known = {info.model_name, info.model_path, os.path.basename(info.model_path)}
+    if model not in known - {""}:
+        raise errors.ModelNotFound(
+            Message.MODEL_NOT_FOUND.format(model=model, loaded=info.model_name),
+            field="model",
+            metadata={"model": model, "loaded": info.model_name},
+        )
+
+
+def check_token_ids(token_ids: Iterable[int], n_vocab: int, field: str = "token_ids") -> None:
+    """Every id must be inside the vocabulary; the error names the first bad index."""
+    for index, token_id in enumerate(token_ids):
+        if token_id >= n_vocab:
+            raise _invalid(
+                f"{field}[{index}]",
+                Message.TOKEN_OUT_OF_RANGE,
+                token_id=token_id,
+                index=index,
+                n_vocab=n_vocab,
+            )
+
+
+def add_special(message: TextRequest | pb.TokenizeRequest) -> bool:
+    """The request's add_special, defaulting to True when unset."""
+    return message.add_special if message.HasField("add_special") else True
+
+
+def parse_text_request(message: TextRequest, info: ModelInfo, limits: SchedulerSettings) -> Draft:
+    """Check a Generate/StreamGenerate request before its prompt is tokenized."""
+    check_model(message.model, info)
+    if not message.prompt:
+        raise _invalid("prompt", Message.EMPTY_PROMPT)
+    return _draft(message, info, limits, prompt_field="prompt")
+
+
+def parse_tokens_request(
+    message: pb.GenerateTokensRequest, info: ModelInfo, limits: SchedulerSettings
+) -> Draft:
+    """Check a GenerateTokens request; its prompt tokens travel in the draft."""
+    check_model(message.model, info)
+    if not message.token_ids:
+        raise _invalid("token_ids", Message.EMPTY_TOKEN_IDS)
+    check_token_ids(message.token_ids, info.n_vocab)
+    draft = _draft(message, info, limits, prompt_field="token_ids")
+    return dataclasses.replace(draft, prompt_tokens=tuple(message.token_ids))
+
+
+def complete_request(
+    draft: Draft, prompt_tokens: Iterable[int], *, request_id: str, deadline: float | None
+) -> GenerationRequest:
+    """Apply the context checks and the default max_tokens; the result is ready to submit."""
+    tokens = tuple(prompt_tokens)
+    max_tokens = _fit_max_tokens(draft, len(tokens))
+    stopping = dataclasses.replace(
+        draft.stopping, max_tokens=max_tokens, max_tokens_is_default=draft.max_tokens is None
+    )
+    return GenerationRequest(
+        request_id=request_id,
+        prompt_tokens=tokens,
+        sampling=draft.sampling,
+        stopping=stopping,
+        session_id=draft.session_id,
+        cache_scope=draft.cache_scope,
+        cache_prompt=draft.cache_prompt,
+        deadline=deadline,
+    )
+
+
+def deadline_from(time_remaining_s: float | None, now: float) -> float | None:
+    """A gRPC time_remaining() (seconds or None) as an absolute time.monotonic() deadline."""
+    return None if time_remaining_s is None else now + max(0.0, time_remaining_s)
+
+
+# -- fields ----------------------------------------------------------------------------------------
+
+
+def _draft(
+    message: TextRequest | pb.GenerateTokensRequest,
+    info: ModelInfo,
+    limits: SchedulerSettings,
+    *,
+    prompt_field: str,
+) -> Draft:
+    params = message.params
+    _check_id_length("session_id", message.session_id)
+    _check_id_length("cache_scope", message.cache_scope)
+    max_tokens = _max_tokens(params.stopping, info.n_ctx)
+    return Draft(
+        sampling=_sampling(params.sampling, limits.default_sampling),
+        stopping=_stopping(params.stopping, info.n_vocab, limits),
+        max_tokens=max_tokens,
+        session_id=message.session_id,
+        cache_scope=message.cache_scope,
+        cache_prompt=params.cache_prompt
+        if params.HasField("cache_prompt")
+        else limits.cache_prompt,
+        n_ctx=info.n_ctx,
+        default_max_tokens=limits.default_max_tokens,
+        prompt_field=prompt_field,
+    )
+
+
+def _check_id_length(name: str, value: str) -> None:
+    if len(value) > MAX_ID_LENGTH:
+        raise _invalid(name, Message.ID_TOO_LONG, name=name, length=len(value), limit=MAX_ID_LENGTH)
+
+
+def _sampling(message: pb.SamplingParams, defaults: SamplingParams) -> SamplingParams:
+    """Server defaults, overridden field by field by what the request sets."""
+    overrides: dict[str, Any] = {}
+    for name, bounds in _SAMPLING_RANGES.items():
+        if message.HasField(name):
+            overrides[name] = _checked_number(name, getattr(message, name), bounds)
+    if message.HasField("seed"):
+        overrides["seed"] = message.seed
+    return dataclasses.replace(defaults, **overrides)
+
+
+def _checked_number(name: str, value: float, bounds: _Range) -> float:
+    field = f"params.sampling.{name}"
+    if not math.isfinite(value):
+        raise _invalid(field, Message.NOT_FINITE, name=name, value=value)
+    if not bounds.contains(value):
+        raise _invalid(
+            field, Message.OUT_OF_RANGE, name=name, bounds=bounds.describe(), value=value
+        )
+    return value if isinstance(value, int) else _shortest_float32(value)
+
+
+def _shortest_float32(value: float) -> float:
+    """The shortest decimal with the same float32 bits: 0.7, not 0.699999988079071 (proto floats
+    are float32; llama.cpp reads float32 too, so nothing changes but logs and comparisons)."""
+    bits = struct.pack("<f", value)
+    for digits in range(6, 10):
+        candidate = float(f"{value:.{digits}g}")
+        if struct.pack("<f", candidate) == bits:
+            return candidate
+    return value
+
+
+def _max_tokens(message: pb.StoppingCriteria, n_ctx: int) -> int | None:
+    if not message.HasField("max_tokens"):
+        return None
+    field = "params.stopping.max_tokens"
+    if message.max_tokens == 0:
+        raise _invalid(field, Message.MAX_TOKENS_ZERO)
+    if message.max_tokens > n_ctx:
+        raise _invalid(field, Message.MAX_TOKENS_ABSURD, max_tokens=message.max_tokens, n_ctx=n_ctx)
+    return message.max_tokens
+
+
+def _stopping(
+    message: pb.StoppingCriteria, n_vocab: int, limits: SchedulerSettings
+) -> StoppingParams:
+    _check_stops(list(message.stop), limits)
+    check_token_ids(message.stop_token_ids, n_vocab, field="params.stopping.stop_token_ids")
+    time_limit_ms: int | None = None
+    if message.HasField("time_limit_ms"):
+        if message.time_limit_ms == 0:
+            raise _invalid("params.stopping.time_limit_ms", Message.TIME_LIMIT_ZERO)
+        time_limit_ms = message.time_limit_ms
+    return StoppingParams(
+        stop=tuple(message.stop),
+        stop_token_ids=frozenset(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        time_limit_ms=time_limit_ms,
+    )
+
+
+def _check_stops(stops: list[str], limits: SchedulerSettings) -> None:
+    field = "params.stopping.stop"
+    if len(stops) > limits.max_stop_strings:
+        raise _invalid(
+            field, Message.TOO_MANY_STOPS, count=len(stops), limit=limits.max_stop_strings
+        )
+    for index, stop in enumerate(stops):
+        if not stop:
+            raise _invalid(f"{field}[{index}]", Message.EMPTY_STOP)
+        if len(stop) > limits.max_stop_length:
+            raise _invalid(
+                f"{field}[{index}]",
+                Message.STOP_TOO_LONG,
+                length=len(stop),
+                limit=limits.max_stop_length,
+            )
+
+
+def _fit_max_tokens(draft: Draft, num_prompt: int) -> int:
+    """The explicit max_tokens if prompt + it fits, else the default clamped to the room left."""
+    n_ctx = draft.n_ctx
+    numbers = {"prompt_tokens": num_prompt, "n_ctx": n_ctx}
+    if num_prompt >= n_ctx:
+        raise errors.PromptTooLong(
+            Message.PROMPT_FILLS_CONTEXT.format(**numbers),
+            field=draft.prompt_field,
+            metadata={k: str(v) for k, v in numbers.items()},
+        )
+    if draft.max_tokens is None:
+        return min(draft.default_max_tokens, n_ctx - num_prompt)
+    if num_prompt + draft.max_tokens > n_ctx:
+        numbers["max_tokens"] = draft.max_tokens
+        raise errors.PromptTooLong(
+            Message.PROMPT_PLUS_MAX_TOKENS.format(**numbers),
+            field="params.stopping.max_tokens",
+            metadata={k: str(v) for k, v in numbers.items()},
+        )
+    return draft.max_tokens

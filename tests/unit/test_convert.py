@@ -1,0 +1,138 @@
+"""rpc.convert: core events and snapshots -> proto messages."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc_server.core.api import SlotSnapshot, StatsSnapshot
+from llama_grpc_server.core.request import Finished, FinishReason, Timings, TokenDelta, Usage
+from llama_grpc_server.rpc import convert
+from llama_grpc_server.testing import fake_model_info
+
+USAGE = Usage(prompt_tokens=5, completion_tokens=3, cached_prompt_tokens=2)
+TIMINGS = Timings(queue_ms=1.5, ttft_ms=10.0, prefill_ms=8.5, decode_ms=20.0, total_ms=30.0)
+DELTAS = [TokenDelta((10, 11), "he"), TokenDelta((), ""), TokenDelta((12,), "llo")]
+
+
+def finished(reason: FinishReason = FinishReason.EOS, **fields: object) -> Finished:
+    return Finished(reason=reason, usage=USAGE, timings=TIMINGS, seed=1234, **fields)  # type: ignore[arg-type]  # test helper passes optional fields through
+
+
+@pytest.mark.parametrize("reason", [r for r in FinishReason if r is not FinishReason.CANCELLED])
+def test_every_finish_reason_but_cancelled_has_a_wire_value(reason: FinishReason) -> None:
+    """Each core finish reason maps to the proto enum value of the same name."""
+    assert pb.FinishReason.Name(convert.finish_reason(reason)) == f"FINISH_REASON_{reason.name}"
+
+
+def test_cancelled_never_reaches_the_wire() -> None:
+    """CANCELLED is a status, so converting it as a result is refused."""
+    with pytest.raises(ValueError, match="cancelled"):
+        convert.finish_reason(FinishReason.CANCELLED)
+
+
+def test_generate_response_joins_deltas() -> None:
+    """The unary response carries all text and token ids, the finish, usage, timings and seed."""
+    response = convert.generate_response("req-1", DELTAS, finished(FinishReason.MAX_TOKENS))
+    assert response.text == "hello"
+    assert list(response.token_ids) == [10, 11, 12]
+    assert response.finish_reason == pb.FINISH_REASON_MAX_TOKENS
+    assert response.finish.reason == pb.FINISH_REASON_MAX_TOKENS
+    assert response.request_id == "req-1"
+    assert response.seed == 1234
+    assert response.usage == pb.Usage(prompt_tokens=5, completion_tokens=3, cached_prompt_tokens=2)
+    assert response.timings.ttft_ms == 10.0
+    assert response.timings.total_ms == 30.0
+
+
+def test_matched_stop_and_token_are_reported() -> None:
+    """A stop string or stop token is carried in FinishInfo; token id 0 is still 'set'."""
+    by_string = convert.finish_info(finished(FinishReason.STOP_SEQUENCE, matched_stop="\n\n"))
+    by_token = convert.finish_info(finished(FinishReason.STOP_TOKEN, matched_token_id=0))
+    assert by_string.matched_stop == "\n\n"
+    assert not by_string.HasField("matched_token_id")
+    assert by_token.HasField("matched_token_id")
+    assert by_token.matched_token_id == 0
+
+
+def test_stream_messages_are_delta_then_done() -> None:
+    """A TokenDelta becomes a `delta` event and Finished a `done` event with the request id."""
+    delta = convert.stream_generate_response(DELTAS[0], "req-2")
+    done = convert.stream_generate_response(finished(), "req-2")
+    assert delta.WhichOneof("event") == "delta"
+    assert (delta.delta.text, list(delta.delta.token_ids)) == ("he", [10, 11])
+    assert done.WhichOneof("event") == "done"
+    assert done.done.request_id == "req-2"
+    assert done.done.finish_reason == pb.FINISH_REASON_EOS
+    assert done.done.usage.completion_tokens == 3
+
+
+def test_generate_tokens_messages_match_stream_messages() -> None:
+    """GenerateTokens events carry the same delta and done payloads as StreamGenerate."""
+    for event in (DELTAS[2], finished()):
+        tokens = convert.generate_tokens_response(event, "r")
+        stream = convert.stream_generate_response(event, "r")
+        assert tokens.WhichOneof("event") == stream.WhichOneof("event")
+        assert tokens.SerializeToString() == stream.SerializeToString()
+
+
+def make_snapshot() -> StatsSnapshot:
+    slots = (SlotSnapshot(0, "generating", "req-9", 40), SlotSnapshot(1, "idle", "", 12))
+    numbers = {
+        f.name: index + 1
+        for index, f in enumerate(dataclasses.fields(StatsSnapshot))
+        if f.name not in ("slots", "batch_strategy", "avg_batch_size", "uptime_s")
+    }
+    return StatsSnapshot(
+        **numbers,
+        avg_batch_size=2.5,
+        uptime_s=12.25,
+        slots=slots,
+        batch_strategy="decode_maximal",
+    )
+
+
+def test_stats_round_trip_every_field() -> None:
+    """Every snapshot field, slots included, arrives under the same name."""
+    snapshot = make_snapshot()
+    message = convert.stats_response(snapshot)
+    for f in pb.GetStatsResponse.DESCRIPTOR.fields:
+        if f.name != "slots":
+            assert getattr(message, f.name) == getattr(snapshot, f.name), f.name
+    assert [(s.slot_id, s.state, s.request_id, s.cached_tokens) for s in message.slots] == [
+        (0, "generating", "req-9", 40),
+        (1, "idle", "", 12),
+    ]
+
+
+def test_every_stats_proto_field_comes_from_the_snapshot() -> None:
+    """Each GetStatsResponse field has a snapshot field of the same name (none left at zero)."""
+    proto_fields = {f.name for f in pb.GetStatsResponse.DESCRIPTOR.fields}
+    assert proto_fields <= {f.name for f in dataclasses.fields(StatsSnapshot)}
+
+
+def test_model_info_round_trip() -> None:
+    """Model facts arrive by name; eog ids as a list."""
+    info = fake_model_info(n_ctx=1024)
+    message = convert.model_info_response(info)
+    assert message.model_name == "fake"
+    assert message.n_ctx == 1024
+    assert message.bos_token_id == info.bos_token_id
+    assert list(message.eog_token_ids) == list(info.eog_token_ids)
+    assert message.add_bos is True
+
+
+def test_model_info_unknown_special_ids_stay_unset() -> None:
+    """A model without BOS/EOS ids leaves the optional fields unset, not 0."""
+    info = dataclasses.replace(fake_model_info(), bos_token_id=None, eos_token_id=None)
+    message = convert.model_info_response(info)
+    assert not message.HasField("bos_token_id")
+    assert not message.HasField("eos_token_id")
+
+
+def test_every_model_info_proto_field_comes_from_model_info() -> None:
+    """Each GetModelInfoResponse field has a ModelInfo field of the same name."""
+    proto_fields = {f.name for f in pb.GetModelInfoResponse.DESCRIPTOR.fields}
+    assert proto_fields <= {f.name for f in dataclasses.fields(fake_model_info())}

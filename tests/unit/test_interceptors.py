@@ -1,0 +1,255 @@
+"""rpc.interceptors: request ids, the access log and metric hooks, through a real server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, cast
+
+import grpc
+import pytest
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from structlog.testing import capture_logs
+
+from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
+from llama_grpc_server.config import ServerSettings, Settings
+from llama_grpc_server.core.request import GenerationRequest
+from llama_grpc_server.rpc import interceptors
+from llama_grpc_server.rpc.server import RunningServer, start_server
+from llama_grpc_server.testing import FakeEngine, reversed_prompt
+
+SETTINGS = Settings(server=ServerSettings(host="127.0.0.1", port=0, grace_s=0.2))
+GENERATE = "/llama_grpc.v1.LlmService/Generate"
+STREAM = "/llama_grpc.v1.LlmService/StreamGenerate"
+
+
+class ListRecorder:
+    """An RpcRecorder that remembers its calls."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.handled: list[tuple[str, str, float]] = []
+
+    def rpc_started(self, method: str) -> None:
+        self.started.append(method)
+
+    def rpc_handled(self, method: str, code: str, seconds: float) -> None:
+        self.handled.append((method, code, seconds))
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def recorder() -> ListRecorder:
+    return ListRecorder()
+
+
+@pytest.fixture
+async def server(engine: FakeEngine, recorder: ListRecorder) -> AsyncIterator[RunningServer]:
+    async with start_server(SETTINGS, lambda: engine, recorder=recorder) as running:
+        assert await running.wait_loaded()
+        yield running
+
+
+@pytest.fixture
+async def channel(server: RunningServer) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield channel
+
+
+@pytest.fixture
+def stub(channel: grpc.aio.Channel) -> Any:
+    return pb_grpc.LlmServiceStub(channel)
+
+
+async def eventually(predicate: Callable[[], bool], timeout_s: float = 2.0) -> None:
+    """Wait until predicate() holds: some log lines are written after the client sees the end."""
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def drain(call: Any) -> None:
+    async for _ in call:
+        pass
+
+
+def access_lines(logs: Sequence[Mapping[str, Any]], method: str) -> list[Mapping[str, Any]]:
+    return [e for e in logs if e["event"] == "rpc" and e["method"] == method]
+
+
+async def test_unary_access_line(stub: Any) -> None:
+    """One 'rpc' line per unary call with method, OK, request id, one message, peer, duration."""
+    with capture_logs() as logs:
+        await stub.Generate(pb.GenerateRequest(prompt="ab"), metadata=(("x-request-id", "u-1"),))
+        await eventually(lambda: bool(access_lines(logs, GENERATE)))
+    [line] = access_lines(logs, GENERATE)
+    assert line["code"] == "OK"
+    assert line["request_id"] == "u-1"
+    assert line["messages_sent"] == 1
+    assert line["peer"].startswith("ipv4:127.0.0.1")
+    assert line["duration_ms"] >= 0
+    assert "ttft_ms" not in line
+    assert line["log_level"] == "info"
+
+
+async def test_stream_access_line_has_ttft_and_count(stub: Any) -> None:
+    """A stream's line counts every message and reports the time to the first one."""
+    with capture_logs() as logs:
+        messages = [m async for m in stub.StreamGenerate(pb.StreamGenerateRequest(prompt="abc"))]
+        await eventually(lambda: bool(access_lines(logs, STREAM)))
+    [line] = access_lines(logs, STREAM)
+    assert line["messages_sent"] == len(messages) == 4
+    assert 0 <= line["ttft_ms"] <= line["duration_ms"]
+
+
+async def test_error_code_is_logged(stub: Any) -> None:
+    """An aborted call logs the status it ended with."""
+    with capture_logs() as logs, pytest.raises(grpc.aio.AioRpcError):
+        await stub.Generate(pb.GenerateRequest(prompt=""))
+    [line] = access_lines(logs, GENERATE)
+    assert line["code"] == "INVALID_ARGUMENT"
+    assert line["messages_sent"] == 0
+
+
+async def test_client_cancel_is_logged_as_cancelled(stub: Any, engine: FakeEngine) -> None:
+    """A stream the client cancels logs CANCELLED."""
+    engine.token_delay_s = 0.05
+    with capture_logs() as logs:
+        call = stub.StreamGenerate(pb.StreamGenerateRequest(prompt="x" * 40))
+        await call.read()
+        call.cancel()
+        await eventually(lambda: bool(access_lines(logs, STREAM)))
+    assert access_lines(logs, STREAM)[0]["code"] == "CANCELLED"
+
+
+async def test_deadline_is_logged_as_deadline_exceeded(stub: Any, engine: FakeEngine) -> None:
+    """A stream whose deadline expires logs DEADLINE_EXCEEDED, not CANCELLED."""
+    engine.token_delay_s = 0.05
+    with capture_logs() as logs:
+        call = stub.StreamGenerate(pb.StreamGenerateRequest(prompt="x" * 40), timeout=0.2)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await drain(call)
+        await eventually(lambda: bool(access_lines(logs, STREAM)))
+    assert access_lines(logs, STREAM)[0]["code"] == "DEADLINE_EXCEEDED"
+
+
+async def test_prompt_text_is_never_logged(stub: Any) -> None:
+    """No log entry of a call carries the prompt or the generated text."""
+    prompt = "TOP-SECRET-PROMPT"
+    with capture_logs() as logs:
+        await stub.Generate(pb.GenerateRequest(prompt=prompt))
+        await eventually(lambda: bool(access_lines(logs, GENERATE)))
+    assert logs
+    text = repr(logs)
+    assert prompt not in text
+    assert prompt[::-1] not in text
+
+
+async def test_recorder_sees_start_and_end(stub: Any, recorder: ListRecorder) -> None:
+    """rpc_started then rpc_handled with the method, the status name and the seconds taken."""
+    await stub.Generate(pb.GenerateRequest(prompt="ab"))
+    with pytest.raises(grpc.aio.AioRpcError):
+        await stub.Generate(pb.GenerateRequest(prompt="ab", model="other"))
+    assert recorder.started == [GENERATE, GENERATE]
+    assert [(m, c) for m, c, _ in recorder.handled] == [(GENERATE, "OK"), (GENERATE, "NOT_FOUND")]
+    assert all(seconds > 0 for _, _, seconds in recorder.handled)
+
+
+async def test_request_id_is_bound_for_the_handler(stub: Any, engine: FakeEngine) -> None:
+    """Inside the handler the id is in the contextvar and the structlog context."""
+    seen: dict[str, Any] = {}
+
+    def spy(request: GenerationRequest) -> list[int]:
+        seen["current"] = interceptors.current_request_id()
+        seen["structlog"] = structlog.contextvars.get_contextvars().get("request_id")
+        return list(reversed_prompt(request))
+
+    engine.script = spy
+    await stub.Generate(pb.GenerateRequest(prompt="ab"), metadata=(("x-request-id", "ctx-7"),))
+    assert seen == {"current": "ctx-7", "structlog": "ctx-7"}
+    assert interceptors.current_request_id() == ""
+
+
+@pytest.mark.parametrize("bad_id", ["x" * 129, ""])
+async def test_unreasonable_request_id_is_replaced(stub: Any, bad_id: str) -> None:
+    """An over-long or empty x-request-id is replaced by a generated one."""
+    call = stub.Generate(pb.GenerateRequest(prompt="ab"), metadata=(("x-request-id", bad_id),))
+    response = await call
+    echoed = dict(await call.initial_metadata())["x-request-id"]
+    assert echoed != bad_id
+    assert len(echoed) == 32
+    assert response.request_id == echoed
+
+
+async def test_request_id_reaches_error_responses(stub: Any) -> None:
+    """A failed call still carries x-request-id in its initial metadata."""
+    call = stub.Generate(pb.GenerateRequest(prompt=""), metadata=(("x-request-id", "err-1"),))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call
+    assert dict(caught.value.initial_metadata())["x-request-id"] == "err-1"
+
+
+async def test_health_watch_works_through_the_interceptor(channel: grpc.aio.Channel) -> None:
+    """The aio health Watch (a coroutine writing with context.write) is wrapped correctly."""
+    health = health_pb2_grpc.HealthStub(channel)
+    with capture_logs() as logs:
+        call = health.Watch(health_pb2.HealthCheckRequest(service=""))
+        first = await call.read()
+        metadata = await call.initial_metadata()
+        call.cancel()
+        method = "/grpc.health.v1.Health/Watch"
+        await eventually(lambda: bool(access_lines(logs, method)))
+    assert first.status == health_pb2.HealthCheckResponse.SERVING
+    assert "x-request-id" in dict(metadata)
+    assert access_lines(logs, method)[0]["code"] == "CANCELLED"
+
+
+async def test_unknown_method_stays_unimplemented(channel: grpc.aio.Channel) -> None:
+    """A method the server lacks still gets UNIMPLEMENTED from grpc."""
+    call = channel.unary_unary("/llama_grpc.v1.LlmService/Nope", None, None)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call(b"")
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+class StubContext:
+    """code() and time_remaining() as a finished call would report them."""
+
+    def __init__(self, code: grpc.StatusCode | None, remaining: float | None = None) -> None:
+        self._code = code
+        self._remaining = remaining
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def time_remaining(self) -> float | None:
+        return self._remaining
+
+
+@pytest.mark.parametrize(
+    ("code", "remaining", "error", "expected"),
+    [
+        (None, None, None, "OK"),
+        (grpc.StatusCode.NOT_FOUND, None, None, "NOT_FOUND"),
+        (grpc.StatusCode.INTERNAL, None, grpc.aio.AbortError(), "INTERNAL"),
+        (None, None, asyncio.CancelledError(), "CANCELLED"),
+        (None, 5.0, GeneratorExit(), "CANCELLED"),
+        (None, 0.0, asyncio.CancelledError(), "DEADLINE_EXCEEDED"),
+        (None, None, ValueError("bug"), "UNKNOWN"),
+    ],
+)
+def test_status_name(
+    code: grpc.StatusCode | None,
+    remaining: float | None,
+    error: BaseException | None,
+    expected: str,
+) -> None:
+    """The logged code follows the handler's outcome."""
+    context = cast(Any, StubContext(code, remaining))
+    assert interceptors.status_name(context, error) == expected

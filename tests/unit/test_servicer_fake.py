@@ -1,0 +1,391 @@
+"""LlmServicer behind a real grpc.aio server on 127.0.0.1:0, with the FakeEngine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2  # type: ignore[import-untyped]  # no stubs
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
+
+from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
+from llama_grpc_server import errors
+from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings
+from llama_grpc_server.rpc.server import RunningServer, serve, start_server
+from llama_grpc_server.rpc.servicer import SERVICE_NAME
+from llama_grpc_server.testing import BOS_ID, FakeEngine, encode
+
+SETTINGS = Settings(
+    scheduler=SchedulerSettings(default_max_tokens=64),
+    server=ServerSettings(host="127.0.0.1", port=0, grace_s=0.5),
+)
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+async def server(engine: FakeEngine) -> AsyncIterator[RunningServer]:
+    async with start_server(SETTINGS, lambda: engine) as running:
+        assert await running.wait_loaded()
+        yield running
+
+
+@pytest.fixture
+async def channel(server: RunningServer) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield channel
+
+
+@pytest.fixture
+def stub(channel: grpc.aio.Channel) -> Any:
+    return pb_grpc.LlmServiceStub(channel)
+
+
+def details(error: grpc.aio.AioRpcError) -> dict[str, Any]:
+    """The google.rpc details of a failed call, by type name."""
+    found: dict[str, Any] = {}
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]  # AioRpcError quacks like a Call
+    assert status is not None
+    for detail in status.details:
+        for cls in (
+            error_details_pb2.ErrorInfo,
+            error_details_pb2.BadRequest,
+            error_details_pb2.RetryInfo,
+            error_details_pb2.RequestInfo,
+        ):
+            value = cls()
+            if detail.Unpack(value):
+                found[cls.__name__] = value
+    return found
+
+
+async def collect(call: Any) -> list[Any]:
+    return [message async for message in call]
+
+
+async def read_all(call: Any) -> AsyncIterator[Any]:
+    """The remaining messages of a call already read with read()."""
+    while (message := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]  # grpc-stubs lacks aio.EOF
+        yield message
+
+
+# -- generation ------------------------------------------------------------------------------------
+
+
+async def test_unary_equals_concatenated_stream(stub: Any) -> None:
+    """Generate returns exactly what StreamGenerate's deltas add up to, with the same finish."""
+    unary = await stub.Generate(pb.GenerateRequest(prompt="hello"))
+    messages = await collect(stub.StreamGenerate(pb.StreamGenerateRequest(prompt="hello")))
+    deltas, done = messages[:-1], messages[-1]
+    assert all(m.WhichOneof("event") == "delta" for m in deltas)
+    assert done.WhichOneof("event") == "done"
+    assert unary.text == "".join(m.delta.text for m in deltas) == "olleh"
+    assert list(unary.token_ids) == [t for m in deltas for t in m.delta.token_ids]
+    assert unary.finish_reason == done.done.finish_reason == pb.FINISH_REASON_EOS
+    assert unary.usage == done.done.usage
+    assert unary.usage.prompt_tokens == 6  # BOS + 5 bytes
+
+
+async def test_max_tokens_cuts_the_output(stub: Any) -> None:
+    """An explicit max_tokens limits the output and reports MAX_TOKENS."""
+    params = pb.GenerationParams(stopping=pb.StoppingCriteria(max_tokens=2))
+    response = await stub.Generate(pb.GenerateRequest(prompt="abcdef", params=params))
+    assert response.text == "fe"
+    assert response.finish_reason == pb.FINISH_REASON_MAX_TOKENS
+
+
+async def test_stop_token_is_reported(stub: Any) -> None:
+    """A stop token ends generation with STOP_TOKEN and names the token; it is not emitted."""
+    [stop_id] = encode("c")
+    params = pb.GenerationParams(stopping=pb.StoppingCriteria(stop_token_ids=[stop_id]))
+    response = await stub.Generate(pb.GenerateRequest(prompt="abcd", params=params))
+    assert response.text == "d"
+    assert response.finish_reason == pb.FINISH_REASON_STOP_TOKEN
+    assert response.finish.matched_token_id == stop_id
+
+
+async def test_generate_tokens_streams_token_ids(stub: Any, engine: FakeEngine) -> None:
+    """GenerateTokens takes ids as the prompt (no BOS added) and streams ids and text."""
+    messages = await collect(stub.GenerateTokens(pb.GenerateTokensRequest(token_ids=encode("ab"))))
+    assert [list(m.delta.token_ids) for m in messages[:-1]] == [encode("b"), encode("a")]
+    assert messages[-1].done.usage.prompt_tokens == 2
+    assert engine.submitted[0].prompt_tokens == tuple(encode("ab"))
+
+
+async def test_add_special_false_skips_bos(stub: Any, engine: FakeEngine) -> None:
+    """add_special=False tokenizes the prompt without BOS; the default adds it."""
+    await stub.Generate(pb.GenerateRequest(prompt="a", add_special=False))
+    await stub.Generate(pb.GenerateRequest(prompt="a"))
+    assert engine.submitted[0].prompt_tokens == tuple(encode("a"))
+    assert engine.submitted[1].prompt_tokens == (BOS_ID, *encode("a"))
+
+
+async def test_deadline_reaches_the_engine(stub: Any, engine: FakeEngine) -> None:
+    """A call timeout becomes the request's monotonic deadline; no timeout means None."""
+    await stub.Generate(pb.GenerateRequest(prompt="a"), timeout=30)
+    await stub.Generate(pb.GenerateRequest(prompt="a"))
+    loop_now = time.monotonic()
+    deadline = engine.submitted[0].deadline
+    assert deadline is not None
+    assert 25 < deadline - loop_now <= 30
+    assert engine.submitted[1].deadline is None
+
+
+async def test_cancel_mid_stream_cancels_the_engine_request(stub: Any, engine: FakeEngine) -> None:
+    """A client cancel after two deltas makes the servicer cancel the request in the engine."""
+    engine.token_delay_s = 0.05
+    call = stub.StreamGenerate(pb.StreamGenerateRequest(prompt="x" * 50))
+    received = 0
+    async for _ in call:
+        received += 1
+        if received == 2:
+            call.cancel()
+            break
+    cancelled_id = await engine.wait_for_cancel(timeout_s=2)
+    assert cancelled_id == engine.submitted[0].request_id
+    assert not engine.active
+
+
+async def test_deadline_mid_stream_cancels_the_engine_request(
+    stub: Any, engine: FakeEngine
+) -> None:
+    """An expired deadline ends the stream with DEADLINE_EXCEEDED and cancels the engine request."""
+    engine.token_delay_s = 0.05
+    call = stub.StreamGenerate(pb.StreamGenerateRequest(prompt="x" * 50), timeout=0.3)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await collect(call)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert await engine.wait_for_cancel(timeout_s=2) == engine.submitted[0].request_id
+
+
+async def test_unary_deadline_cancels_the_engine_request(stub: Any, engine: FakeEngine) -> None:
+    """A unary Generate that times out also cancels its engine request."""
+    engine.token_delay_s = 0.05
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Generate(pb.GenerateRequest(prompt="x" * 50), timeout=0.3)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert await engine.wait_for_cancel(timeout_s=2) == engine.submitted[0].request_id
+
+
+async def test_finished_stream_is_not_cancelled(stub: Any, engine: FakeEngine) -> None:
+    """A request that ran to its end is never reported as cancelled."""
+    await collect(stub.StreamGenerate(pb.StreamGenerateRequest(prompt="abc")))
+    await stub.Generate(pb.GenerateRequest(prompt="abc"))
+    await asyncio.sleep(0.05)
+    assert engine.cancelled == []
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+async def test_failed_event_mid_stream_becomes_status(stub: Any, engine: FakeEngine) -> None:
+    """A Failed event after two deltas ends the stream with its status and details."""
+    engine.fail_with = errors.KvCacheFull("no room", metadata={"n_ctx": "512"}, retry_after_s=2)
+    engine.fail_after = 2
+    call = stub.StreamGenerate(pb.StreamGenerateRequest(prompt="abcdef"))
+    received = [await call.read(), await call.read()]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call.read()
+    assert [m.WhichOneof("event") for m in received] == ["delta", "delta"]
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert caught.value.details() == "no room"
+    found = details(caught.value)
+    assert found["ErrorInfo"].reason == "KV_CACHE_FULL"
+    assert dict(found["ErrorInfo"].metadata) == {"n_ctx": "512"}
+    assert found["RetryInfo"].retry_delay.seconds == 2
+    assert found["RequestInfo"].request_id == engine.submitted[0].request_id
+
+
+async def test_invalid_argument_names_the_field(stub: Any, engine: FakeEngine) -> None:
+    """A bad parameter is INVALID_ARGUMENT with BadRequest naming it; nothing is submitted."""
+    params = pb.GenerationParams(sampling=pb.SamplingParams(top_p=0))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Generate(pb.GenerateRequest(prompt="a", params=params))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    found = details(caught.value)
+    assert found["BadRequest"].field_violations[0].field == "params.sampling.top_p"
+    assert found["ErrorInfo"].reason == "INVALID_ARGUMENT"
+    assert engine.submitted == []
+
+
+async def test_overloaded_is_resource_exhausted_with_retry(stub: Any, engine: FakeEngine) -> None:
+    """A full queue is RESOURCE_EXHAUSTED, reason QUEUE_FULL, with RetryInfo."""
+    engine.max_queue = 0
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await collect(stub.StreamGenerate(pb.StreamGenerateRequest(prompt="a")))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    found = details(caught.value)
+    assert found["ErrorInfo"].reason == "QUEUE_FULL"
+    assert found["RetryInfo"].retry_delay.seconds == 1
+
+
+async def test_unknown_model_is_not_found(stub: Any) -> None:
+    """Naming another model is NOT_FOUND."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Generate(pb.GenerateRequest(model="gpt-5", prompt="a"))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert details(caught.value)["ErrorInfo"].reason == "MODEL_NOT_FOUND"
+
+
+async def test_bug_in_engine_is_internal_without_details(stub: Any, engine: FakeEngine) -> None:
+    """An unexpected exception is INTERNAL naming only the request id."""
+
+    def broken(request: Any) -> list[int]:
+        raise ZeroDivisionError("secret internals")
+
+    engine.script = broken
+    call = stub.Generate(pb.GenerateRequest(prompt="a"), metadata=(("x-request-id", "bug-1"),))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert caught.value.details() == "internal error (request_id=bug-1)"
+
+
+# -- request ids -----------------------------------------------------------------------------------
+
+
+async def test_request_id_is_echoed(stub: Any, engine: FakeEngine) -> None:
+    """A caller's x-request-id comes back in initial metadata, the result, and the engine."""
+    call = stub.StreamGenerate(
+        pb.StreamGenerateRequest(prompt="ab"), metadata=(("x-request-id", "mine-42"),)
+    )
+    metadata = await call.initial_metadata()
+    messages = await collect(call)
+    assert dict(metadata)["x-request-id"] == "mine-42"
+    assert messages[-1].done.request_id == "mine-42"
+    assert engine.submitted[0].request_id == "mine-42"
+
+
+async def test_request_id_is_generated_when_absent(stub: Any) -> None:
+    """Without x-request-id the server makes one (uuid4 hex) and uses it everywhere."""
+    call = stub.Generate(pb.GenerateRequest(prompt="ab"))
+    response = await call
+    request_id = dict(await call.initial_metadata())["x-request-id"]
+    assert len(request_id) == 32
+    assert int(request_id, 16) >= 0
+    assert response.request_id == request_id
+
+
+# -- no-scheduler RPCs -----------------------------------------------------------------------------
+
+
+async def test_tokenize_with_pieces(stub: Any) -> None:
+    """Tokenize returns ids and, when asked, each token's text."""
+    response = await stub.Tokenize(pb.TokenizeRequest(text="hi", return_pieces=True))
+    assert list(response.token_ids) == [BOS_ID, *encode("hi")]
+    assert list(response.pieces) == ["<s>", "h", "i"]
+
+
+async def test_detokenize_and_bad_id(stub: Any) -> None:
+    """Detokenize renders ids; an id outside the vocabulary is INVALID_ARGUMENT at its index."""
+    response = await stub.Detokenize(pb.DetokenizeRequest(token_ids=encode("ok")))
+    assert response.text == "ok"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Detokenize(pb.DetokenizeRequest(token_ids=[*encode("ok"), 9999]))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details(caught.value)["BadRequest"].field_violations[0].field == "token_ids[2]"
+
+
+async def test_stats_and_model_info(stub: Any) -> None:
+    """GetStats reflects finished requests; GetModelInfo describes the loaded model."""
+    await stub.Generate(pb.GenerateRequest(prompt="abc"))
+    stats = await stub.GetStats(pb.GetStatsRequest())
+    info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert stats.requests_started == 1
+    assert stats.requests_finished == 1
+    assert stats.generated_tokens == 3
+    assert info.model_name == "fake"
+    assert info.n_vocab == 259
+
+
+# -- loading, health, reflection, shutdown ---------------------------------------------------------
+
+
+async def test_not_ready_until_engine_loads() -> None:
+    """While the factory runs: health NOT_SERVING and RPCs UNAVAILABLE/NOT_READY; then SERVING."""
+    release = threading.Event()
+    engine = FakeEngine()
+
+    def slow_factory() -> FakeEngine:
+        release.wait(10)
+        return engine
+
+    async with (
+        start_server(SETTINGS, slow_factory) as running,
+        grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel,
+    ):
+        stub: Any = pb_grpc.LlmServiceStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", SERVICE_NAME):
+            check = await health.Check(health_pb2.HealthCheckRequest(service=name))
+            assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Generate(pb.GenerateRequest(prompt="a"))
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert details(caught.value)["ErrorInfo"].reason == "NOT_READY"
+        release.set()
+        assert await running.wait_loaded()
+        check = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        assert (await stub.Generate(pb.GenerateRequest(prompt="ab"))).text == "ba"
+
+
+async def test_reflection_lists_the_services(channel: grpc.aio.Channel) -> None:
+    """Server reflection lists LlmService, health and reflection itself."""
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    responses = [r async for r in reflection.ServerReflectionInfo(iter([request]))]
+    names = {s.name for s in responses[0].list_services_response.service}
+    assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
+    assert "grpc.reflection.v1alpha.ServerReflection" in names
+
+
+async def test_stop_lets_in_flight_streams_finish(engine: FakeEngine) -> None:
+    """stop(grace) refuses new calls but an in-flight stream still ends with `done`."""
+    engine.token_delay_s = 0.02
+    async with start_server(SETTINGS, lambda: engine) as running:
+        assert await running.wait_loaded()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub: Any = pb_grpc.LlmServiceStub(channel)
+            call = stub.StreamGenerate(pb.StreamGenerateRequest(prompt="abcdefgh"))
+            first = await call.read()
+            stopping = asyncio.create_task(running.stop(grace_s=5))
+            rest = [m async for m in read_all(call)]
+            await stopping
+    assert first.WhichOneof("event") == "delta"
+    assert rest[-1].WhichOneof("event") == "done"
+    assert await call.code() == grpc.StatusCode.OK
+    assert engine.is_closed
+
+
+async def test_serve_returns_1_when_the_engine_fails_to_load() -> None:
+    """A factory that raises makes serve() log it and return 1."""
+
+    def broken() -> FakeEngine:
+        raise RuntimeError("no such model file")
+
+    assert await asyncio.wait_for(serve(SETTINGS, broken), 10) == 1
+
+
+async def test_serve_stops_on_sigterm() -> None:
+    """SIGTERM drains the server, closes the engine and serve() returns 0."""
+    engine = FakeEngine()
+    ready = asyncio.Event()
+    task = asyncio.create_task(serve(SETTINGS, lambda: engine, ready=ready))
+    await asyncio.wait_for(ready.wait(), 10)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert await asyncio.wait_for(task, 10) == 0
+    assert engine.is_closed
