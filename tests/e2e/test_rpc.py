@@ -48,7 +48,7 @@ async def test_unary_equals_stream(client: AsyncClient) -> None:
     whole = await client.generate(PROMPT, max_tokens=16, ignore_eos=True)
     text, ids, done = await collect(client.stream(PROMPT, max_tokens=16, ignore_eos=True))
     assert whole.text == text and list(whole.token_ids) == ids and len(ids) == 16
-    assert whole.finish_reason == done.finish_reason == "MAX_TOKENS"
+    assert whole.finish_reason == done.finish_reason == "max_tokens"
     assert whole.usage.prompt_tokens == done.usage.prompt_tokens > 0
     assert whole.usage.completion_tokens == done.usage.completion_tokens == 16
     assert whole.request_id and done.request_id and whole.request_id != done.request_id
@@ -98,7 +98,7 @@ async def test_deadline_exceeded_then_healthy(client: AsyncClient) -> None:
         ({"max_tokens": 0}, InvalidArgumentError, "params.stopping.max_tokens"),
         ({"stop": ["x"] * 17}, InvalidArgumentError, "params.stopping.stop"),
         ({"stop": ["ok", ""]}, InvalidArgumentError, "params.stopping.stop[1]"),
-        ({"stop_token_ids": [10**7]}, InvalidArgumentError, "params.stopping.stop_token_ids"),
+        ({"stop_token_ids": [10**7]}, InvalidArgumentError, "params.stopping.stop_token_ids[0]"),
         ({"max_tokens": 4000}, ContextLengthExceededError, "params.stopping.max_tokens"),
         ({"model": "no-such-model"}, ModelNotFoundError, "model"),
         ({"session_id": "s" * 1000}, InvalidArgumentError, "session_id"),
@@ -121,11 +121,25 @@ async def test_bad_token_ids_and_too_long_prompt(client: AsyncClient) -> None:
     """Out-of-vocabulary ids name token_ids; a prompt filling the context names both numbers."""
     with pytest.raises(InvalidArgumentError) as bad:
         await collect(client.generate_tokens([2, 262144]))
-    assert bad.value.field == "token_ids"
+    assert bad.value.field == "token_ids[1]"
     with pytest.raises(ContextLengthExceededError) as long:
         await collect(client.generate_tokens([2] + [1000] * 4200))
     assert "4201" in long.value.message and "4096" in long.value.message
     assert await client.health() == "SERVING"
+
+
+async def test_empty_nan_and_oversize_inputs(client: AsyncClient) -> None:
+    """An empty prompt, a NaN temperature and a message over the size limit get clear codes."""
+    with pytest.raises(InvalidArgumentError) as empty:
+        await client.generate("")
+    assert empty.value.field == "prompt"
+    with pytest.raises(InvalidArgumentError) as nan:
+        await client.generate(PROMPT, temperature=float("nan"))
+    assert nan.value.field == "params.sampling.temperature"
+    with pytest.raises(LlamaGrpcError) as huge:
+        await client.generate("x" * (17 * 1024 * 1024))
+    assert huge.value.code == "RESOURCE_EXHAUSTED"
+    assert (await client.generate(PROMPT, max_tokens=2)).usage.completion_tokens >= 1
 
 
 async def test_concurrent_streams_share_the_batch(client: AsyncClient) -> None:
@@ -138,7 +152,7 @@ async def test_concurrent_streams_share_the_batch(client: AsyncClient) -> None:
         )
     )
     assert [len(ids) for _, ids, _ in results] == [24] * 16
-    assert all(done.finish_reason == "MAX_TOKENS" for _, _, done in results)
+    assert all(done.finish_reason == "max_tokens" for _, _, done in results)
     after = await client.stats()
     ticks = after.ticks - before.ticks
     tokens = after.generated_tokens - before.generated_tokens
