@@ -394,3 +394,24 @@ def test_ram_tier_saves_evicted_cache_and_restores_it() -> None:
     assert s.ram.hits == 1
     assert again.num_cached_prompt == 100
     assert runner.fed["again"] == 3 + 6 - 1, "only the new tail and decode tokens were fed"
+
+
+def test_queued_request_of_idle_session_goes_first() -> None:
+    """With the only idle slot holding session "s", a later-queued request of that session is
+    admitted before an earlier unrelated one, and reuses the session's cache."""
+    s, runner = make(n_parallel=2), FakeRunner()
+    first = Request(GenerationRequest("s1", tuple(range(1, 41)), GREEDY, StoppingParams(4), "s"))
+    s.add(first)
+    drive(s, runner)
+    s.add(req("long", 30, 40))
+    plan, _ = s.schedule()  # "long" takes the never-used slot
+    assert plan is not None
+    s.update(plan, runner.execute(plan))
+    s.add(req("unrelated", 30, 4))
+    follow_up = (*first.tokens, 77, 78)
+    s.add(Request(GenerationRequest("s2", follow_up, GREEDY, StoppingParams(4), "s")))
+    events = drive(s, runner)
+    order = [r.request_id for r, e in events if isinstance(e, TokenDelta)]
+    assert order.index("s2") < order.index("unrelated")
+    s2 = next(r for r, _ in events if r.request_id == "s2")
+    assert s2.num_cached_prompt == len(first.tokens) - 1  # its last token was never fed

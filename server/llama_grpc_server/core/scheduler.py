@@ -215,7 +215,19 @@ class Scheduler:
             return
         self._is_admission_paused = False
         while self.queue and any(s.is_idle for s in self.slots):
-            self._place(self.queue.popleft())
+            self._place(self._next_queued())
+
+    def _next_queued(self) -> Request:
+        """FIFO, except that a request whose session's slot is idle goes first: it reuses its
+        conversation's cache at once instead of another request evicting it. A preempted
+        request at the head keeps its place."""
+        sessions = {s.session_id for s in self.slots if s.is_idle and s.session_id}
+        if sessions and not self.queue[0].num_preemptions:
+            for request in self.queue:
+                if request.spec.session_id in sessions:
+                    self.queue.remove(request)
+                    return request
+        return self.queue.popleft()
 
     def _place(self, request: Request) -> None:
         spec = request.spec
