@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import difflib
-import logging
 import math
 import os
 import sys
@@ -16,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-import structlog
-
+from llama_grpc_server import telemetry
 from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSettings, Settings
+from llama_grpc_server.core.api import EngineApi
 from llama_grpc_server.core.request import SamplingParams
 from llama_grpc_server.core.strategies import load_strategy
+from llama_grpc_server.telemetry import configure_logging
 
 PROG = "llama-grpc serve"
 ENV_PREFIX = "LLAMA_GRPC_"
@@ -130,6 +130,8 @@ OPTIONS: tuple[Option, ...] = (
            one_of(*LOG_FORMATS), "FORMAT"),
     Option("log_level", str, "info", "server.log_level", " | ".join(LOG_LEVELS),
            one_of(*LOG_LEVELS), "LEVEL"),
+    Option("log_payloads", bool, False, "server.log_payloads",
+           "log request and response messages (debugging: prompts and completions in logs)"),
     Option("grace_s", float, 10.0, "server.grace_s", "seconds to finish requests on shutdown",
            at_least(0)),
     Option("cache_prompt", bool, True, "scheduler.cache_prompt", "reuse KV of a cached prefix"),
@@ -409,44 +411,26 @@ def load_settings(
     return _build(values, cpus if cpus is not None else num_cpus())
 
 
-def configure_logging(log_format: str, level: str) -> None:
-    """structlog to stderr as JSON lines (or the console renderer) at `level`; stdlib logging
-    (grpc, asyncio) goes through the same renderer."""
-    num_level = logging.getLevelNamesMapping()[level.upper()]
-    shared: list[structlog.types.Processor] = [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
-    ]
-    renderer: structlog.types.Processor = structlog.dev.ConsoleRenderer()
-    if log_format == "json":
-        shared.append(structlog.processors.dict_tracebacks)
-        renderer = structlog.processors.JSONRenderer()
-    structlog.configure(
-        processors=[*shared, renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(num_level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
-    )
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
-        )
-    )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(num_level)
-
-
 def run(settings: Settings) -> int:
-    """Load the model inside serve() (so health can report NOT_SERVING meanwhile) and serve."""
+    """Load the model inside serve() (so health can report NOT_SERVING meanwhile) and serve,
+    with telemetry events feeding Prometheus (--metrics-port) and, at debug, the logs."""
     from llama_grpc_server.engine.build import build_engine
+    from llama_grpc_server.metrics import Metrics
     from llama_grpc_server.rpc.server import serve
 
     debug_logs = settings.server.log_level == "debug"
-    return asyncio.run(serve(settings, lambda: build_engine(settings, debug_logs=debug_logs)))
+    metrics = Metrics() if settings.server.metrics_port else None
+    sinks: list[telemetry.EventSink] = [] if metrics is None else [metrics]
+    if debug_logs:
+        sinks.append(telemetry.LogSink())
+    events = telemetry.Telemetry(sink=telemetry.Sinks(*sinks) if sinks else None)
+
+    def factory() -> EngineApi:
+        return build_engine(
+            settings, on_tick=events.on_tick, on_done=events.on_done, debug_logs=debug_logs
+        )
+
+    return asyncio.run(serve(settings, factory, metrics=metrics))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ class ServerSettings:
     metrics_port: int = 0
     log_format: str = "json"
     log_level: str = "info"
+    log_payloads: bool = False  # request/response messages in the logs (debugging only)
     grace_s: float = 10.0
     max_message_bytes: int = 16 * 1024 * 1024
 

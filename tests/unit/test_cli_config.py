@@ -292,7 +292,11 @@ def test_run_wires_serve_and_build_engine(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setitem(sys.modules, "llama_grpc_server.engine.build", fake_build)
     got = settings("--log-level", "debug")
     assert cli.run(got) == 3
-    assert calls == [("serve", got), ("build", {"debug_logs": True})]
+    assert calls[0] == ("serve", got)
+    name, kwargs = calls[1]
+    assert name == "build" and isinstance(kwargs, dict)
+    assert kwargs["debug_logs"] is True
+    assert callable(kwargs["on_tick"]) and callable(kwargs["on_done"])  # telemetry hooks
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any, cast
 
 import grpc
@@ -94,7 +95,7 @@ async def test_unary_access_line(stub: Any) -> None:
     assert line["messages_sent"] == 1
     assert line["peer"].startswith("ipv4:127.0.0.1")
     assert line["duration_ms"] >= 0
-    assert "ttft_ms" not in line
+    assert "first_message_ms" not in line
     assert line["log_level"] == "info"
 
 
@@ -105,7 +106,7 @@ async def test_stream_access_line_has_ttft_and_count(stub: Any) -> None:
         await eventually(lambda: bool(access_lines(logs, STREAM)))
     [line] = access_lines(logs, STREAM)
     assert line["messages_sent"] == len(messages) == 4
-    assert 0 <= line["ttft_ms"] <= line["duration_ms"]
+    assert 0 <= line["first_message_ms"] <= line["duration_ms"]
 
 
 async def test_error_code_is_logged(stub: Any) -> None:
@@ -253,3 +254,192 @@ def test_status_name(
     """The logged code follows the handler's outcome."""
     context = cast(Any, StubContext(code, remaining))
     assert interceptors.status_name(context, error) == expected
+
+
+# -- the wrappers driven directly, in the test's own task -----------------------------------------
+
+
+class FakeContext:
+    """The parts of a grpc.aio ServicerContext the interceptor uses."""
+
+    def __init__(self, remaining: float | None = None) -> None:
+        self.sent_metadata: list[tuple[tuple[str, str], ...]] = []
+        self._code: grpc.StatusCode | None = None
+        self._remaining = remaining
+
+    async def send_initial_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.sent_metadata.append(metadata)
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self._code = code
+        raise grpc.aio.AbortError()
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def time_remaining(self) -> float | None:
+        return self._remaining
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5555"
+
+
+async def intercepted(
+    handler: Any, recorder: ListRecorder, request_id: str = "direct-1", **options: Any
+) -> Any:
+    """`handler` as the interceptor rebuilds it for a call carrying x-request-id."""
+    details = cast(
+        grpc.HandlerCallDetails,
+        SimpleNamespace(method=GENERATE, invocation_metadata=(("x-request-id", request_id),)),
+    )
+
+    async def continuation(_: grpc.HandlerCallDetails) -> Any:
+        return handler
+
+    interceptor = interceptors.RequestInterceptor(recorder, **options)
+    return await interceptor.intercept_service(continuation, details)
+
+
+def seen_ids() -> dict[str, str]:
+    return {
+        "current": interceptors.current_request_id(),
+        "structlog": structlog.contextvars.get_contextvars().get("request_id", ""),
+    }
+
+
+@pytest.fixture
+def outer_binding() -> Iterator[None]:
+    """A structlog binding made before the call, which the call must restore."""
+    structlog.contextvars.bind_contextvars(request_id="outer")
+    yield
+    structlog.contextvars.clear_contextvars()
+
+
+async def test_unary_binds_ids_and_restores_them(
+    recorder: ListRecorder, outer_binding: None
+) -> None:
+    """Inside a unary call the id is bound; afterwards the caller's context is as before; the
+    id went out in initial metadata; OK is recorded."""
+    inside: list[dict[str, str]] = []
+
+    async def behavior(request: str, context: Any) -> str:
+        inside.append(seen_ids())
+        return request.upper()
+
+    handler = await intercepted(grpc.unary_unary_rpc_method_handler(behavior), recorder)
+    context = FakeContext()
+    with capture_logs() as logs:
+        assert await handler.unary_unary("hi", context) == "HI"
+    assert inside == [{"current": "direct-1", "structlog": "direct-1"}]
+    assert seen_ids() == {"current": "", "structlog": "outer"}
+    assert context.sent_metadata == [(("x-request-id", "direct-1"),)]
+    assert [(m, c) for m, c, _ in recorder.handled] == [(GENERATE, "OK")]
+    [line] = access_lines(logs, GENERATE)
+    assert (line["code"], line["messages_sent"], line["request_id"]) == ("OK", 1, "direct-1")
+
+
+async def test_stream_counts_messages_and_restores_ids(recorder: ListRecorder) -> None:
+    """A server stream: every yielded message counted, the id bound while it runs (also between
+    messages), reset once it ends."""
+    inside: list[dict[str, str]] = []
+
+    async def behavior(request: str, context: Any) -> AsyncIterator[str]:
+        for char in request:
+            inside.append(seen_ids())
+            yield char
+
+    handler = await intercepted(grpc.unary_stream_rpc_method_handler(behavior), recorder, "s-1")
+    with capture_logs() as logs:
+        got = [m async for m in handler.unary_stream("abc", FakeContext())]
+    assert got == ["a", "b", "c"]
+    assert inside == [{"current": "s-1", "structlog": "s-1"}] * 3
+    assert seen_ids() == {"current": "", "structlog": ""}
+    [line] = access_lines(logs, GENERATE)
+    assert (line["code"], line["messages_sent"]) == ("OK", 3)
+    assert 0 <= line["first_message_ms"] <= line["duration_ms"]
+    assert [(m, c) for m, c, _ in recorder.handled] == [(GENERATE, "OK")]
+
+
+async def test_aborted_call_records_its_code_and_resets(recorder: ListRecorder) -> None:
+    """context.abort(...) inside the handler: the abort propagates to grpc, its status is
+    recorded and logged, and the ids are reset."""
+
+    async def behavior(request: str, context: Any) -> str:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+        return "unreachable"
+
+    handler = await intercepted(grpc.unary_unary_rpc_method_handler(behavior), recorder)
+    with capture_logs() as logs, pytest.raises(grpc.aio.AbortError):
+        await handler.unary_unary("hi", FakeContext())
+    assert [(m, c) for m, c, _ in recorder.handled] == [(GENERATE, "RESOURCE_EXHAUSTED")]
+    assert access_lines(logs, GENERATE)[0]["log_level"] == "info"
+    assert seen_ids() == {"current": "", "structlog": ""}
+
+
+async def test_cancelled_stream_records_cancelled_and_resets(recorder: ListRecorder) -> None:
+    """A stream whose task is cancelled mid-way (client gone) records CANCELLED, logs the
+    messages sent so far and resets the ids."""
+    release = asyncio.Event()
+
+    async def behavior(request: str, context: Any) -> AsyncIterator[str]:
+        yield "first"
+        await release.wait()
+        yield "never"
+
+    handler = await intercepted(grpc.unary_stream_rpc_method_handler(behavior), recorder)
+
+    async def run_call() -> None:
+        async for _ in handler.unary_stream("x", FakeContext(remaining=30.0)):
+            pass
+
+    with capture_logs() as logs:
+        task = asyncio.create_task(run_call())
+        await eventually(lambda: bool(recorder.started))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert [(m, c) for m, c, _ in recorder.handled] == [(GENERATE, "CANCELLED")]
+    [line] = access_lines(logs, GENERATE)
+    assert (line["code"], line["messages_sent"]) == ("CANCELLED", 1)
+    assert seen_ids() == {"current": "", "structlog": ""}
+
+
+async def test_crashing_handler_is_unknown_and_logged_as_error(recorder: ListRecorder) -> None:
+    """An exception that is not an abort reaches grpc (UNKNOWN) and the line is an error."""
+
+    async def behavior(request: str, context: Any) -> str:
+        raise ZeroDivisionError
+
+    handler = await intercepted(grpc.unary_unary_rpc_method_handler(behavior), recorder)
+    with capture_logs() as logs, pytest.raises(ZeroDivisionError):
+        await handler.unary_unary("hi", FakeContext())
+    [line] = access_lines(logs, GENERATE)
+    assert (line["code"], line["log_level"]) == ("UNKNOWN", "error")
+
+
+async def test_payloads_are_logged_only_when_asked(recorder: ListRecorder) -> None:
+    """log_payloads=True puts the request in the access line and logs each sent message."""
+
+    async def behavior(request: Any, context: Any) -> Any:
+        return pb.TokenizeResponse(token_ids=[7, 8])
+
+    handler = grpc.unary_unary_rpc_method_handler(behavior)
+    quiet = await intercepted(handler, recorder)
+    loud = await intercepted(handler, recorder, log_payloads=True)
+    request = pb.TokenizeRequest(text="SECRET-TEXT")
+    with capture_logs() as quiet_logs:
+        await quiet.unary_unary(request, FakeContext())
+    with capture_logs() as loud_logs:
+        await loud.unary_unary(request, FakeContext())
+    assert "SECRET-TEXT" not in repr(quiet_logs)
+    [line] = access_lines(loud_logs, GENERATE)
+    assert line["request"] == 'text: "SECRET-TEXT"'
+    [message] = [e for e in loud_logs if e["event"] == "rpc_message"]
+    assert (message["index"], message["message"]) == (0, "token_ids: 7 token_ids: 8")
+
+
+def test_payload_text_is_bounded() -> None:
+    """A huge message is cut for the log."""
+    text = interceptors.payload_text(pb.TokenizeRequest(text="x" * 10_000))
+    assert len(text) == interceptors.MAX_PAYLOAD_LOG_CHARS

@@ -1,6 +1,7 @@
 """Per-RPC plumbing for every method, unary or streaming: the request id (x-request-id in and out,
 a contextvar, structlog context), one access-log line, and RpcRecorder metric hooks.
-Imports grpc and structlog only; knows nothing of LlmService messages; never logs payloads."""
+Imports grpc and structlog only; knows nothing of LlmService messages; logs payloads only when
+asked to (log_payloads, for debugging)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import structlog
+from google.protobuf import text_format
+from google.protobuf.message import Message
 
 REQUEST_ID_KEY = "x-request-id"
 MAX_REQUEST_ID_LENGTH = 128
+MAX_PAYLOAD_LOG_CHARS = 4096
 
 log = structlog.get_logger("llama_grpc.rpc")
 
@@ -29,7 +33,7 @@ Behavior = Callable[..., Any]
 if TYPE_CHECKING:  # generic only in grpc-stubs; the runtime classes take no parameters
     Context = grpc.aio.ServicerContext[Any, Any]
     Handler = grpc.RpcMethodHandler[Any, Any]
-    RpcFactory = Callable[[Context, bool], "_Rpc"]
+    RpcFactory = Callable[[Context, bool, Any], "_Rpc"]
     _ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]
 else:
     _ServerInterceptor = grpc.aio.ServerInterceptor
@@ -86,17 +90,34 @@ def status_name(context: Context, error: BaseException | None) -> str:
     return code.name
 
 
-class _Rpc:
-    """One call, from entry to its access-log line. An async context manager around the handler."""
+def payload_text(message: Any) -> str:
+    """A message as one line of protobuf text, cut at MAX_PAYLOAD_LOG_CHARS (debug logging)."""
+    if isinstance(message, Message):
+        text = text_format.MessageToString(message, as_one_line=True, as_utf8=True)
+    else:
+        text = type(message).__name__  # a request iterator (client streaming)
+    return text[:MAX_PAYLOAD_LOG_CHARS]
 
-    def __init__(
-        self, method: str, metadata: Any, context: Context, recorder: RpcRecorder, is_stream: bool
+
+class _Rpc:
+    """One call, from entry to its access-log line. An async context manager around the handler.
+    `request` is the request message when payloads are logged, else None."""
+
+    def __init__(  # noqa: PLR0917  # built in one place, by RequestInterceptor
+        self,
+        method: str,
+        metadata: Any,
+        context: Context,
+        recorder: RpcRecorder,
+        is_stream: bool,
+        request: Any = None,
     ) -> None:
         self.method = method
         self.request_id = _incoming_request_id(metadata)
         self.context = context
         self.recorder = recorder
         self.is_stream = is_stream
+        self.request = request
         self.num_messages = 0
         self.start_ns = time.perf_counter_ns()
         self.first_message_ns = 0
@@ -124,10 +145,13 @@ class _Rpc:
         """Response headers go out before the first message, so clients see the id at once."""
         await self.context.send_initial_metadata(((REQUEST_ID_KEY, self.request_id),))
 
-    def on_message(self) -> None:
+    def on_message(self, message: Any) -> None:
         if self.num_messages == 0:
             self.first_message_ns = time.perf_counter_ns()
         self.num_messages += 1
+        if self.request is not None:
+            log.info("rpc_message", method=self.method, index=self.num_messages - 1,
+                     message=payload_text(message))  # fmt: skip
 
     def _log(self, code: str, seconds: float) -> None:
         fields: dict[str, Any] = {
@@ -139,7 +163,9 @@ class _Rpc:
             "request_id": self.request_id,
         }
         if self.is_stream and self.first_message_ns:
-            fields["ttft_ms"] = round((self.first_message_ns - self.start_ns) / 1e6, 3)
+            fields["first_message_ms"] = round((self.first_message_ns - self.start_ns) / 1e6, 3)
+        if self.request is not None:
+            fields["request"] = payload_text(self.request)
         if code in _ERROR_CODES:
             log.error("rpc", **fields)
         else:
@@ -159,10 +185,10 @@ class _Rpc:
 
 def _wrap_unary_response(behavior: Behavior, start: RpcFactory) -> Behavior:
     async def unary_response(request: Any, context: Context) -> Any:
-        async with start(context, False) as rpc:
+        async with start(context, False, request) as rpc:
             await rpc.send_request_id()
             response = await behavior(request, context)
-            rpc.on_message()
+            rpc.on_message(response)
             return response
 
     return unary_response
@@ -172,7 +198,7 @@ def _wrap_written_stream(behavior: Behavior, start: RpcFactory) -> Behavior:
     """A streaming handler written as a coroutine using context.write (the aio health Watch)."""
 
     async def written_stream(request: Any, context: Context) -> None:
-        async with start(context, True) as rpc:
+        async with start(context, True, request) as rpc:
             await rpc.send_request_id()
             await behavior(request, context)
 
@@ -181,11 +207,11 @@ def _wrap_written_stream(behavior: Behavior, start: RpcFactory) -> Behavior:
 
 def _wrap_yielded_stream(behavior: Behavior, start: RpcFactory) -> Behavior:
     async def yielded_stream(request: Any, context: Context) -> AsyncIterator[Any]:
-        async with start(context, True) as rpc:
+        async with start(context, True, request) as rpc:
             await rpc.send_request_id()
             async with aclosing(behavior(request, context)) as messages:
                 async for message in messages:
-                    rpc.on_message()
+                    rpc.on_message(message)
                     yield message
 
     return yielded_stream
@@ -217,10 +243,12 @@ def _rebuild(handler: Handler, start: RpcFactory) -> Handler:
 
 
 class RequestInterceptor(_ServerInterceptor):
-    """Request id + access log + metric hooks around every RPC of the server."""
+    """Request id + access log + metric hooks around every RPC of the server. With
+    `log_payloads` the access line carries the request and each sent message gets a line."""
 
-    def __init__(self, recorder: RpcRecorder | None = None) -> None:
+    def __init__(self, recorder: RpcRecorder | None = None, *, log_payloads: bool = False) -> None:
         self._recorder: RpcRecorder = recorder or NullRecorder()
+        self._log_payloads = log_payloads
 
     async def intercept_service(
         self,
@@ -233,7 +261,10 @@ class RequestInterceptor(_ServerInterceptor):
         method = handler_call_details.method
         metadata = handler_call_details.invocation_metadata
 
-        def start(context: Context, is_stream: bool) -> _Rpc:
-            return _Rpc(method, metadata, context, self._recorder, is_stream)
+        log_payloads = self._log_payloads
+
+        def start(context: Context, is_stream: bool, request: Any) -> _Rpc:
+            logged = request if log_payloads else None
+            return _Rpc(method, metadata, context, self._recorder, is_stream, logged)
 
         return _rebuild(handler, start)

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.config import Settings
 from llama_grpc_server.core.api import EngineApi
+from llama_grpc_server.metrics import Metrics, MetricsServer, serve_metrics
 from llama_grpc_server.rpc.interceptors import RequestInterceptor, RpcRecorder
 from llama_grpc_server.rpc.servicer import SERVICE_NAME, LlmServicer
 
@@ -36,7 +37,7 @@ log = structlog.get_logger("llama_grpc.server")
 
 
 class ServerStartError(Exception):
-    """The server could not bind its address."""
+    """The server could not bind its address (gRPC or /metrics)."""
 
 
 def server_options(settings: Settings) -> list[tuple[str, Any]]:
@@ -71,7 +72,13 @@ class RunningServer:
     health: Any  # grpc_health.v1.health.aio.HealthServicer (grpc-stubs has no aio stubs)
     grace_s: float
     _loading: asyncio.Task[EngineApi | None]
+    metrics_server: MetricsServer | None = None
     _stopping: asyncio.Task[None] | None = field(default=None, init=False)
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound /metrics port, or None when Prometheus is off."""
+        return self.metrics_server.port if self.metrics_server is not None else None
 
     async def wait_loaded(self) -> bool:
         """True once the engine serves; False if its factory failed."""
@@ -91,11 +98,13 @@ class RunningServer:
         engine = await self._loading
         if engine is not None:
             await asyncio.to_thread(engine.close)
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.close)
         log.info("stopped", port=self.port)
 
 
 async def _load_engine(
-    factory: EngineFactory, servicer: LlmServicer, health_servicer: Any
+    factory: EngineFactory, servicer: LlmServicer, health_servicer: Any, metrics: Metrics | None
 ) -> EngineApi | None:
     """Run the (seconds-long, blocking) factory in a thread, then switch to SERVING."""
     try:
@@ -104,6 +113,8 @@ async def _load_engine(
         log.exception("engine_load_failed")
         return None
     servicer.attach(engine)
+    if metrics is not None:
+        metrics.watch(engine.stats)
     for name in HEALTH_NAMES:
         await health_servicer.set(name, SERVING)
     info = engine.model_info
@@ -111,12 +122,29 @@ async def _load_engine(
     return engine
 
 
+def _start_metrics(settings: Settings, metrics: Metrics | None) -> MetricsServer | None:
+    """/metrics on the gRPC host at --metrics-port, when both a Metrics and a port are given."""
+    host, port = settings.server.host, settings.server.metrics_port
+    if metrics is None or not port:
+        return None
+    try:
+        served = serve_metrics(metrics, host, port)
+    except OSError as exc:
+        raise ServerStartError(f"cannot serve /metrics on {_address(host, port)}: {exc}") from exc
+    log.info("metrics", url=f"http://{_address(host, served.port)}/metrics")
+    return served
+
+
 async def _started(
-    settings: Settings, engine_factory: EngineFactory, recorder: RpcRecorder | None
+    settings: Settings,
+    engine_factory: EngineFactory,
+    recorder: RpcRecorder | None,
+    metrics: Metrics | None,
 ) -> RunningServer:
-    server = grpc.aio.server(
-        interceptors=[RequestInterceptor(recorder)], options=server_options(settings)
+    interceptor = RequestInterceptor(
+        recorder if recorder is not None else metrics, log_payloads=settings.server.log_payloads
     )
+    server = grpc.aio.server(interceptors=[interceptor], options=server_options(settings))
     servicer = LlmServicer(settings)
     pb_grpc.add_LlmServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]  # no aio stubs
@@ -130,11 +158,13 @@ async def _started(
         port = server.add_insecure_port(_address(host, settings.server.port))
     except RuntimeError as exc:
         raise ServerStartError(f"cannot listen on {_address(host, settings.server.port)}") from exc
+    metrics_server = _start_metrics(settings, metrics)
     await server.start()
     log.info("listening", address=_address(host, port), port=port)
     log.info("try", command=_try_command(host, port))
-    loading = asyncio.create_task(_load_engine(engine_factory, servicer, health_servicer))
-    return RunningServer(port, server, servicer, health_servicer, settings.server.grace_s, loading)
+    loading = asyncio.create_task(_load_engine(engine_factory, servicer, health_servicer, metrics))
+    grace_s = settings.server.grace_s
+    return RunningServer(port, server, servicer, health_servicer, grace_s, loading, metrics_server)
 
 
 @contextlib.asynccontextmanager
@@ -143,9 +173,12 @@ async def start_server(
     engine_factory: EngineFactory,
     *,
     recorder: RpcRecorder | None = None,
+    metrics: Metrics | None = None,
 ) -> AsyncIterator[RunningServer]:
-    """Start listening now, load the engine in the background; stop gracefully on exit."""
-    running = await _started(settings, engine_factory, recorder)
+    """Start listening now, load the engine in the background; stop gracefully on exit.
+    With `metrics`, RPCs are recorded there (unless `recorder` is given), it watches the
+    engine's stats once loaded, and /metrics is served when --metrics-port is set."""
+    running = await _started(settings, engine_factory, recorder, metrics)
     try:
         yield running
     finally:
@@ -190,11 +223,14 @@ async def serve(
     *,
     ready: asyncio.Event | None = None,
     recorder: RpcRecorder | None = None,
+    metrics: Metrics | None = None,
 ) -> int:
     """Run until SIGTERM/SIGINT (then drain) and return the exit code: 0, or 1 when the server
     cannot listen or the engine fails to load. `ready` is set once the engine serves."""
     try:
-        async with start_server(settings, engine_factory, recorder=recorder) as running:
+        async with start_server(
+            settings, engine_factory, recorder=recorder, metrics=metrics
+        ) as running:
             stop = asyncio.Event()
             with _stop_on_signals(stop):
                 is_loaded = await _loaded_unless_stopped(running, stop)

@@ -1,0 +1,243 @@
+"""Prometheus export for one server, in its own CollectorRegistry: vLLM-style engine series fed by
+telemetry events (histograms) and by the engine's StatsSnapshot at scrape time (the same
+cumulative counters GetStats returns), plus per-RPC grpc_server_* series (an RpcRecorder).
+Imports prometheus_client; never llama_cpp or grpc."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from threading import Thread
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from llama_grpc_server.core.api import StatsSnapshot
+from llama_grpc_server.telemetry import RequestEvent, TickEvent
+
+PREFIX = "llama_grpc:"
+StatsSource = Callable[[], StatsSnapshot]
+
+# Buckets follow vLLM's where it has them (seconds / tokens).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0,
+                   15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+                   1920.0)  # fmt: skip
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
+                 65536, 131072)  # fmt: skip
+SEQUENCE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+RPC_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+               120.0, 300.0, 600.0)  # fmt: skip
+
+
+def split_method(method: str) -> tuple[str, str]:
+    """'/pkg.Service/Method' -> ('pkg.Service', 'Method')."""
+    service, _, name = method.lstrip("/").rpartition("/")
+    return service, name
+
+
+class Metrics:
+    """Every series of one server. An EventSink for telemetry.Telemetry and an RpcRecorder for
+    the request interceptor; `watch(engine.stats)` once the engine is loaded."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._stats: StatsSource | None = None
+        self._rpc_children: dict[tuple[str, str], Any] = {}
+        reg = self.registry
+        ProcessCollector(registry=reg)
+        PlatformCollector(registry=reg)
+        GCCollector(registry=reg)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=reg)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "From arrival to the first token.", TTFT_BUCKETS
+        )
+        self.inter_token = histogram(
+            "inter_token_latency_seconds", "Between two tokens of one request.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "From arrival to the end.", REQUEST_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "From arrival to a slot.", REQUEST_BUCKETS
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "From a slot to the first token.", REQUEST_BUCKETS
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "From the first token to the end.", REQUEST_BUCKETS
+        )
+        self.prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of a finished request.", TOKEN_BUCKETS
+        )
+        self.generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens of a finished request.", TOKEN_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Batch size: tokens per forward pass.", TOKEN_BUCKETS
+        )
+        self.iteration_sequences = histogram(
+            "iteration_sequences", "Sequences (slots) per forward pass.", SEQUENCE_BUCKETS
+        )
+        self.success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            ["finished_reason"],
+            registry=reg,
+        )
+        self.eval_seconds = Counter(PREFIX + "eval_seconds", "Time in llama_decode.", registry=reg)
+        self.sample_seconds = Counter(
+            PREFIX + "sample_seconds", "Time sampling after llama_decode.", registry=reg
+        )
+        self.rpc_started_total = Counter(
+            "grpc_server_started", "RPCs started.", ["grpc_service", "grpc_method"], registry=reg
+        )
+        self.rpc_handled_total = Counter(
+            "grpc_server_handled",
+            "RPCs completed, by status code.",
+            ["grpc_service", "grpc_method", "grpc_code"],
+            registry=reg,
+        )
+        self.rpc_seconds = Histogram(
+            "grpc_server_handling_seconds",
+            "RPC handling time, to the last message.",
+            ["grpc_service", "grpc_method"],
+            buckets=RPC_BUCKETS,
+            registry=reg,
+        )
+        reg.register(_SnapshotCollector(self))
+
+    def watch(self, stats: StatsSource) -> None:
+        """Read live state and cumulative counters from `stats` (engine.stats) at each scrape."""
+        self._stats = stats
+
+    def snapshot(self) -> StatsSnapshot | None:
+        return self._stats() if self._stats is not None else None
+
+    def render(self) -> bytes:
+        """The text exposition, as /metrics serves it."""
+        return generate_latest(self.registry)
+
+    # -- EventSink (engine thread) ----------------------------------------------------------------
+
+    def on_tick(self, event: TickEvent) -> None:
+        self.eval_seconds.inc(event.eval_ms / 1000)
+        self.sample_seconds.inc(event.sample_ms / 1000)
+        if not event.is_ok:
+            return
+        self.iteration_tokens.observe(event.batch_size)
+        self.iteration_sequences.observe(event.num_sequences)
+        for gap_ms in event.inter_token_ms:
+            self.inter_token.observe(gap_ms / 1000)
+
+    def on_request(self, event: RequestEvent) -> None:
+        """Latency histograms describe requests that finished; failures are counted by the
+        snapshot (requests_failed / cancelled / rejected)."""
+        if event.is_failed:
+            return
+        self.success.labels(event.finish_reason).inc()
+        if event.ttft_ms is not None:
+            self.ttft.observe(event.ttft_ms / 1000)
+            self.prefill_time.observe(max(0.0, event.ttft_ms - event.queue_ms) / 1000)
+            self.decode_time.observe(max(0.0, event.duration_ms - event.ttft_ms) / 1000)
+        self.e2e.observe(event.duration_ms / 1000)
+        self.queue_time.observe(event.queue_ms / 1000)
+        self.prompt_tokens.observe(event.prompt_tokens)
+        self.generation_tokens.observe(event.generated_tokens)
+
+    # -- RpcRecorder (event loop) -----------------------------------------------------------------
+
+    def rpc_started(self, method: str) -> None:
+        self.rpc_started_total.labels(*split_method(method)).inc()
+
+    def rpc_handled(self, method: str, code: str, seconds: float) -> None:
+        service, name = split_method(method)
+        self.rpc_handled_total.labels(service, name, code).inc()
+        self.rpc_seconds.labels(service, name).observe(seconds)
+
+
+class _SnapshotCollector:
+    """Gauges and counters read from one StatsSnapshot per scrape, so /metrics and GetStats
+    agree by construction."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []  # the series exist only once an engine is watched
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._metrics.snapshot()
+        if s is None:
+            return
+        gauges = {
+            "num_requests_running": ("Requests holding a slot.", s.active_slots),
+            "num_requests_waiting": ("Requests in the queue.", s.queue_depth),
+            "kv_cache_usage_perc": (
+                "KV cache usage (0-1): cells held by slots over cells in the context.",
+                s.kv_cells_used / s.kv_cells_total if s.kv_cells_total else 0.0,
+            ),
+            "ram_cache_entries": ("Slot caches saved in the RAM tier.", s.ram_cache_entries),
+            "ram_cache_bytes": ("Bytes held by the RAM tier.", s.ram_cache_bytes),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        slots = GaugeMetricFamily(PREFIX + "num_slots", "Slots by state.", labels=["state"])
+        slots.add_metric(["idle"], s.idle_slots)
+        slots.add_metric(["prefilling"], s.prefilling_slots)
+        slots.add_metric(["generating"], s.generating_slots)
+        yield slots
+        counters = {
+            "prompt_tokens": ("Prompt tokens of admitted requests.", s.prompt_tokens),
+            "generation_tokens": ("Generated tokens.", s.generated_tokens),
+            "prefix_cache_queries": ("Prompt tokens looked up in the cache.", s.prompt_tokens),
+            "prefix_cache_hits": ("Prompt tokens found in the cache.", s.cached_prompt_tokens),
+            "num_preemptions": ("Requests preempted under KV pressure.", s.preemptions),
+            "requests_started": ("Requests admitted to a slot.", s.requests_started),
+            "requests_finished": ("Requests that finished normally.", s.requests_finished),
+            "requests_failed": ("Requests that failed.", s.requests_failed),
+            "requests_cancelled": ("Requests cancelled by the client.", s.requests_cancelled),
+            "requests_rejected": ("Requests refused by the scheduler.", s.requests_rejected),
+            "engine_ticks": ("Forward passes that succeeded.", s.ticks),
+            "ram_cache_hits": ("RAM-tier restores.", s.ram_cache_hits),
+            "ram_cache_misses": ("RAM-tier lookups without a restore.", s.ram_cache_misses),
+            "ram_cache_evictions": ("RAM-tier entries evicted.", s.ram_cache_evictions),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+@dataclass(eq=False)
+class MetricsServer:
+    """/metrics over HTTP on a background thread; close() stops it."""
+
+    port: int
+    _httpd: Any
+    _thread: Thread
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve_metrics(metrics: Metrics, host: str, port: int) -> MetricsServer:
+    """Listen on host:port (0 = any free port); raises OSError if the port is taken."""
+    httpd, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    return MetricsServer(int(httpd.server_port), httpd, thread)
