@@ -53,6 +53,13 @@ class FailedPrecondition(ServiceError):
     reason = "FAILED_PRECONDITION"
 
 
+class DuplicateRequest(ServiceError):
+    """A request with this id is still in flight (ids key the engine's per-request state)."""
+
+    code = "ALREADY_EXISTS"
+    reason = "REQUEST_ID_IN_FLIGHT"
+
+
 class Overloaded(ServiceError):
     """The queue is full; retry later."""
 

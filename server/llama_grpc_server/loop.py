@@ -95,6 +95,13 @@ class EngineLoop:
         live = Request(request, arrival_ns=time.perf_counter_ns())
         stream = RequestStream(self, live, asyncio.get_running_loop())
         with self._wake:
+            if request.request_id in self._streams:
+                # a caller reusing x-request-id on concurrent calls: the id keys the sampler,
+                # the detokenizer and the stream, so a second one in flight cannot be accepted
+                raise errors.DuplicateRequest(
+                    f"request id {request.request_id!r} is already in flight",
+                    field="x-request-id",
+                )
             self._streams[request.request_id] = stream
             self._inbox.append(("add", stream))
             self._wake.notify()

@@ -181,3 +181,18 @@ async def test_stats_model_info_and_health(client: AsyncClient, server: RunningS
     assert stats.batch_strategy == "decode_maximal"
     assert await client.health() == "SERVING"
     assert await client.health("llama_grpc.v1.LlmService") == "SERVING"
+
+
+async def test_reused_request_id_in_flight_is_already_exists(client: AsyncClient) -> None:
+    """A caller reusing one x-request-id on two concurrent calls: the second is refused with
+    ALREADY_EXISTS, the first completes, and the id is free again afterwards."""
+    metadata = [("x-request-id", "dup-e2e-1")]
+    first = client.stream(PROMPT, max_tokens=24, ignore_eos=True, metadata=metadata)
+    events = [await first.__anext__()]
+    with pytest.raises(LlamaGrpcError) as dup:
+        await client.generate(PROMPT, max_tokens=4, metadata=metadata)
+    assert dup.value.code == "ALREADY_EXISTS" and dup.value.field == "x-request-id"
+    events += [event async for event in first]
+    assert isinstance(events[-1], Done) and events[-1].usage.completion_tokens == 24
+    again = await client.generate(PROMPT, max_tokens=4, metadata=metadata)
+    assert again.request_id == "dup-e2e-1"

@@ -28,6 +28,7 @@ log = structlog.get_logger("llama_grpc.rpc")
 STATUS_CODES: dict[str, grpc.StatusCode] = {
     "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
     "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
     "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,
     "RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "DEADLINE_EXCEEDED": grpc.StatusCode.DEADLINE_EXCEEDED,
