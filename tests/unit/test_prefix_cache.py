@@ -104,3 +104,13 @@ def test_ram_tier_verifies_tokens_and_scope() -> None:
     assert ram.best("c", [1, 2, 3, 4, 5, 6]) == (-1, 0)
     ram.put("a", [1, 2, 3, 4, 5, 6, 7, 8], b"longer")  # supersedes its prefix entry
     assert ram.num_entries == 3 and ram.best("a", [1, 2, 3, 4, 5, 6, 7, 8, 0])[1] == 8
+
+
+def test_trivial_match_does_not_evict_a_long_cache() -> None:
+    """A 5-token prompt sharing only BOS with a 1,000-token cache (20% of the prompt, 0.1% of
+    the cache) goes to the least recently used slot instead of destroying that cache."""
+    long_cache = [2, *range(100, 1099)]
+    slots = [idle(0, long_cache, used=5), idle(1, [], used=1)]
+    assert choose_slot(slots, [2, 50, 51, 52, 53], "", "").slot_id == 1
+    # the same cache continued by a new turn is still chosen by affinity
+    assert choose_slot(slots, [*long_cache, 9, 9], "", "").slot_id == 0

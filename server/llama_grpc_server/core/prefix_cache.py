@@ -9,7 +9,10 @@ from dataclasses import dataclass
 from llama_grpc_server.core.slot import Slot
 
 AFFINITY_MIN_RATIO = 0.10
-"""An idle slot's cache wins over LRU only when it covers more than this share of the prompt."""
+"""An idle slot's cache wins over LRU only when the shared prefix covers more than this share of
+the prompt and of the slot's cache: a BOS-only match of a short prompt (1 token is 20% of 5)
+must not evict a long conversation it cannot use (measured: `llama-grpc stream "Once upon a
+time"` took the slot of an unrelated cached prompt, whose next turn then recomputed all)."""
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -49,7 +52,8 @@ class Placement:
 
 def choose_slot(slots: Sequence[Slot], tokens: Sequence[int], scope: str, session_id: str) -> Slot:
     """Session affinity, then the idle slot with the longest usable prefix if it covers more than
-    10% of the prompt, else the least recently used idle slot. `slots` must hold an idle one."""
+    10% of the prompt and of that slot's cache, else the least recently used idle slot. `slots`
+    must hold an idle one."""
     idle = [s for s in slots if s.is_idle]
     if session_id:
         for slot in idle:
@@ -60,7 +64,11 @@ def choose_slot(slots: Sequence[Slot], tokens: Sequence[int], scope: str, sessio
         n = usable_prefix(slot, tokens, scope)
         if n > best_len:
             best, best_len = slot, n
-    if best is not None and best_len > AFFINITY_MIN_RATIO * len(tokens):
+    if (
+        best is not None
+        and best_len > AFFINITY_MIN_RATIO * len(tokens)
+        and best_len > AFFINITY_MIN_RATIO * best.num_kv_tokens
+    ):
         return best
     return min(idle, key=lambda s: (s.last_used_ns, s.slot_id))
 
