@@ -14,7 +14,7 @@ import structlog
 _LEVELS = {
     0: logging.DEBUG,
     1: logging.DEBUG,
-    2: logging.INFO,
+    2: logging.DEBUG,  # llama.cpp's info lines (model load chatter) are debug here
     3: logging.WARNING,
     4: logging.ERROR,
 }
