@@ -171,6 +171,7 @@ def hook_cost_us(batch: int, iterations: int = 20_000) -> dict[str, float]:
     )
     from llama_grpc_server.metrics import Metrics
     from llama_grpc_server.telemetry import EVENT_NAMES, Bus, Telemetry
+    from llama_grpc_server.testing import FakeEngine
 
     chunks = tuple(Chunk(i, f"r{i}", 50, (7,), True) for i in range(batch))
     plan = StepPlan(tick=1, chunks=chunks, num_decode=batch)
@@ -191,8 +192,10 @@ def hook_cost_us(batch: int, iterations: int = 20_000) -> dict[str, float]:
     for name in EVENT_NAMES:
         bus.attach(name, handler)
     out: dict[str, float] = {}
+    metrics = Metrics()
+    metrics.watch(FakeEngine().stats)
     for label, hooks in (
-        ("full", Telemetry(bus=bus, sink=Metrics())),
+        ("full", Telemetry(bus=bus, sink=metrics)),
         ("nobody_listening", Telemetry(bus=Bus())),
     ):
         t0 = time.perf_counter_ns()
@@ -204,6 +207,10 @@ def hook_cost_us(batch: int, iterations: int = 20_000) -> dict[str, float]:
         t2 = time.perf_counter_ns()
         out[f"{label}_per_tick_us"] = (t1 - t0) / iterations / 1000
         out[f"{label}_per_request_us"] = (t2 - t1) / iterations / 1000
+    t0 = time.perf_counter_ns()
+    for _ in range(100):
+        metrics.render()
+    out["scrape_render_ms"] = (time.perf_counter_ns() - t0) / 100 / 1e6  # GIL held meanwhile
     return out
 
 
@@ -307,7 +314,8 @@ def main() -> int:
         f"engine-thread hook cost: {hooks['full_per_tick_us']:.1f} us/tick "
         f"({result['hook_cost_pct_of_tick']:.3f}% of a {result['mean_tick_compute_ms']:.1f} ms "
         f"tick), {hooks['full_per_request_us']:.1f} us/request; nobody listening: "
-        f"{hooks['nobody_listening_per_tick_us']:.2f} us/tick"
+        f"{hooks['nobody_listening_per_tick_us']:.2f} us/tick; one /metrics render "
+        f"{hooks['scrape_render_ms']:.2f} ms"
     )
     return 0
 

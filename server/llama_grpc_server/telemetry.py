@@ -244,9 +244,39 @@ class Telemetry:
         return self.sink is not None or self.bus.has_handlers(TICK)
 
     def on_tick(self, plan: StepPlan, result: StepResult, scheduler: Scheduler) -> None:
-        """EngineLoop's tick hook (engine thread, after the scheduler's update)."""
+        """EngineLoop's tick hook (engine thread, after the scheduler's update). Never raises."""
         if not self.is_listened:
             return
+        try:
+            self._emit_tick(plan, result, scheduler)
+        except Exception:
+            self._drop_sink(TICK)
+
+    def on_done(self, request: Request, event: Event) -> None:
+        """EngineLoop's done hook: request_done for Finished, request_failed for Failed. Never
+        raises."""
+        if self._last_token_ns:
+            self._last_token_ns.pop(request.request_id, None)
+        if not isinstance(event, Finished | Failed):
+            return
+        name = REQUEST_DONE if isinstance(event, Finished) else REQUEST_FAILED
+        if self.sink is None and not self.bus.has_handlers(name):
+            return
+        try:
+            payload = request_event(request, event, self._clock_ns())
+            if self.sink is not None:
+                self.sink.on_request(payload)
+            self.bus.emit(name, payload)
+        except Exception:
+            self._drop_sink(name)
+
+    def _drop_sink(self, event: str) -> None:
+        """Bus handlers are guarded one by one; anything else that raises is the sink (or a
+        bug building the event): log it once and go on without the sink, never stop the engine."""
+        log.exception("telemetry_sink_dropped", telemetry_event=event)
+        self.sink = None
+
+    def _emit_tick(self, plan: StepPlan, result: StepResult, scheduler: Scheduler) -> None:
         now_ns = self._clock_ns()
         event = TickEvent(
             tick=plan.tick,
@@ -277,20 +307,6 @@ class Telemetry:
                 gaps.append((now_ns - previous) / 1e6)
             last[chunk.request_id] = now_ns
         return tuple(gaps)
-
-    def on_done(self, request: Request, event: Event) -> None:
-        """EngineLoop's done hook: request_done for Finished, request_failed for Failed."""
-        if self._last_token_ns:
-            self._last_token_ns.pop(request.request_id, None)
-        if not isinstance(event, Finished | Failed):
-            return
-        name = REQUEST_DONE if isinstance(event, Finished) else REQUEST_FAILED
-        if self.sink is None and not self.bus.has_handlers(name):
-            return
-        payload = request_event(request, event, self._clock_ns())
-        if self.sink is not None:
-            self.sink.on_request(payload)
-        self.bus.emit(name, payload)
 
 
 # -- structlog ------------------------------------------------------------------------------------

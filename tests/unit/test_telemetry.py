@@ -389,6 +389,29 @@ async def test_raising_handler_never_breaks_the_engine() -> None:
     assert sorted(detached) == ["request_done", "tick"]
 
 
+class BrokenSink(ListSink):
+    def on_tick(self, event: TickEvent) -> None:
+        raise RuntimeError("metrics bug")
+
+
+def test_raising_sink_is_dropped_and_handlers_go_on() -> None:
+    """A sink that raises is logged once and dropped; the hooks never raise and bus handlers
+    keep getting every event."""
+    s, bus, got = scheduler(), Bus(), Recorder()
+    bus.attach("tick", got)
+    bus.attach("request_done", got)
+    hooks = Telemetry(bus=bus, sink=BrokenSink())
+    s.add(req("a", 20, 3))
+    with capture_logs() as logs:
+        plans = run_ticks(s, hooks)
+    assert hooks.sink is None
+    assert [e["telemetry_event"] for e in logs if e["event"] == "telemetry_sink_dropped"] == [
+        "tick"
+    ]
+    assert len(got.of("tick")) == len(plans) - 1  # all but the tick the sink broke
+    assert len(got.of("request_done")) == 1
+
+
 def test_events_are_frozen_values() -> None:
     """Handlers cannot change what other handlers see."""
     event = tick_event()
