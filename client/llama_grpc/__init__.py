@@ -39,6 +39,8 @@ from llama_grpc.types import (
     StreamEvent,
     Timings,
     TokenizeResult,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 
@@ -70,7 +72,9 @@ __all__ = [
     "StreamEvent",
     "Timings",
     "TokenGenerationParams",
+    "TokenLogprob",
     "TokenizeResult",
+    "TopLogprob",
     "UnavailableError",
     "Usage",
 ]

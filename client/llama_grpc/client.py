@@ -52,12 +52,17 @@ class TokenGenerationParams(CallOptions, total=False):
     frequency_penalty: float | None
     presence_penalty: float | None
     penalty_last_n: int | None
+    # token id -> bias added to its logit; float("-inf") bans the token.
+    logit_bias: Mapping[int, float] | None
     max_tokens: int | None
     stop: str | Sequence[str] | None
     stop_token_ids: Sequence[int] | None
     ignore_eos: bool | None
     time_limit_ms: int | None
     cache_prompt: bool | None
+    # Per-token log-probabilities in the result (top_logprobs > 0 implies logprobs).
+    logprobs: bool | None
+    top_logprobs: int | None
     session_id: str | None
     cache_scope: str | None
     model: str | None
@@ -71,6 +76,7 @@ class GenerationParams(TokenGenerationParams, total=False):
 
 _SAMPLING_KEYS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 _STOPPING_KEYS = frozenset(pb.StoppingCriteria.DESCRIPTOR.fields_by_name)
+_OUTPUT_KEYS = frozenset(pb.OutputOptions.DESCRIPTOR.fields_by_name)
 _CALL_KEYS = frozenset(CallOptions.__annotations__)
 _REQUEST_KEYS = frozenset({"session_id", "cache_scope", "model", "add_special"})
 
@@ -78,7 +84,9 @@ _REQUEST_KEYS = frozenset({"session_id", "cache_scope", "model", "add_special"})
 def _fill(message: Message, values: Mapping[str, object]) -> None:
     """Set the given fields only, so every optional field left out stays unset on the wire."""
     for name, value in values.items():
-        if message.DESCRIPTOR.fields_by_name[name].is_repeated:
+        if isinstance(value, Mapping):
+            getattr(message, name).update(value)
+        elif message.DESCRIPTOR.fields_by_name[name].is_repeated:
             items = [value] if isinstance(value, str) else value
             getattr(message, name).extend(items)
         else:
@@ -92,13 +100,21 @@ def _pick(params: Mapping[str, object], keys: frozenset[str]) -> dict[str, objec
 def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
     """Add keyword `params` to a generation request; unknown names raise TypeError."""
     request_keys = _REQUEST_KEYS & set(request.DESCRIPTOR.fields_by_name)
-    allowed = _SAMPLING_KEYS | _STOPPING_KEYS | _CALL_KEYS | request_keys | {"cache_prompt"}
+    allowed = (
+        _SAMPLING_KEYS
+        | _STOPPING_KEYS
+        | _OUTPUT_KEYS
+        | _CALL_KEYS
+        | request_keys
+        | {"cache_prompt"}
+    )
     unknown = sorted(set(params) - allowed)
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(unknown)}")
     _fill(request, _pick(params, request_keys))
     _fill(request.params.sampling, _pick(params, _SAMPLING_KEYS))
     _fill(request.params.stopping, _pick(params, _STOPPING_KEYS))
+    _fill(request.params.output, _pick(params, _OUTPUT_KEYS))
     _fill(request.params, _pick(params, frozenset({"cache_prompt"})))
     return request
 

@@ -6,6 +6,7 @@ Users see only these values; no grpc or protobuf type leaks out. Imports no grpc
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
 
@@ -38,6 +39,26 @@ class Timings:
 
 
 @dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One alternative at a generation step."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability and the most likely tokens at its step (most likely
+    first). Log-probabilities are the model's, before logit_bias, penalties and temperature."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateResult:
     """A whole completion: text, tokens, why it ended, usage and timings."""
 
@@ -51,6 +72,8 @@ class GenerateResult:
     timings: Timings
     request_id: str
     seed: int
+    # One per generated token when logprobs (or top_logprobs) was asked for.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +82,8 @@ class Delta:
 
     text: str
     token_ids: tuple[int, ...]
+    # One per token in token_ids when logprobs (or top_logprobs) was asked for.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +217,7 @@ def result_from_proto(message: pb.GenerateResponse, request_id: str) -> Generate
         timings=timings_from_proto(message.timings),
         request_id=message.request_id or request_id,
         seed=message.seed,
+        logprobs=logprobs_from_proto(message.logprobs),
     )
 
 
@@ -213,7 +239,20 @@ def done_from_proto(message: pb.GenerationDone, request_id: str) -> Done:
 
 def delta_from_proto(message: pb.GenerationDelta) -> Delta:
     """Convert a GenerationDelta."""
-    return Delta(message.text, tuple(message.token_ids))
+    return Delta(message.text, tuple(message.token_ids), logprobs_from_proto(message.logprobs))
+
+
+def logprobs_from_proto(messages: Iterable[pb.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    """Convert repeated TokenLogprob messages."""
+    return tuple(
+        TokenLogprob(
+            m.token_id,
+            m.token,
+            m.logprob,
+            tuple(TopLogprob(t.token_id, t.token, t.logprob) for t in m.top),
+        )
+        for m in messages
+    )
 
 
 _V = TypeVar("_V")

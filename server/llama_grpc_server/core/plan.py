@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from llama_grpc_server.core.request import SamplingParams
+from llama_grpc_server.core.request import Constraint, OutputParams, SamplingParams
 
 
 class SeqOpKind(enum.Enum):
@@ -34,6 +34,8 @@ class SamplerSpec:
     request_id: str
     params: SamplingParams
     seed: int
+    output: OutputParams = field(default_factory=OutputParams)
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,15 @@ DECODE_KV_FULL = 1
 
 
 @dataclass(frozen=True, slots=True)
+class SampledLogprob:
+    """The model's log-probability of a sampled token and the top alternatives, most likely
+    first, as (token id, logprob)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
     """What the runner observed: llama_decode's status and one sampled token per logits chunk."""
 
@@ -82,3 +93,5 @@ class StepResult:
     restored: dict[int, bool] = field(default_factory=dict)  # seq_id -> ok (RESTORE ops)
     eval_ms: float = 0.0
     sample_ms: float = 0.0
+    logprobs: dict[int, SampledLogprob] = field(default_factory=dict)  # slot_id -> (asked for)
+    failed: dict[int, str] = field(default_factory=dict)  # slot_id -> why nothing was sampled

@@ -40,6 +40,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     penalty_last_n: int = 64
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); -inf bans the token
 
     @property
     def is_greedy(self) -> bool:
@@ -67,6 +68,28 @@ class StoppingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class OutputParams:
+    """Extra per-token output: top_logprobs > 0 implies logprobs."""
+
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """A GBNF grammar the output must match (a JSON Schema arrives converted to one); `field`
+    is where an error about it points."""
+
+    gbnf: str
+    root: str = "root"
+    field: str = "params.grammar.gbnf"
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """A validated request, ready for the scheduler. Deadlines are time.monotonic() seconds."""
 
@@ -78,6 +101,8 @@ class GenerationRequest:
     cache_scope: str = ""
     cache_prompt: bool = True
     deadline: float | None = None
+    output: OutputParams = OutputParams()
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,11 +122,32 @@ class Timings:
 
 
 @dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One alternative at a generation step."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability and the most likely tokens at its step."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class TokenDelta:
-    """New output: token ids generated since the last delta and the text that is safe to show."""
+    """New output: token ids generated since the last delta and the text that is safe to show;
+    logprobs has one entry per token id when the request asked for them."""
 
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from llama_grpc_server.core.plan import (
     DECODE_KV_FULL,
     DECODE_OK,
     Chunk,
+    SampledLogprob,
     SamplerSpec,
     SeqOp,
     SeqOpKind,
@@ -32,6 +33,8 @@ from llama_grpc_server.core.request import (
     Request,
     RequestState,
     TokenDelta,
+    TokenLogprob,
+    TopLogprob,
 )
 from llama_grpc_server.core.slot import Slot
 from llama_grpc_server.core.strategies import BatchStrategy, BatchView, DecodeMaximal, SlotView
@@ -245,7 +248,11 @@ class Scheduler:
         if request.num_preemptions == 0:
             request.admitted_ns = self._clock_ns()
             self._texts[request.request_id] = TextAssembler(self._pieces, spec.stopping.stop)
-            self._open.append(SamplerSpec(request.request_id, spec.sampling, request.seed))
+            self._open.append(
+                SamplerSpec(
+                    request.request_id, spec.sampling, request.seed, spec.output, spec.constraint
+                )
+            )
             self.counters.started += 1
             self.counters.prompt_tokens += request.num_prompt
         if restore_keep:
@@ -434,9 +441,21 @@ class Scheduler:
             if request is None or request.request_id != chunk.request_id:
                 continue
             request.num_computed += len(chunk.tokens)
-            if chunk.wants_logits:
-                out += self._accept(request, result.sampled[chunk.slot_id])
+            if chunk.wants_logits and chunk.slot_id in result.failed:
+                out += self._fail_constraint(request, result.failed[chunk.slot_id])
+            elif chunk.wants_logits:
+                logprob = result.logprobs.get(chunk.slot_id)
+                out += self._accept(request, result.sampled[chunk.slot_id], logprob)
         return out
+
+    def _fail_constraint(self, request: Request, why: str) -> Emitted:
+        """The runner found no token the request's constraint allows: end it with the reason."""
+        constraint = request.spec.constraint
+        error = errors.InvalidRequest(
+            f"{why} (after {request.num_output} generated tokens)",
+            field=constraint.field if constraint is not None else None,
+        )
+        return self._end_failed(request, error)
 
     def _apply_ram_results(self, result: StepResult) -> None:
         for seq_id, data in result.saved.items():
@@ -453,7 +472,7 @@ class Scheduler:
             request.num_computed, request.restore_keep = n, 0
             self._count_cached(request, n)
 
-    def _accept(self, request: Request, token: int) -> Emitted:
+    def _accept(self, request: Request, token: int, logprob: SampledLogprob | None) -> Emitted:
         now_ns = self._clock_ns()
         if request.first_token_ns == 0:
             request.first_token_ns = now_ns
@@ -466,7 +485,8 @@ class Scheduler:
         request.tokens.append(token)
         self.counters.generated_tokens += 1
         text, matched = self._texts[request.request_id].push(token)
-        out: Emitted = [(request, TokenDelta((token,), text))]
+        logprobs = () if logprob is None else (self._token_logprob(token, logprob),)
+        out: Emitted = [(request, TokenDelta((token,), text, logprobs))]
         if matched:
             return out + self._finish(request, FinishReason.STOP_SEQUENCE, matched_stop=matched)
         reason = self._length_reason(request)
@@ -475,6 +495,13 @@ class Scheduler:
         if reason is not None:
             out += self._finish(request, reason)
         return out
+
+    def _piece(self, token: int) -> str:
+        return self._pieces[token].decode("utf-8", errors="replace")
+
+    def _token_logprob(self, token: int, sampled: SampledLogprob) -> TokenLogprob:
+        top = tuple(TopLogprob(t, self._piece(t), lp) for t, lp in sampled.top)
+        return TokenLogprob(token, self._piece(token), sampled.logprob, top)
 
     def _length_reason(self, request: Request) -> FinishReason | None:
         stopping = request.spec.stopping

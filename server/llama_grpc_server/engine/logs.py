@@ -3,8 +3,11 @@ debug), instead of llama-cpp-python's default callback that prints everything to
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import llama_cpp
@@ -20,6 +23,7 @@ _LEVELS = {
 }
 _log = structlog.get_logger("llama.cpp")
 _state: dict[str, Any] = {"buffer": "", "level": logging.DEBUG, "debug": False}
+_capture = threading.local()  # .lines: list[str] while captured_errors() runs on this thread
 
 
 @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]  # ctypes CFUNCTYPE is untyped
@@ -34,9 +38,25 @@ def _callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     line, _state["buffer"] = _state["buffer"].rstrip(), ""
     if line:
         _log.log(py_level, "llama_cpp", line=line)
+        captured: list[str] | None = getattr(_capture, "lines", None)
+        if captured is not None:
+            captured.append(line)
 
 
 def install(debug: bool) -> None:
     """Replace llama-cpp-python's stderr printer; keep a module reference to the callback."""
     _state["debug"] = debug
     llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))
+
+
+@contextlib.contextmanager
+def captured_errors() -> Iterator[list[str]]:
+    """Also collect the warning and error lines llama.cpp logs on this thread during the block
+    (a grammar's compile errors, say); they are still logged."""
+    lines: list[str] = []
+    previous = getattr(_capture, "lines", None)
+    _capture.lines = lines
+    try:
+        yield lines
+    finally:
+        _capture.lines = previous

@@ -6,10 +6,18 @@ import time
 
 import llama_cpp
 
-from llama_grpc_server.core.plan import DECODE_OK, SeqOpKind, StepPlan, StepResult
+from llama_grpc_server.core.plan import (
+    DECODE_OK,
+    SampledLogprob,
+    SamplerSpec,
+    SeqOpKind,
+    StepPlan,
+    StepResult,
+)
 from llama_grpc_server.engine.batch import Batch
 from llama_grpc_server.engine.llama import LlamaModel
-from llama_grpc_server.engine.sampler import RequestSampler
+from llama_grpc_server.engine.logprobs import LogprobComputer
+from llama_grpc_server.engine.sampler import NO_TOKEN, Candidates, RequestSampler
 
 
 class Runner:
@@ -19,16 +27,20 @@ class Runner:
         self.model = model
         self.batch = Batch(model.n_batch)
         self.samplers: dict[str, RequestSampler] = {}
+        self.top_logprobs: dict[str, int] = {}  # request_id -> k, only for those asking
+        self.logprobs = LogprobComputer(model.n_vocab)
+        self._candidates: Candidates | None = None  # allocated for the first constraint
 
     def execute(self, plan: StepPlan) -> StepResult:
         for request_id in plan.close_samplers:
             sampler = self.samplers.pop(request_id, None)
             if sampler is not None:
                 sampler.close()
+            self.top_logprobs.pop(request_id, None)
         for spec in plan.open_samplers:
-            self.samplers[spec.request_id] = RequestSampler(
-                spec.params, spec.seed, self.model.n_vocab
-            )
+            self.samplers[spec.request_id] = self._open_sampler(spec)
+            if spec.output.wants_logprobs:
+                self.top_logprobs[spec.request_id] = spec.output.top_logprobs
         saved: dict[int, bytes] = {}
         restored: dict[int, bool] = {}
         for op in plan.seq_ops:
@@ -49,14 +61,49 @@ class Runner:
         if status != DECODE_OK:
             return StepResult(status, saved=saved, restored=restored, eval_ms=(t1 - t0) / 1e6)
         sampled: dict[int, int] = {}
+        logprobs: dict[int, SampledLogprob] = {}
+        failed: dict[int, str] = {}
         ctx = self.model.ctx
         for chunk, index in zip(plan.chunks, outputs, strict=True):
-            if index >= 0:
-                sampled[chunk.slot_id] = self.samplers[chunk.request_id].sample(ctx, index)
+            if index < 0:
+                continue
+            sampler = self.samplers[chunk.request_id]
+            token = sampler.sample(ctx, index)
+            if token == NO_TOKEN:
+                failed[chunk.slot_id] = sampler.error
+                continue
+            sampled[chunk.slot_id] = token
+            k = self.top_logprobs.get(chunk.request_id)
+            if k is not None:
+                logprobs[chunk.slot_id] = self.logprobs.compute(ctx, index, token, k)
         t2 = time.perf_counter_ns()
-        return StepResult(DECODE_OK, sampled, saved, restored, (t1 - t0) / 1e6, (t2 - t1) / 1e6)
+        return StepResult(
+            DECODE_OK,
+            sampled,
+            saved,
+            restored,
+            (t1 - t0) / 1e6,
+            (t2 - t1) / 1e6,
+            logprobs=logprobs,
+            failed=failed,
+        )
+
+    def _open_sampler(self, spec: SamplerSpec) -> RequestSampler:
+        if spec.constraint is None:
+            return RequestSampler(spec.params, spec.seed, self.model.n_vocab)
+        if self._candidates is None:
+            self._candidates = Candidates(self.model.n_vocab)
+        return RequestSampler(
+            spec.params,
+            spec.seed,
+            self.model.n_vocab,
+            constraint=spec.constraint,
+            vocab=self.model.vocab,
+            candidates=self._candidates,
+        )
 
     def close(self) -> None:
         for sampler in self.samplers.values():
             sampler.close()
         self.samplers.clear()
+        self.top_logprobs.clear()

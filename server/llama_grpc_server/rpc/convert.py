@@ -46,8 +46,23 @@ def finish_info(finished: core.Finished) -> pb.FinishInfo:
     )
 
 
+def token_logprob(value: core.TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=value.token_id,
+        token=value.token,
+        logprob=value.logprob,
+        top=[
+            pb.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob) for t in value.top
+        ],
+    )
+
+
 def generation_delta(delta: core.TokenDelta) -> pb.GenerationDelta:
-    return pb.GenerationDelta(text=delta.text, token_ids=delta.token_ids)
+    return pb.GenerationDelta(
+        text=delta.text,
+        token_ids=delta.token_ids,
+        logprobs=[token_logprob(lp) for lp in delta.logprobs],
+    )
 
 
 def generation_done(finished: core.Finished, request_id: str) -> pb.GenerationDone:
@@ -74,6 +89,7 @@ def generate_response(
         finish=finish_info(finished),
         request_id=request_id,
         seed=finished.seed,
+        logprobs=[token_logprob(lp) for delta in deltas for lp in delta.logprobs],
     )
 
 

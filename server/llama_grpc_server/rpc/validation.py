@@ -11,7 +11,7 @@ import enum
 import math
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,9 +19,16 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
 from llama_grpc_server.config import SchedulerSettings
 from llama_grpc_server.core.api import ModelInfo
-from llama_grpc_server.core.request import GenerationRequest, SamplingParams, StoppingParams
+from llama_grpc_server.core.request import (
+    GenerationRequest,
+    OutputParams,
+    SamplingParams,
+    StoppingParams,
+)
 
 MAX_ID_LENGTH = 256  # session_id, cache_scope
+MAX_LOGIT_BIAS = 1024  # entries of params.sampling.logit_bias
+MAX_TOP_LOGPROBS = 20
 
 TextRequest = pb.GenerateRequest | pb.StreamGenerateRequest
 
@@ -51,6 +58,12 @@ class Message(enum.StrEnum):
     STOP_TOO_LONG = "stop string is {length} characters long; at most {limit} are allowed"
     TIME_LIMIT_ZERO = "time_limit_ms must be at least 1 (leave it unset for no limit)"
     ID_TOO_LONG = "{name} is {length} characters long; at most {limit} are allowed"
+    BIAS_TOKEN_OUT_OF_RANGE = (
+        "token id {token_id} is out of range: the vocabulary has {n_vocab} tokens"
+    )
+    TOO_MANY_BIASES = "logit_bias has {count} entries; at most {limit} are allowed"
+    BIAS_NOT_ALLOWED = "the bias of token {token_id} must be a finite number or -inf, got {value}"
+    TOP_LOGPROBS_TOO_MANY = "top_logprobs must be at most {limit}, got {value}"
 
 
 def _invalid(field: str, message: Message, **values: Any) -> errors.InvalidRequest:
@@ -105,6 +118,7 @@ class Draft:
 
     sampling: SamplingParams
     stopping: StoppingParams  # max_tokens is filled in by complete_request
+    output: OutputParams
     max_tokens: int | None  # as asked for; None = the server default, clamped to fit
     session_id: str
     cache_scope: str
@@ -183,6 +197,7 @@ def complete_request(
         prompt_tokens=tokens,
         sampling=draft.sampling,
         stopping=stopping,
+        output=draft.output,
         session_id=draft.session_id,
         cache_scope=draft.cache_scope,
         cache_prompt=draft.cache_prompt,
@@ -210,8 +225,9 @@ def _draft(
     _check_id_length("cache_scope", message.cache_scope)
     max_tokens = _max_tokens(params.stopping, info.n_ctx)
     return Draft(
-        sampling=_sampling(params.sampling, limits.default_sampling),
+        sampling=_sampling(params.sampling, limits.default_sampling, info.n_vocab),
         stopping=_stopping(params.stopping, info.n_vocab, limits),
+        output=_output(params.output),
         max_tokens=max_tokens,
         session_id=message.session_id,
         cache_scope=message.cache_scope,
@@ -229,7 +245,7 @@ def _check_id_length(name: str, value: str) -> None:
         raise _invalid(name, Message.ID_TOO_LONG, name=name, length=len(value), limit=MAX_ID_LENGTH)
 
 
-def _sampling(message: pb.SamplingParams, defaults: SamplingParams) -> SamplingParams:
+def _sampling(message: pb.SamplingParams, defaults: SamplingParams, n_vocab: int) -> SamplingParams:
     """Server defaults, overridden field by field by what the request sets."""
     overrides: dict[str, Any] = {}
     for name, bounds in _SAMPLING_RANGES.items():
@@ -237,7 +253,42 @@ def _sampling(message: pb.SamplingParams, defaults: SamplingParams) -> SamplingP
             overrides[name] = _checked_number(name, getattr(message, name), bounds)
     if message.HasField("seed"):
         overrides["seed"] = message.seed
+    if message.logit_bias:
+        overrides["logit_bias"] = _logit_bias(message.logit_bias, n_vocab)
     return dataclasses.replace(defaults, **overrides)
+
+
+def _logit_bias(biases: Mapping[int, float], n_vocab: int) -> tuple[tuple[int, float], ...]:
+    """Sorted (token id, bias) pairs; every id in the vocabulary, every bias finite or -inf."""
+    field = "params.sampling.logit_bias"
+    if len(biases) > MAX_LOGIT_BIAS:
+        raise _invalid(field, Message.TOO_MANY_BIASES, count=len(biases), limit=MAX_LOGIT_BIAS)
+    out: list[tuple[int, float]] = []
+    for token_id, bias in sorted(biases.items()):
+        if token_id >= n_vocab:
+            raise _invalid(
+                f"{field}[{token_id}]",
+                Message.BIAS_TOKEN_OUT_OF_RANGE,
+                token_id=token_id,
+                n_vocab=n_vocab,
+            )
+        if math.isnan(bias) or bias == math.inf:
+            raise _invalid(
+                f"{field}[{token_id}]", Message.BIAS_NOT_ALLOWED, token_id=token_id, value=bias
+            )
+        out.append((token_id, bias if bias == -math.inf else _shortest_float32(bias)))
+    return tuple(out)
+
+
+def _output(message: pb.OutputOptions) -> OutputParams:
+    if message.top_logprobs > MAX_TOP_LOGPROBS:
+        raise _invalid(
+            "params.output.top_logprobs",
+            Message.TOP_LOGPROBS_TOO_MANY,
+            limit=MAX_TOP_LOGPROBS,
+            value=message.top_logprobs,
+        )
+    return OutputParams(logprobs=message.logprobs, top_logprobs=message.top_logprobs)
 
 
 def _checked_number(name: str, value: float, bounds: _Range) -> float:

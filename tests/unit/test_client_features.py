@@ -1,0 +1,57 @@
+"""Client request building and result conversion for the generation features (logit bias,
+logprobs), against scripted server behaviour (grpc_testing)."""
+
+from __future__ import annotations
+
+import math
+
+from llama_grpc import Client, TokenLogprob, TopLogprob
+from llama_grpc.types import delta_from_proto
+from llama_grpc.v1 import llm_service_pb2 as pb
+
+from .test_client import UnaryScript, channel, client, executor, unary
+
+__all__ = ["channel", "client", "executor", "unary"]  # fixtures
+
+
+def test_logit_bias_and_logprob_keywords_land_in_their_fields(
+    client: Client, unary: UnaryScript
+) -> None:
+    """logit_bias fills the map (with -inf kept); logprobs/top_logprobs fill params.output."""
+    _, request, _ = unary(
+        lambda: client.generate(
+            "p", logit_bias={3: -math.inf, 9: 2.5}, logprobs=True, top_logprobs=7
+        ),
+        "Generate",
+        pb.GenerateResponse(),
+    )
+    assert dict(request.params.sampling.logit_bias) == {3: -math.inf, 9: 2.5}
+    assert request.params.output.logprobs is True
+    assert request.params.output.top_logprobs == 7
+
+
+def test_result_carries_logprobs(client: Client, unary: UnaryScript) -> None:
+    """GenerateResponse.logprobs become TokenLogprob values with their alternatives."""
+    response = pb.GenerateResponse(
+        token_ids=[5],
+        logprobs=[
+            pb.TokenLogprob(
+                token_id=5,
+                token="a",
+                logprob=-0.5,
+                top=[pb.TopLogprob(token_id=5, token="a", logprob=-0.5)],
+            )
+        ],
+    )
+    _, _, result = unary(lambda: client.generate("p"), "Generate", response)
+    assert result.logprobs == (TokenLogprob(5, "a", -0.5, (TopLogprob(5, "a", -0.5),)),)
+
+
+def test_delta_carries_logprobs() -> None:
+    """A stream delta's logprobs are converted alongside its token ids."""
+    delta = delta_from_proto(
+        pb.GenerationDelta(
+            text="a", token_ids=[5], logprobs=[pb.TokenLogprob(token_id=5, token="a", logprob=-1)]
+        )
+    )
+    assert delta.logprobs == (TokenLogprob(5, "a", -1.0),)

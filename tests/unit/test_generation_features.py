@@ -1,0 +1,183 @@
+"""Generation features without a model: validation of logit_bias / logprobs, the scheduler
+carrying logprobs from the runner into deltas, and their conversion to proto."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc_server import errors
+from llama_grpc_server.config import SchedulerSettings
+from llama_grpc_server.core.plan import SampledLogprob, StepPlan, StepResult
+from llama_grpc_server.core.request import (
+    GenerationRequest,
+    OutputParams,
+    Request,
+    SamplingParams,
+    StoppingParams,
+    TokenDelta,
+    TokenLogprob,
+    TopLogprob,
+)
+from llama_grpc_server.core.scheduler import Scheduler, SchedulerConfig
+from llama_grpc_server.rpc import convert, validation
+from llama_grpc_server.testing import N_VOCAB, fake_model_info
+
+from .fake_runner import FakeRunner
+
+INFO = fake_model_info(n_ctx=64)
+LIMITS = SchedulerSettings(default_max_tokens=16)
+
+
+def text_request(**params: Any) -> GenerationRequest:
+    message = pb.GenerateRequest(prompt="hi", params=pb.GenerationParams(**params))
+    draft = validation.parse_text_request(message, INFO, LIMITS)
+    return validation.complete_request(draft, [1, 2, 3], request_id="r", deadline=None)
+
+
+def invalid(**params: Any) -> errors.ServiceError:
+    with pytest.raises(errors.InvalidRequest) as caught:
+        text_request(**params)
+    return caught.value
+
+
+# -- validation -------------------------------------------------------------------------------
+
+
+def test_logit_bias_is_kept_sorted_with_minus_inf() -> None:
+    """A bias map becomes sorted (id, bias) pairs; -inf (a ban) passes through."""
+    request = text_request(sampling=pb.SamplingParams(logit_bias={7: -math.inf, 3: 1.5}))
+    assert request.sampling.logit_bias == ((3, 1.5), (7, -math.inf))
+
+
+@pytest.mark.parametrize("bias", [math.nan, math.inf])
+def test_logit_bias_rejects_nan_and_plus_inf(bias: float) -> None:
+    """NaN and +inf are not biases: INVALID_ARGUMENT naming the token's entry."""
+    error = invalid(sampling=pb.SamplingParams(logit_bias={5: bias}))
+    assert error.field == "params.sampling.logit_bias[5]"
+    assert "finite number or -inf" in error.message
+
+
+def test_logit_bias_rejects_a_token_outside_the_vocabulary() -> None:
+    """A bias on a token id past the vocabulary names that id."""
+    error = invalid(sampling=pb.SamplingParams(logit_bias={N_VOCAB: 1.0}))
+    assert error.field == f"params.sampling.logit_bias[{N_VOCAB}]"
+    assert f"the vocabulary has {N_VOCAB} tokens" in error.message
+
+
+def test_logit_bias_rejects_too_many_entries() -> None:
+    """More than MAX_LOGIT_BIAS entries is refused as a whole."""
+    n = validation.MAX_LOGIT_BIAS + 1
+    big = fake_model_info(n_ctx=64)
+    message = pb.GenerateRequest(
+        prompt="hi",
+        params=pb.GenerationParams(
+            sampling=pb.SamplingParams(logit_bias=dict.fromkeys(range(n), 1.0))
+        ),
+    )
+    with pytest.raises(errors.InvalidRequest) as caught:
+        validation.parse_text_request(message, big, LIMITS)
+    assert caught.value.field == "params.sampling.logit_bias"
+    assert f"{n} entries" in caught.value.message
+
+
+def test_top_logprobs_above_twenty_is_rejected() -> None:
+    """top_logprobs is capped at 20, and the error names the field."""
+    error = invalid(output=pb.OutputOptions(top_logprobs=21))
+    assert error.field == "params.output.top_logprobs"
+    assert "at most 20, got 21" in error.message
+
+
+def test_output_options_reach_the_request() -> None:
+    """logprobs / top_logprobs pass through; top_logprobs alone implies logprobs."""
+    assert text_request().output == OutputParams()
+    assert not text_request().output.wants_logprobs
+    request = text_request(output=pb.OutputOptions(top_logprobs=5))
+    assert request.output == OutputParams(False, 5) and request.output.wants_logprobs
+    assert text_request(output=pb.OutputOptions(logprobs=True)).output.wants_logprobs
+
+
+# -- scheduler --------------------------------------------------------------------------------
+
+
+class LogprobRunner(FakeRunner):
+    """A FakeRunner that reports a logprob for every sampled token of the slots it is told."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened: dict[str, OutputParams] = {}
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for spec in plan.open_samplers:
+            self.opened[spec.request_id] = spec.output
+        result = super().execute(plan)
+        logprobs = {
+            slot: SampledLogprob(-0.5, ((token, -0.5), (token + 1, -1.25)))
+            for slot, token in result.sampled.items()
+        }
+        return StepResult(sampled=result.sampled, logprobs=logprobs)
+
+
+def test_scheduler_attaches_logprobs_to_each_delta() -> None:
+    """Sampled logprobs become TokenLogprob values (with pieces) on the token's own delta,
+    and the runner learns which requests asked for them."""
+    pieces = [f"<{i}>".encode() for i in range(97)]
+    s = Scheduler(SchedulerConfig(1, 256, 64), pieces=pieces, eog_ids=frozenset())
+    spec = GenerationRequest(
+        "a",
+        (1, 2, 3),
+        SamplingParams(temperature=0.0),
+        StoppingParams(max_tokens=3),
+        output=OutputParams(top_logprobs=2),
+    )
+    s.add(Request(spec))
+    runner = LogprobRunner()
+    deltas: list[TokenDelta] = []
+    for _ in range(10):
+        plan, _ = s.schedule()
+        if plan is None:
+            break
+        deltas += [e for _, e in s.update(plan, runner.execute(plan)) if isinstance(e, TokenDelta)]
+    assert runner.opened == {"a": OutputParams(top_logprobs=2)}
+    with_tokens = [d for d in deltas if d.token_ids]
+    assert len(with_tokens) == 3
+    for delta in with_tokens:
+        (token,) = delta.token_ids
+        (lp,) = delta.logprobs
+        assert lp == TokenLogprob(
+            token,
+            f"<{token}>",
+            -0.5,
+            (TopLogprob(token, f"<{token}>", -0.5), TopLogprob(token + 1, f"<{token + 1}>", -1.25)),
+        )
+
+
+# -- convert ----------------------------------------------------------------------------------
+
+LOGPROB = TokenLogprob(5, "a", -0.25, (TopLogprob(5, "a", -0.25), TopLogprob(6, "b", -2.0)))
+
+
+def test_delta_carries_logprobs_to_the_wire() -> None:
+    """Each TokenLogprob becomes a proto TokenLogprob with its top alternatives in order."""
+    message = convert.generation_delta(TokenDelta((5,), "a", (LOGPROB,)))
+    (lp,) = message.logprobs
+    assert (lp.token_id, lp.token, lp.logprob) == (5, "a", -0.25)
+    assert [(t.token_id, t.token, t.logprob) for t in lp.top] == [(5, "a", -0.25), (6, "b", -2.0)]
+
+
+def test_unary_response_joins_logprobs_of_all_deltas() -> None:
+    """GenerateResponse.logprobs lists every delta's entries, in order."""
+    from .test_convert import finished
+
+    second = TokenLogprob(6, "b", -1.0)
+    deltas = [
+        TokenDelta((5,), "a", (LOGPROB,)),
+        TokenDelta((), ""),
+        TokenDelta((6,), "b", (second,)),
+    ]
+    response = convert.generate_response("r", deltas, finished())
+    assert [lp.token_id for lp in response.logprobs] == [5, 6]
+    assert not response.logprobs[1].top
