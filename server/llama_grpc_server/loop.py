@@ -5,6 +5,7 @@ one call_soon_threadsafe per event loop per tick. It sleeps when idle, never bus
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections import defaultdict
@@ -76,6 +77,7 @@ class EngineLoop:
         self._on_done = on_done
         self._on_close = on_close
         self._inbox: list[tuple[str, Any]] = []
+        self._num_rejected_at_submit = 0
         self._wake = threading.Condition()
         self._streams: dict[str, RequestStream] = {}
         self._is_stopping = False
@@ -91,7 +93,11 @@ class EngineLoop:
     def submit(self, request: GenerationRequest) -> RequestStream:
         if self._is_stopping:
             raise errors.ShuttingDown("server is shutting down")
-        self._scheduler.check_fits(request)
+        try:
+            self._scheduler.check_fits(request)
+        except errors.ServiceError:
+            self._num_rejected_at_submit += 1  # only this (event-loop) thread writes it
+            raise
         live = Request(request, arrival_ns=time.perf_counter_ns())
         stream = RequestStream(self, live, asyncio.get_running_loop())
         with self._wake:
@@ -126,8 +132,17 @@ class EngineLoop:
         piece: bytes = self._tokenizer.special_piece(token_id)
         return piece.decode("utf-8", errors="replace")
 
+    def check_grammar(self, gbnf: str, root: str) -> None:
+        self._tokenizer.check_grammar(gbnf, root)
+
+    def json_schema_to_grammar(self, schema: str) -> str:
+        gbnf: str = self._tokenizer.json_schema_to_grammar(schema)
+        return gbnf
+
     def stats(self) -> StatsSnapshot:
-        return self._scheduler.snapshot(self._kv_cells_total)
+        snapshot = self._scheduler.snapshot(self._kv_cells_total)
+        rejected = snapshot.requests_rejected + self._num_rejected_at_submit
+        return dataclasses.replace(snapshot, requests_rejected=rejected)
 
     def close(self) -> None:
         with self._wake:

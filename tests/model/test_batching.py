@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from llama_grpc_server import errors
 from llama_grpc_server.core.request import FinishReason
 from llama_grpc_server.loop import EngineLoop
 
@@ -88,3 +91,12 @@ async def test_kv_pressure_completes_every_request() -> None:
         assert eng.stats().preemptions >= 1
     finally:
         eng.close()
+
+
+async def test_submit_rejects_what_can_never_fit_and_counts_it(engine: EngineLoop) -> None:
+    """prompt + max_tokens beyond n_ctx is refused at submit with both numbers, and counted."""
+    before = engine.stats().requests_rejected
+    too_long = request(engine, [2] + [1000] * 100, max_tokens=engine.model_info.n_ctx)
+    with pytest.raises(errors.PromptTooLong, match=r"prompt \(101 tokens\)"):
+        engine.submit(too_long)
+    assert engine.stats().requests_rejected == before + 1

@@ -433,8 +433,9 @@ class Scheduler:
             return self._relieve_kv_pressure(plan)
         if result.status != DECODE_OK:
             return self._fail_batch(plan, result.status)
-        self.counters.ticks += 1
-        self.counters.batch_tokens += plan.num_tokens
+        if plan.chunks:  # a plan of KV edits only is no forward pass
+            self.counters.ticks += 1
+            self.counters.batch_tokens += plan.num_tokens
         out: Emitted = []
         for chunk in plan.chunks:
             request = self.slots[chunk.slot_id].request
