@@ -87,20 +87,32 @@ proto-check: $(STAMP) proto-lint
 proto-lint:
 	cd proto && npx --yes @bufbuild/buf@1.47.2 lint
 
-bench: bench-single bench-concurrency bench-strategies bench-prefix bench-tokenize bench-telemetry
+# Benchmarks (never part of `make test`): JSON + PNG under bench/results/, then SUMMARY.md.
+# bench-peers installs its own venv (bench/.venv-peers) and is not part of `make bench`.
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q --group bench
+	touch $(BENCH_STAMP)
 
-bench-single: $(STAMP)
-	$(PY) bench/single.py
-bench-concurrency: $(STAMP)
-	$(PY) bench/concurrency.py
-bench-strategies: $(STAMP)
-	$(PY) bench/strategies.py
-bench-prefix: $(STAMP)
-	$(PY) bench/prefix_cache.py
-bench-tokenize: $(STAMP)
-	$(PY) bench/tokenize_overhead.py
-bench-telemetry: $(STAMP)
+bench: bench-single bench-concurrency bench-strategies bench-prefix bench-tokenize bench-telemetry
+	$(PY) bench/summary.py
+
+bench-single: $(BENCH_STAMP)
+	$(PY) bench/single.py $(ARGS)
+bench-concurrency: $(BENCH_STAMP)
+	$(PY) bench/concurrency.py $(ARGS)
+bench-strategies: $(BENCH_STAMP)
+	$(PY) bench/strategies.py $(ARGS)
+bench-prefix: $(BENCH_STAMP)
+	$(PY) bench/prefix_cache.py $(ARGS)
+bench-tokenize: $(BENCH_STAMP)
+	$(PY) bench/tokenize_overhead.py $(ARGS)
+bench-telemetry: $(BENCH_STAMP)
 	$(PY) bench/telemetry_overhead.py
+bench-peers: $(BENCH_STAMP)
+	PYTHON=$(PYTHON) bench/setup_peers.sh
+	$(PY) bench/peers.py $(ARGS)
+	$(PY) bench/summary.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,8 +1,10 @@
-"""Concurrency benchmark: the raw in-process llama.cpp loop vs llama-grpc through gRPC with B
-concurrent streaming clients doing the same work (41-token prompts, 48 greedy tokens,
-ignore_eos), for B = 1, 4, 8, 16. Efficiency = raw wall time / llama-grpc wall time.
+"""Concurrency benchmark: the raw in-process llama.cpp loop (the limit) vs llama-grpc through
+gRPC with B concurrent GenerateTokens streams doing the same work (41-token prompts, 64 greedy
+tokens, ignore_eos, cache_prompt=false), for B = 1, 4, 8, 16. Both run in this one run and
+alternate within every repetition (raw first on even repetitions, llama-grpc first on odd ones),
+so background noise hits both. Efficiency = raw wall time / llama-grpc wall time (medians).
 
-    make bench-concurrency            # or: python bench/concurrency.py --reps 3
+    make bench-concurrency            # or: python bench/concurrency.py --reps 5
 """
 
 from __future__ import annotations
@@ -13,20 +15,33 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import llama_grpc_server, machine_facts, progress, summary, write_json
+from common import (
+    DEFAULT_THREADS,
+    finish_facts,
+    greedy_params,
+    llama_grpc_server,
+    machine_facts,
+    progress,
+    pyplot,
+    save_figure,
+    server_args,
+    spread,
+    stream_tokens,
+    write_json,
+)
 from raw_limit import RawLoop
 
-from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.model_files import default_model_path
 
 PROMPT_TOKENS = 41
-GEN_TOKENS = 48
+GEN_TOKENS = 64
 TEXT = (
     "Request {i}: write a short paragraph about the history of the city, its rivers, bridges, "
     "markets, music and the people who lived there across many centuries of change and growth, "
@@ -34,91 +49,97 @@ TEXT = (
 )
 
 
-def make_prompts(model: RawLoop, batch: int, rep: int) -> list[list[int]]:
+def prompt_text(i: int, rep: int) -> str:
+    return TEXT.format(i=i + 100 * rep)
+
+
+def make_prompts(raw: RawLoop, batch: int, rep: int) -> list[list[int]]:
     prompts = []
     for i in range(batch):
-        ids = model.model.tokenize(
-            TEXT.format(i=i + 100 * rep), add_special=True, parse_special=False
-        )
+        ids = raw.model.tokenize(prompt_text(i, rep), add_special=True, parse_special=False)
         assert len(ids) >= PROMPT_TOKENS, len(ids)
         prompts.append(ids[:PROMPT_TOKENS])
     return prompts
 
 
-async def grpc_run(target: str, prompts: list[list[int]]) -> tuple[float, int]:
-    params = pb.GenerationParams(
-        sampling=pb.SamplingParams(temperature=0.0),
-        stopping=pb.StoppingCriteria(max_tokens=GEN_TOKENS, ignore_eos=True),
-        cache_prompt=False,
-    )
+async def grpc_run(stub: Any, prompts: list[list[int]], gen: int) -> tuple[float, int]:
+    """Wall seconds for B concurrent streams (send of the first to end of the last), tokens."""
+    params = greedy_params(gen, cache_prompt=False)
+    t0 = time.perf_counter()
+    records = await asyncio.gather(*(stream_tokens(stub, p, params=params) for p in prompts))
+    return time.perf_counter() - t0, sum(r.n_tokens for r in records)
+
+
+async def measure(
+    raw: RawLoop, target: str, batches: list[int], reps: int, gen: int
+) -> list[dict[str, Any]]:
+    rows = []
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.LlmServiceStub(channel)
-
-        async def one(prompt: list[int]) -> int:
-            n = 0
-            call = stub.GenerateTokens(pb.GenerateTokensRequest(token_ids=prompt, params=params))
-            async for msg in call:
-                if msg.HasField("delta"):
-                    n += len(msg.delta.token_ids)
-            return n
-
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(one(p) for p in prompts))
-        return time.perf_counter() - t0, sum(counts)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", default="1,4,8,16")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--n-ctx", type=int, default=8192)
-    args = parser.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    n_par = max(batches)
-    path = str(default_model_path())
-    progress("loading the raw loop model")
-    raw = RawLoop(path, args.n_ctx, n_par, args.threads)
-    raw.run(make_prompts(raw, 1, 999), 4)  # warm-up
-    rows = []
-    server_args = ["--n-parallel", str(n_par), "--n-ctx", str(args.n_ctx)]
-    server_args += ["--threads", str(args.threads)]
-    with llama_grpc_server(*server_args) as target:
-        asyncio.run(grpc_run(target, make_prompts(raw, 2, 998)))  # warm-up
+        for b in (1, max(batches)):  # warm-up both paths, small and large
+            raw.run(make_prompts(raw, b, 999), 8)
+            await grpc_run(stub, make_prompts(raw, b, 998), 8)
+        progress("warm-up done")
         for b in batches:
-            raw_t, grpc_t = [], []
-            for rep in range(args.reps):
+            raw_t: list[float] = []
+            grpc_t: list[float] = []
+            for rep in range(reps):
                 prompts = make_prompts(raw, b, rep)
-                raw_t.append(raw.run(prompts, GEN_TOKENS))
-                seconds, n = asyncio.run(grpc_run(target, prompts))
-                if n != b * GEN_TOKENS:
-                    raise RuntimeError(f"expected {b * GEN_TOKENS} tokens, got {n}")
-                grpc_t.append(seconds)
+                order = ("raw", "grpc") if rep % 2 == 0 else ("grpc", "raw")
+                for which in order:
+                    if which == "raw":
+                        raw_t.append(raw.run(prompts, gen))
+                    else:
+                        seconds, n = await grpc_run(stub, prompts, gen)
+                        if n != b * gen:
+                            raise RuntimeError(f"expected {b * gen} tokens, got {n}")
+                        grpc_t.append(seconds)
                 progress(
-                    f"B={b} rep {rep + 1}/{args.reps}: raw {raw_t[-1]:.3f}s grpc {seconds:.3f}s"
+                    f"B={b:>2} rep {rep + 1}/{reps}: raw {raw_t[-1]:.3f}s "
+                    f"llama-grpc {grpc_t[-1]:.3f}s ({raw_t[-1] / grpc_t[-1]:.3f})"
                 )
             raw_m, grpc_m = statistics.median(raw_t), statistics.median(grpc_t)
             rows.append(
                 {
                     "batch": b,
-                    "raw_s": summary(raw_t),
-                    "llama_grpc_s": summary(grpc_t),
-                    "raw_tok_s": b * GEN_TOKENS / raw_m,
-                    "llama_grpc_tok_s": b * GEN_TOKENS / grpc_m,
+                    "raw_s": spread(raw_t),
+                    "llama_grpc_s": spread(grpc_t),
+                    "raw_tok_s": b * gen / raw_m,
+                    "llama_grpc_tok_s": b * gen / grpc_m,
                     "efficiency": raw_m / grpc_m,
+                    "efficiency_per_rep": [r / g for r, g in zip(raw_t, grpc_t, strict=True)],
                 }
             )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,4,8,16")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--gen-tokens", type=int, default=GEN_TOKENS)
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
+    parser.add_argument("--n-ctx", type=int, default=8192)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    n_par = max(batches)
+    progress("loading the raw loop model")
+    raw = RawLoop(str(default_model_path()), args.n_ctx, n_par, args.threads)
+    extra = ["--n-parallel", str(n_par), "--n-ctx", str(args.n_ctx)]
+    progress("starting llama-grpc")
+    with llama_grpc_server(*server_args(args.threads, *extra)) as target:
+        rows = asyncio.run(measure(raw, target, batches, args.reps, args.gen_tokens))
     raw.close()
     data = {
         "benchmark": "concurrency",
         "command": "python bench/concurrency.py " + " ".join(sys.argv[1:]),
-        "workload": {"prompt_tokens": PROMPT_TOKENS, "generated_tokens": GEN_TOKENS},
+        "workload": {"prompt_tokens": PROMPT_TOKENS, "generated_tokens": args.gen_tokens},
         "settings": vars(args),
-        "machine": machine_facts(),
+        "machine": machine_facts(args.threads),
         "rows": rows,
     }
-    write_json("concurrency", data)
-    plot(rows)
+    write_json("concurrency", finish_facts(data))
+    plot(rows, args.gen_tokens)
     for r in rows:
         print(
             f"B={r['batch']:>2}  raw {r['raw_tok_s']:7.1f} tok/s  llama-grpc "
@@ -127,13 +148,8 @@ def main() -> int:
     return 0
 
 
-def plot(rows: list[dict[str, object]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from common import RESULTS
-
+def plot(rows: list[dict[str, Any]], gen: int) -> None:
+    plt = pyplot()
     xs = [r["batch"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(xs, [r["raw_tok_s"] for r in rows], "o-", label="raw llama.cpp loop (limit)")
@@ -149,13 +165,11 @@ def plot(rows: list[dict[str, object]]) -> None:
         )
     ax.set_xlabel("concurrent sequences B")
     ax.set_ylabel("aggregate tokens/s")
-    ax.set_title("Gemma 3 270M Q4_K_M, 41-token prompts, 48 tokens")
+    ax.set_title(f"Gemma 3 270M Q4_K_M, {PROMPT_TOKENS}-token prompts, {gen} tokens")
     ax.set_xticks(xs)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(RESULTS / "concurrency.png", dpi=120)
-    progress("wrote bench/results/concurrency.png")
+    save_figure(fig, "concurrency")
 
 
 if __name__ == "__main__":

