@@ -7,9 +7,10 @@ every grpc.RpcError to a LlamaGrpcError (errors.py). Never imports the server pa
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from types import ModuleType
-from typing import Literal, Self, TypedDict, TypeVar, Unpack, overload
+from typing import Any, Literal, Self, TypedDict, TypeVar, Unpack, overload
 
 import grpc
 import grpc.aio
@@ -63,6 +64,10 @@ class TokenGenerationParams(CallOptions, total=False):
     # Per-token log-probabilities in the result (top_logprobs > 0 implies logprobs).
     logprobs: bool | None
     top_logprobs: int | None
+    # Structured output: a GBNF grammar (with its start rule) or a JSON Schema (dict or JSON text).
+    grammar: str | None
+    grammar_root: str | None
+    json_schema: str | Mapping[str, Any] | None
     session_id: str | None
     cache_scope: str | None
     model: str | None
@@ -77,6 +82,7 @@ class GenerationParams(TokenGenerationParams, total=False):
 _SAMPLING_KEYS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 _STOPPING_KEYS = frozenset(pb.StoppingCriteria.DESCRIPTOR.fields_by_name)
 _OUTPUT_KEYS = frozenset(pb.OutputOptions.DESCRIPTOR.fields_by_name)
+_CONSTRAINT_KEYS = frozenset({"grammar", "grammar_root", "json_schema"})
 _CALL_KEYS = frozenset(CallOptions.__annotations__)
 _REQUEST_KEYS = frozenset({"session_id", "cache_scope", "model", "add_special"})
 
@@ -104,6 +110,7 @@ def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
         _SAMPLING_KEYS
         | _STOPPING_KEYS
         | _OUTPUT_KEYS
+        | _CONSTRAINT_KEYS
         | _CALL_KEYS
         | request_keys
         | {"cache_prompt"}
@@ -116,7 +123,22 @@ def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
     _fill(request.params.stopping, _pick(params, _STOPPING_KEYS))
     _fill(request.params.output, _pick(params, _OUTPUT_KEYS))
     _fill(request.params, _pick(params, frozenset({"cache_prompt"})))
+    _set_constraint(request.params, _pick(params, _CONSTRAINT_KEYS))
     return request
+
+
+def _set_constraint(message: pb.GenerationParams, values: Mapping[str, object]) -> None:
+    """grammar (+ grammar_root) or json_schema; a schema given as a dict is sent as JSON."""
+    schema = values.get("json_schema")
+    if schema is not None and "grammar" in values:
+        raise ValueError("pass either grammar or json_schema, not both")
+    if "grammar_root" in values and "grammar" not in values:
+        raise ValueError("grammar_root needs a grammar")
+    if schema is not None:
+        message.json_schema = schema if isinstance(schema, str) else json.dumps(schema)
+    elif "grammar" in values:
+        message.grammar.gbnf = str(values["grammar"])
+        message.grammar.root = str(values.get("grammar_root", ""))
 
 
 def tokenize_request(

@@ -8,6 +8,7 @@ by default the prompt's byte tokens reversed. Pure Python and asyncio; no llama_
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -167,6 +168,24 @@ class FakeEngine:
         if token_id < BYTE_OFFSET:
             return SPECIAL_PIECES[token_id]
         return bytes([token_id - BYTE_OFFSET]).decode("utf-8", errors="replace")
+
+    def check_grammar(self, gbnf: str, root: str) -> None:
+        """A stand-in parser: every line needs "::=" and the root rule must exist."""
+        rules = [line.split("::=")[0].strip() for line in gbnf.splitlines() if line.strip()]
+        if not rules or any("::=" not in line for line in gbnf.splitlines() if line.strip()):
+            raise ValueError("invalid grammar: expecting ::=")
+        if root not in rules:
+            raise ValueError(f"invalid grammar: grammar does not contain a '{root}' symbol")
+
+    def json_schema_to_grammar(self, schema: str) -> str:
+        """Any JSON object schema becomes a grammar for "{}"; anything else is invalid."""
+        try:
+            parsed = json.loads(schema)
+        except ValueError as exc:
+            raise ValueError(f"JSONDecodeError: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("the schema must be a JSON object")
+        return 'root ::= "{}"'
 
     def stats(self) -> StatsSnapshot:
         c, n_parallel = self.counters, self.info.n_parallel

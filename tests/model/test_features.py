@@ -1,12 +1,21 @@
-"""Generation features on the real model, through the engine: logprobs, logit bias."""
+"""Generation features on the real model, through the engine: logprobs, logit bias, grammar
+and JSON-schema constraints."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections import Counter
 
-from llama_grpc_server.core.request import GenerationRequest, OutputParams, TokenLogprob
+from llama_grpc_server.core.request import (
+    Constraint,
+    Failed,
+    FinishReason,
+    GenerationRequest,
+    OutputParams,
+    TokenLogprob,
+)
 from llama_grpc_server.loop import EngineLoop
 
 from .conftest import request, run, run_all
@@ -107,3 +116,106 @@ async def test_bias_and_logprobs_do_not_leak_into_a_neighbour(engine: EngineLoop
     )
     assert neighbour.token_ids == alone.token_ids
     assert banned not in biased.token_ids
+
+
+# -- grammar constraints --------------------------------------------------------------------------
+
+YES_NO = 'root ::= "yes" | "no"'
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer"},
+        "member": {"type": "boolean"},
+    },
+    "required": ["name", "age", "member"],
+    "additionalProperties": False,
+}
+
+
+def check_person(value: object) -> None:
+    """PERSON_SCHEMA by hand (no jsonschema dependency): exact keys, types, maxLength."""
+    assert isinstance(value, dict) and set(value) == {"name", "age", "member"}
+    assert isinstance(value["name"], str) and len(value["name"]) <= 20
+    assert isinstance(value["age"], int) and not isinstance(value["age"], bool)
+    assert isinstance(value["member"], bool)
+
+
+def constrained(req: GenerationRequest, gbnf: str, root: str = "root") -> GenerationRequest:
+    return dataclasses.replace(req, constraint=Constraint(gbnf, root))
+
+
+def ending_on_eos(req: GenerationRequest) -> GenerationRequest:
+    """The model-test helper ignores EOS by default; a grammar ends on it."""
+    return dataclasses.replace(req, stopping=dataclasses.replace(req.stopping, ignore_eos=False))
+
+
+async def test_json_schema_output_parses_and_validates(engine: EngineLoop) -> None:
+    """Greedy with a JSON schema yields JSON that validates, and ends with EOS once complete."""
+    gbnf = engine.json_schema_to_grammar(json.dumps(PERSON_SCHEMA))
+    prompt = "Describe a person as JSON:"
+    out = await run(
+        engine, ending_on_eos(constrained(request(engine, prompt, max_tokens=120), gbnf))
+    )
+    check_person(json.loads(out.text))
+    assert out.finished.reason is FinishReason.EOS
+
+
+async def test_yes_no_grammar_is_obeyed_across_seeds(engine: EngineLoop) -> None:
+    """A (yes|no) grammar at temperature 1 gives exactly "yes" or "no" for 20 seeds, then EOS."""
+    reqs = [
+        ending_on_eos(
+            constrained(
+                request(engine, "Is the sky blue?", max_tokens=8, temperature=1.0, seed=seed),
+                YES_NO,
+            )
+        )
+        for seed in range(20)
+    ]
+    outs = await run_all(engine, reqs)
+    assert {o.text for o in outs} <= {"yes", "no"}
+    assert all(o.finished.reason is FinishReason.EOS for o in outs)
+
+
+async def test_grammar_next_to_free_text_does_not_leak(engine: EngineLoop) -> None:
+    """A grammar request batched with a free-text one: the free one equals its solo run, the
+    constrained one obeys its grammar."""
+    free = request(engine, PROMPT, max_tokens=16)
+    alone = await run(engine, free)
+    digits = ending_on_eos(constrained(request(engine, PROMPT, max_tokens=16), "root ::= [0-9]+"))
+    together, constrained_out = await run_all(
+        engine, [dataclasses.replace(free, request_id=free.request_id + "b"), digits]
+    )
+    assert together.token_ids == alone.token_ids
+    assert constrained_out.text.isdigit()
+
+
+async def test_grammar_with_every_allowed_token_banned_fails_cleanly(engine: EngineLoop) -> None:
+    """When logit_bias bans every token the grammar allows, the request fails with a reason
+    (no llama.cpp abort) and the engine keeps serving."""
+    yes_ids = set(engine.tokenize("yes", add_special=False, parse_special=False))
+    first_pieces = [
+        t for t in range(engine.model_info.n_vocab) if engine.token_piece(t) in ("y", "ye", "yes")
+    ]
+    ban = dict.fromkeys(yes_ids | set(first_pieces), -math.inf)
+    req = with_bias(constrained(request(engine, "Answer:", max_tokens=4), 'root ::= "yes"'), ban)
+    out = await run(engine, req)
+    assert isinstance(out.final, Failed)
+    assert "allows no token" in out.final.error.message
+    assert out.final.error.field == "params.grammar.gbnf"
+    after = await run(engine, request(engine, PROMPT, max_tokens=4))
+    assert len(after.token_ids) == 4
+
+
+async def test_finished_grammar_with_ignore_eos_keeps_to_end_of_generation(
+    engine: EngineLoop,
+) -> None:
+    """ignore_eos past a completed grammar only ever yields end-of-generation tokens (the only
+    ones a finished grammar allows): no abort, and the text stays the grammar's."""
+    req = constrained(request(engine, "Is the sky blue?", max_tokens=6), YES_NO)
+    out = await run(engine, req)
+    assert out.text in ("yes", "no")
+    assert out.finished.reason is FinishReason.MAX_TOKENS
+    eog = set(engine.model_info.eog_token_ids)
+    tail = out.token_ids[len(engine.tokenize(out.text, add_special=False, parse_special=False)) :]
+    assert tail and set(tail) <= eog

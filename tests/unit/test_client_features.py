@@ -1,9 +1,13 @@
 """Client request building and result conversion for the generation features (logit bias,
-logprobs), against scripted server behaviour (grpc_testing)."""
+logprobs, constraints), against scripted server behaviour (grpc_testing)."""
 
 from __future__ import annotations
 
+import json
 import math
+from typing import Any
+
+import pytest
 
 from llama_grpc import Client, TokenLogprob, TopLogprob
 from llama_grpc.types import delta_from_proto
@@ -55,3 +59,36 @@ def test_delta_carries_logprobs() -> None:
         )
     )
     assert delta.logprobs == (TokenLogprob(5, "a", -1.0),)
+
+
+def test_grammar_keywords_fill_the_constraint(client: Client, unary: UnaryScript) -> None:
+    """grammar + grammar_root set params.grammar; nothing else of the oneof is set."""
+    _, request, _ = unary(
+        lambda: client.generate("p", grammar='start ::= "a"', grammar_root="start"),
+        "Generate",
+        pb.GenerateResponse(),
+    )
+    assert request.params.WhichOneof("constraint") == "grammar"
+    assert (request.params.grammar.gbnf, request.params.grammar.root) == ('start ::= "a"', "start")
+
+
+def test_json_schema_dict_is_sent_as_json_text(client: Client, unary: UnaryScript) -> None:
+    """A schema given as a dict travels as its JSON text in params.json_schema."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    _, request, _ = unary(
+        lambda: client.generate("p", json_schema=schema), "Generate", pb.GenerateResponse()
+    )
+    assert request.params.WhichOneof("constraint") == "json_schema"
+    assert json.loads(request.params.json_schema) == schema
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"grammar": 'root ::= "a"', "json_schema": "{}"}, {"grammar_root": "start"}],
+)
+def test_contradictory_constraint_keywords_raise_before_any_rpc(
+    client: Client, params: dict[str, Any]
+) -> None:
+    """Both grammar and json_schema, or a root without a grammar, is a ValueError."""
+    with pytest.raises(ValueError, match="grammar"):
+        client.generate("p", **params)

@@ -1,5 +1,5 @@
-"""Generation features without a model: validation of logit_bias / logprobs, the scheduler
-carrying logprobs from the runner into deltas, and their conversion to proto."""
+"""Generation features without a model: validation of logit_bias / logprobs / constraints, the
+scheduler carrying logprobs and constraint failures between runner and events, and conversion."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from llama_grpc_server import errors
 from llama_grpc_server.config import SchedulerSettings
 from llama_grpc_server.core.plan import SampledLogprob, StepPlan, StepResult
 from llama_grpc_server.core.request import (
+    Constraint,
+    Failed,
     GenerationRequest,
     OutputParams,
     Request,
@@ -24,7 +26,7 @@ from llama_grpc_server.core.request import (
 )
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerConfig
 from llama_grpc_server.rpc import convert, validation
-from llama_grpc_server.testing import N_VOCAB, fake_model_info
+from llama_grpc_server.testing import N_VOCAB, FakeEngine, fake_model_info
 
 from .fake_runner import FakeRunner
 
@@ -181,3 +183,119 @@ def test_unary_response_joins_logprobs_of_all_deltas() -> None:
     response = convert.generate_response("r", deltas, finished())
     assert [lp.token_id for lp in response.logprobs] == [5, 6]
     assert not response.logprobs[1].top
+
+
+# -- constraints --------------------------------------------------------------------------------
+
+GRAMMARS = FakeEngine()  # its stand-in parser: every line needs "::=", the root rule must exist
+
+
+def constrained_request(**params: Any) -> GenerationRequest:
+    message = pb.GenerateTokensRequest(token_ids=[5, 6], params=pb.GenerationParams(**params))
+    draft = validation.parse_tokens_request(message, INFO, LIMITS, grammars=GRAMMARS)
+    return validation.complete_request(draft, draft.prompt_tokens, request_id="c", deadline=None)
+
+
+def constraint_error(**params: Any) -> errors.ServiceError:
+    with pytest.raises(errors.ServiceError) as caught:
+        constrained_request(**params)
+    return caught.value
+
+
+def test_grammar_becomes_a_constraint_with_its_root() -> None:
+    """A valid grammar reaches the request as GBNF with its root (default "root")."""
+    request = constrained_request(grammar=pb.Grammar(gbnf='root ::= "a"'))
+    assert request.constraint == Constraint('root ::= "a"', "root", "params.grammar.gbnf")
+    other = constrained_request(grammar=pb.Grammar(gbnf='start ::= "a"', root="start"))
+    assert other.constraint is not None and other.constraint.root == "start"
+
+
+def test_json_schema_is_converted_once_at_validation() -> None:
+    """A JSON schema arrives at the engine already as GBNF; errors point at params.json_schema."""
+    request = constrained_request(json_schema='{"type": "object"}')
+    assert request.constraint == Constraint('root ::= "{}"', "root", "params.json_schema")
+
+
+@pytest.mark.parametrize(
+    ("params", "field", "text"),
+    [
+        ({"grammar": pb.Grammar(gbnf="root = x")}, "params.grammar.gbnf", "expecting ::="),
+        ({"grammar": pb.Grammar(gbnf="  ")}, "params.grammar.gbnf", "must not be empty"),
+        (
+            {"grammar": pb.Grammar(gbnf='root ::= "a"', root="start")},
+            "params.grammar.root",
+            "does not contain a 'start' symbol",
+        ),
+        ({"json_schema": '{"type": '}, "params.json_schema", "JSONDecodeError"),
+        ({"json_schema": "[1]"}, "params.json_schema", "must be a JSON object"),
+        ({"json_schema": ""}, "params.json_schema", "must not be empty"),
+        (
+            {"json_schema": "x" * (validation.MAX_CONSTRAINT_CHARS + 1)},
+            "params.json_schema",
+            "at most 100000",
+        ),
+    ],
+)
+def test_bad_constraint_is_invalid_argument_naming_the_field(
+    params: dict[str, Any], field: str, text: str
+) -> None:
+    """Invalid grammars and schemas are INVALID_ARGUMENT with the parser's message."""
+    error = constraint_error(**params)
+    assert type(error) is errors.InvalidRequest
+    assert error.field == field
+    assert text in error.message
+
+
+def test_constraint_without_a_compiler_is_a_failed_precondition() -> None:
+    """Validation without the engine's compiler refuses constraints instead of skipping them."""
+    message = pb.GenerateRequest(
+        prompt="hi", params=pb.GenerationParams(grammar=pb.Grammar(gbnf='root ::= "a"'))
+    )
+    with pytest.raises(errors.FailedPrecondition) as caught:
+        validation.parse_text_request(message, INFO, LIMITS)
+    assert caught.value.field == "params.grammar.gbnf"
+
+
+class DeadEndRunner(FakeRunner):
+    """Reports that the constraint allowed no token at the second sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples = 0
+        self.constraints: list[Constraint | None] = []
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.constraints += [spec.constraint for spec in plan.open_samplers]
+        result = super().execute(plan)
+        if not result.sampled:
+            return result
+        self.samples += 1
+        if self.samples < 2:
+            return result
+        return StepResult(failed=dict.fromkeys(result.sampled, "no token allowed"))
+
+
+def test_a_constraint_dead_end_fails_only_that_request() -> None:
+    """The runner's "no token allowed" ends the request with INVALID_ARGUMENT on the
+    constraint's field, frees the slot, and the sampler receives the constraint."""
+    s = Scheduler(
+        SchedulerConfig(1, 256, 64), pieces=[b"x"] * 97, eog_ids=frozenset(), strategy=None
+    )
+    constraint = Constraint('root ::= "x"', "root", "params.json_schema")
+    spec = GenerationRequest(
+        "a", (1, 2), SamplingParams(temperature=0.0), StoppingParams(8), constraint=constraint
+    )
+    s.add(Request(spec))
+    runner = DeadEndRunner()
+    events = []
+    for _ in range(10):
+        plan, _ = s.schedule()
+        if plan is None:
+            break
+        events += [e for _, e in s.update(plan, runner.execute(plan))]
+    assert runner.constraints == [constraint]
+    failed = events[-1]
+    assert isinstance(failed, Failed)
+    assert failed.error.field == "params.json_schema"
+    assert "no token allowed (after 1 generated tokens)" in failed.error.message
+    assert all(slot.request is None for slot in s.slots)

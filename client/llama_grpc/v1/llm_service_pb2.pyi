@@ -225,8 +225,12 @@ class GenerationParams(_message.Message):
     STOPPING_FIELD_NUMBER: _builtins.int
     CACHE_PROMPT_FIELD_NUMBER: _builtins.int
     OUTPUT_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
     cache_prompt: _builtins.bool
     """Reuse and keep KV cache for this request's prefix (server default: true)."""
+    json_schema: _builtins.str
+    """A JSON Schema, as JSON text: the output is JSON that validates against it."""
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
     @_builtins.property
@@ -235,6 +239,10 @@ class GenerationParams(_message.Message):
     def output(self) -> Global___OutputOptions:
         """What to return besides the text."""
 
+    @_builtins.property
+    def grammar(self) -> Global___Grammar:
+        """A GBNF grammar (llama.cpp's grammar format)."""
+
     def __init__(
         self,
         *,
@@ -242,16 +250,48 @@ class GenerationParams(_message.Message):
         stopping: Global___StoppingCriteria | None = ...,
         cache_prompt: _builtins.bool | None = ...,
         output: Global___OutputOptions | None = ...,
+        grammar: Global___Grammar | None = ...,
+        json_schema: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "cache_prompt", b"cache_prompt", "output", b"output", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "cache_prompt", b"cache_prompt", "constraint", b"constraint", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "cache_prompt", b"cache_prompt", "output", b"output", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "cache_prompt", b"cache_prompt", "constraint", b"constraint", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cache_prompt: _TypeAlias = _typing.Literal["cache_prompt"]  # noqa: Y015
     _WhichOneofArgType__cache_prompt: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt"]  # noqa: Y015
+    _WhichOneofReturnType_constraint: _TypeAlias = _typing.Literal["grammar", "json_schema"]  # noqa: Y015
+    _WhichOneofArgType_constraint: _TypeAlias = _typing.Literal["constraint", b"constraint"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__cache_prompt) -> _WhichOneofReturnType__cache_prompt | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_constraint) -> _WhichOneofReturnType_constraint | None: ...
 
 Global___GenerationParams: _TypeAlias = GenerationParams  # noqa: Y015
+
+@_typing.final
+class Grammar(_message.Message):
+    """A GBNF grammar."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GBNF_FIELD_NUMBER: _builtins.int
+    ROOT_FIELD_NUMBER: _builtins.int
+    gbnf: _builtins.str
+    root: _builtins.str
+    """The start rule; "root" when empty."""
+    def __init__(
+        self,
+        *,
+        gbnf: _builtins.str = ...,
+        root: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gbnf", b"gbnf", "root", b"root"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Grammar: _TypeAlias = Grammar  # noqa: Y015
 
 @_typing.final
 class OutputOptions(_message.Message):

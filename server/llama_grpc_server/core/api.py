@@ -83,6 +83,18 @@ class RequestStream(Protocol):
         ...
 
 
+class GrammarCompiler(Protocol):
+    """Checks constraints where the model's vocabulary lives (engine/), for validation."""
+
+    def check_grammar(self, gbnf: str, root: str) -> None:
+        """Raise ValueError with the parser's message unless the GBNF grammar compiles."""
+        ...
+
+    def json_schema_to_grammar(self, schema: str) -> str:
+        """The GBNF of a JSON Schema (JSON text); ValueError when it is invalid or unsupported."""
+        ...
+
+
 class EngineApi(Protocol):
     """The engine as the servicer uses it. Every method is safe to call from the event loop."""
 
@@ -98,6 +110,10 @@ class EngineApi(Protocol):
     def detokenize(self, token_ids: Sequence[int], *, render_special: bool) -> str: ...
 
     def token_piece(self, token_id: int) -> str: ...
+
+    def check_grammar(self, gbnf: str, root: str) -> None: ...
+
+    def json_schema_to_grammar(self, schema: str) -> str: ...
 
     def stats(self) -> StatsSnapshot: ...
 

@@ -14,6 +14,7 @@ import llama_cpp
 
 from llama_grpc_server.config import ModelSettings
 from llama_grpc_server.core.api import ModelInfo
+from llama_grpc_server.engine import grammar
 
 
 @functools.cache
@@ -117,6 +118,13 @@ class LlamaModel:
         buf = ctypes.create_string_buffer(256)
         n = llama_cpp.llama_token_to_piece(self.vocab, token_id, buf, 256, 0, True)
         return buf.raw[:n] if n > 0 else b""
+
+    def check_grammar(self, gbnf: str, root: str) -> None:
+        """Raise GrammarError (a ValueError) with llama.cpp's message unless it compiles."""
+        grammar.check_grammar(self.vocab, gbnf, root)
+
+    def json_schema_to_grammar(self, schema: str) -> str:
+        return grammar.json_schema_to_gbnf(schema)
 
     def info(self, model_name: str) -> ModelInfo:
         bos = int(llama_cpp.llama_vocab_bos(self.vocab))

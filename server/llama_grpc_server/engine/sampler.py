@@ -18,6 +18,7 @@ from llama_grpc_server.core.request import Constraint, SamplingParams
 from llama_grpc_server.engine.grammar import init_grammar
 
 NO_TOKEN = -1
+_DEAD_END = "the grammar allows no token here that the sampler can pick (logit_bias may ban them)"
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
@@ -122,13 +123,12 @@ class RequestSampler:
         if token == NO_TOKEN or not cand.allows(grammar, token):
             cand.load(row)
             llama_cpp.llama_sampler_apply(grammar, cand.ref)
-            if not cand.has_allowed:
-                self.error = "the grammar allows no token here (does logit_bias ban them all?)"
-                return NO_TOKEN
-            llama_cpp.llama_sampler_apply(self._chain, cand.ref)
-            token = cand.selected
-            if token == NO_TOKEN or not cand.allows(grammar, token):
-                self.error = "the sampler picked no token the grammar allows"
+            is_any_allowed = cand.has_allowed
+            if is_any_allowed:
+                llama_cpp.llama_sampler_apply(self._chain, cand.ref)
+                token = cand.selected
+            if not is_any_allowed or token == NO_TOKEN or not cand.allows(grammar, token):
+                self.error = _DEAD_END
                 return NO_TOKEN
         llama_cpp.llama_sampler_accept(grammar, token)
         llama_cpp.llama_sampler_accept(self._chain, token)

@@ -122,7 +122,9 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
     async def _text_request(
         self, message: validation.TextRequest, engine: EngineApi, request_id: str, context: Context
     ) -> GenerationRequest:
-        draft = validation.parse_text_request(message, engine.model_info, self._settings.scheduler)
+        draft = validation.parse_text_request(
+            message, engine.model_info, self._settings.scheduler, grammars=engine
+        )
         add_special = validation.add_special(message)
         tokens = await _tokenize(
             engine, message.prompt, add_special=add_special, parse_special=False
@@ -159,7 +161,9 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
         async with ErrorsToStatus(context, request_id):
             engine = self._ready_engine()
             limits = self._settings.scheduler
-            draft = validation.parse_tokens_request(request, engine.model_info, limits)
+            draft = validation.parse_tokens_request(
+                request, engine.model_info, limits, grammars=engine
+            )
             spec = validation.complete_request(
                 draft, draft.prompt_tokens, request_id=request_id, deadline=_deadline(context)
             )

@@ -18,8 +18,9 @@ from typing import Any, Literal
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
 from llama_grpc_server.config import SchedulerSettings
-from llama_grpc_server.core.api import ModelInfo
+from llama_grpc_server.core.api import GrammarCompiler, ModelInfo
 from llama_grpc_server.core.request import (
+    Constraint,
     GenerationRequest,
     OutputParams,
     SamplingParams,
@@ -29,6 +30,7 @@ from llama_grpc_server.core.request import (
 MAX_ID_LENGTH = 256  # session_id, cache_scope
 MAX_LOGIT_BIAS = 1024  # entries of params.sampling.logit_bias
 MAX_TOP_LOGPROBS = 20
+MAX_CONSTRAINT_CHARS = 100_000  # grammar text or JSON schema
 
 TextRequest = pb.GenerateRequest | pb.StreamGenerateRequest
 
@@ -64,6 +66,9 @@ class Message(enum.StrEnum):
     TOO_MANY_BIASES = "logit_bias has {count} entries; at most {limit} are allowed"
     BIAS_NOT_ALLOWED = "the bias of token {token_id} must be a finite number or -inf, got {value}"
     TOP_LOGPROBS_TOO_MANY = "top_logprobs must be at most {limit}, got {value}"
+    EMPTY_CONSTRAINT = "{name} must not be empty"
+    CONSTRAINT_TOO_LONG = "{name} is {length} characters long; at most {limit} are allowed"
+    NO_CONSTRAINTS = "this server cannot check grammars, so {name} is not supported"
 
 
 def _invalid(field: str, message: Message, **values: Any) -> errors.InvalidRequest:
@@ -119,6 +124,7 @@ class Draft:
     sampling: SamplingParams
     stopping: StoppingParams  # max_tokens is filled in by complete_request
     output: OutputParams
+    constraint: Constraint | None
     max_tokens: int | None  # as asked for; None = the server default, clamped to fit
     session_id: str
     cache_scope: str
@@ -163,23 +169,34 @@ def add_special(message: TextRequest | pb.TokenizeRequest) -> bool:
     return message.add_special if message.HasField("add_special") else True
 
 
-def parse_text_request(message: TextRequest, info: ModelInfo, limits: SchedulerSettings) -> Draft:
-    """Check a Generate/StreamGenerate request before its prompt is tokenized."""
+def parse_text_request(
+    message: TextRequest,
+    info: ModelInfo,
+    limits: SchedulerSettings,
+    *,
+    grammars: GrammarCompiler | None = None,
+) -> Draft:
+    """Check a Generate/StreamGenerate request before its prompt is tokenized. `grammars`
+    (the engine) compiles a constraint once, here, so a bad one never reaches a slot."""
     check_model(message.model, info)
     if not message.prompt:
         raise _invalid("prompt", Message.EMPTY_PROMPT)
-    return _draft(message, info, limits, prompt_field="prompt")
+    return _draft(message, info, limits, grammars, prompt_field="prompt")
 
 
 def parse_tokens_request(
-    message: pb.GenerateTokensRequest, info: ModelInfo, limits: SchedulerSettings
+    message: pb.GenerateTokensRequest,
+    info: ModelInfo,
+    limits: SchedulerSettings,
+    *,
+    grammars: GrammarCompiler | None = None,
 ) -> Draft:
     """Check a GenerateTokens request; its prompt tokens travel in the draft."""
     check_model(message.model, info)
     if not message.token_ids:
         raise _invalid("token_ids", Message.EMPTY_TOKEN_IDS)
     check_token_ids(message.token_ids, info.n_vocab)
-    draft = _draft(message, info, limits, prompt_field="token_ids")
+    draft = _draft(message, info, limits, grammars, prompt_field="token_ids")
     return dataclasses.replace(draft, prompt_tokens=tuple(message.token_ids))
 
 
@@ -198,6 +215,7 @@ def complete_request(
         sampling=draft.sampling,
         stopping=stopping,
         output=draft.output,
+        constraint=draft.constraint,
         session_id=draft.session_id,
         cache_scope=draft.cache_scope,
         cache_prompt=draft.cache_prompt,
@@ -217,6 +235,7 @@ def _draft(
     message: TextRequest | pb.GenerateTokensRequest,
     info: ModelInfo,
     limits: SchedulerSettings,
+    grammars: GrammarCompiler | None,
     *,
     prompt_field: str,
 ) -> Draft:
@@ -228,6 +247,7 @@ def _draft(
         sampling=_sampling(params.sampling, limits.default_sampling, info.n_vocab),
         stopping=_stopping(params.stopping, info.n_vocab, limits),
         output=_output(params.output),
+        constraint=_constraint(params, grammars),
         max_tokens=max_tokens,
         session_id=message.session_id,
         cache_scope=message.cache_scope,
@@ -278,6 +298,47 @@ def _logit_bias(biases: Mapping[int, float], n_vocab: int) -> tuple[tuple[int, f
             )
         out.append((token_id, bias if bias == -math.inf else _shortest_float32(bias)))
     return tuple(out)
+
+
+def _constraint(params: pb.GenerationParams, grammars: GrammarCompiler | None) -> Constraint | None:
+    """The request's grammar (a JSON schema converted to one), compiled once by the engine."""
+    kind = params.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "grammar":
+        text, root, field = (
+            params.grammar.gbnf,
+            params.grammar.root or "root",
+            "params.grammar.gbnf",
+        )
+    else:
+        text, root, field = params.json_schema, "root", "params.json_schema"
+    _check_constraint_text(field, text)
+    if grammars is None:
+        raise errors.FailedPrecondition(Message.NO_CONSTRAINTS.format(name=field), field=field)
+    try:
+        gbnf = text if kind == "grammar" else grammars.json_schema_to_grammar(text)
+        grammars.check_grammar(gbnf, root)
+    except ValueError as exc:
+        message = str(exc)
+        if kind == "grammar" and params.grammar.root and f"'{root}' symbol" in message:
+            field = "params.grammar.root"
+        raise errors.InvalidRequest(message, field=field) from None
+    return Constraint(gbnf, root, field)
+
+
+def _check_constraint_text(field: str, text: str) -> None:
+    name = field.removeprefix("params.")
+    if not text.strip():
+        raise _invalid(field, Message.EMPTY_CONSTRAINT, name=name)
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise _invalid(
+            field,
+            Message.CONSTRAINT_TOO_LONG,
+            name=name,
+            length=len(text),
+            limit=MAX_CONSTRAINT_CHARS,
+        )
 
 
 def _output(message: pb.OutputOptions) -> OutputParams:
