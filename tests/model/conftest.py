@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -24,6 +25,10 @@ from llama_grpc_server.loop import EngineLoop
 
 _ids = itertools.count()
 
+# Test-only: run the model tier with layers offloaded to a GPU (e.g. -1 = all) on a CUDA build of
+# llama-cpp-python. Unset (CI, CPU-only): 0, the ModelSettings default.
+N_GPU_LAYERS = int(os.environ.get("LLAMA_GRPC_TEST_N_GPU_LAYERS", "0"))
+
 
 @dataclass
 class Outcome:
@@ -39,7 +44,11 @@ class Outcome:
 
 def make_engine(**scheduler: object) -> EngineLoop:
     settings = Settings(
-        model=ModelSettings(n_ctx=scheduler.pop("n_ctx", 4096), n_batch=512),  # type: ignore[arg-type]
+        model=ModelSettings(
+            n_ctx=scheduler.pop("n_ctx", 4096),  # type: ignore[arg-type]
+            n_batch=512,
+            n_gpu_layers=N_GPU_LAYERS,
+        ),
         scheduler=SchedulerSettings(**scheduler),  # type: ignore[arg-type]
     )
     return build_engine(settings)
