@@ -68,6 +68,10 @@ class TokenGenerationParams(CallOptions, total=False):
     grammar: str | None
     grammar_root: str | None
     json_schema: str | Mapping[str, Any] | None
+    # When prompt + max_tokens does not fit: "reject" (the server default) or "truncate_left"
+    # (drop the oldest prompt tokens, keeping a leading BOS and the first n_keep).
+    context_overflow: Literal["reject", "truncate_left"] | None
+    n_keep: int | None
     session_id: str | None
     cache_scope: str | None
     model: str | None
@@ -83,6 +87,11 @@ _SAMPLING_KEYS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 _STOPPING_KEYS = frozenset(pb.StoppingCriteria.DESCRIPTOR.fields_by_name)
 _OUTPUT_KEYS = frozenset(pb.OutputOptions.DESCRIPTOR.fields_by_name)
 _CONSTRAINT_KEYS = frozenset({"grammar", "grammar_root", "json_schema"})
+_OVERFLOW_KEYS = frozenset({"context_overflow", "n_keep"})
+_POLICIES = {
+    "reject": pb.OVERFLOW_POLICY_REJECT,
+    "truncate_left": pb.OVERFLOW_POLICY_TRUNCATE_LEFT,
+}
 _CALL_KEYS = frozenset(CallOptions.__annotations__)
 _REQUEST_KEYS = frozenset({"session_id", "cache_scope", "model", "add_special"})
 
@@ -111,6 +120,7 @@ def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
         | _STOPPING_KEYS
         | _OUTPUT_KEYS
         | _CONSTRAINT_KEYS
+        | _OVERFLOW_KEYS
         | _CALL_KEYS
         | request_keys
         | {"cache_prompt"}
@@ -124,7 +134,20 @@ def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
     _fill(request.params.output, _pick(params, _OUTPUT_KEYS))
     _fill(request.params, _pick(params, frozenset({"cache_prompt"})))
     _set_constraint(request.params, _pick(params, _CONSTRAINT_KEYS))
+    _set_overflow(request.params.context_overflow, _pick(params, _OVERFLOW_KEYS))
     return request
+
+
+def _set_overflow(message: pb.ContextOverflow, values: Mapping[str, object]) -> None:
+    policy, n_keep = values.get("context_overflow"), values.get("n_keep")
+    if policy is not None:
+        if policy not in _POLICIES:
+            raise ValueError(
+                f"context_overflow must be 'reject' or 'truncate_left', not {policy!r}"
+            )
+        message.policy = _POLICIES[str(policy)]
+    if isinstance(n_keep, int):
+        message.n_keep = n_keep
 
 
 def _set_constraint(message: pb.GenerationParams, values: Mapping[str, object]) -> None:

@@ -25,6 +25,8 @@ class Usage:
     completion_tokens: int
     # Prompt tokens whose KV came from the prefix cache instead of being computed.
     cached_prompt_tokens: int
+    # Prompt tokens dropped by context_overflow="truncate_left" (not in prompt_tokens).
+    truncated_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,8 @@ class GenerateResult:
     seed: int
     # One per generated token when logprobs (or top_logprobs) was asked for.
     logprobs: tuple[TokenLogprob, ...] = ()
+    # The prompt was truncated to fit the context (usage.truncated_prompt_tokens: by how much).
+    truncated: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +101,8 @@ class Done:
     timings: Timings
     request_id: str
     seed: int
+    # The prompt was truncated to fit the context (usage.truncated_prompt_tokens: by how much).
+    truncated: bool = False
 
 
 StreamEvent: TypeAlias = Delta | Done
@@ -182,7 +188,12 @@ def finish_reason_name(value: int) -> str:
 
 def usage_from_proto(message: pb.Usage) -> Usage:
     """Convert a Usage message."""
-    return Usage(message.prompt_tokens, message.completion_tokens, message.cached_prompt_tokens)
+    return Usage(
+        message.prompt_tokens,
+        message.completion_tokens,
+        message.cached_prompt_tokens,
+        message.truncated_prompt_tokens,
+    )
 
 
 def timings_from_proto(message: pb.Timings) -> Timings:
@@ -218,6 +229,7 @@ def result_from_proto(message: pb.GenerateResponse, request_id: str) -> Generate
         request_id=message.request_id or request_id,
         seed=message.seed,
         logprobs=logprobs_from_proto(message.logprobs),
+        truncated=message.truncated,
     )
 
 
@@ -234,6 +246,7 @@ def done_from_proto(message: pb.GenerationDone, request_id: str) -> Done:
         timings=timings_from_proto(message.timings),
         request_id=message.request_id or request_id,
         seed=message.seed,
+        truncated=message.truncated,
     )
 
 

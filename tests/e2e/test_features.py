@@ -1,5 +1,5 @@
 """Generation features through gRPC with the real model: logprobs, logit bias, grammar and
-JSON-schema constraints, and their validation errors."""
+JSON-schema constraints, context overflow, and their validation errors."""
 
 from __future__ import annotations
 
@@ -7,10 +7,17 @@ import asyncio
 import json
 import math
 from collections import Counter
+from typing import Any
 
 import pytest
 
-from llama_grpc import AsyncClient, Delta, Done, InvalidArgumentError
+from llama_grpc import (
+    AsyncClient,
+    ContextLengthExceededError,
+    Delta,
+    Done,
+    InvalidArgumentError,
+)
 
 PROMPT = "The three primary colors are"
 
@@ -157,3 +164,47 @@ async def test_generate_tokens_honours_a_grammar(client: AsyncClient) -> None:
         if isinstance(event, Delta):
             text += event.text
     assert text in ("yes", "no")
+
+
+# -- context overflow -----------------------------------------------------------------------------
+
+
+async def test_truncate_left_keeps_the_tail_and_reports_it(client: AsyncClient) -> None:
+    """A prompt longer than the context: reject by default; truncate_left keeps BOS + n_keep and
+    the newest tokens, says so, and generates exactly what that truncated prompt generates."""
+    n_ctx = (await client.model_info()).n_ctx
+    ids = await client.tokenize("word " * (n_ctx + 100), add_special=True)
+    assert len(ids) > n_ctx
+    with pytest.raises(ContextLengthExceededError):
+        await collect_ids(client.generate_tokens(ids, max_tokens=8))
+    n_keep, budget = 3, n_ctx - 8
+    # cache_prompt=False: both runs compute their prompt from scratch, so they must agree.
+    stream = client.generate_tokens(
+        ids,
+        max_tokens=8,
+        ignore_eos=True,
+        cache_prompt=False,
+        context_overflow="truncate_left",
+        n_keep=n_keep,
+    )
+    out, done = await collect_ids(stream)
+    assert done.truncated
+    assert done.usage.truncated_prompt_tokens == len(ids) - budget
+    assert done.usage.prompt_tokens == budget
+    kept = ids[: 1 + n_keep] + ids[len(ids) - (budget - 1 - n_keep) :]
+    same, _ = await collect_ids(
+        client.generate_tokens(kept, max_tokens=8, ignore_eos=True, cache_prompt=False)
+    )
+    assert out == same and len(out) == 8
+
+
+async def collect_ids(stream: Any) -> tuple[list[int], Done]:
+    ids: list[int] = []
+    done = None
+    async for event in stream:
+        if isinstance(event, Delta):
+            ids += event.token_ids
+        else:
+            done = event
+    assert isinstance(done, Done)
+    return ids, done

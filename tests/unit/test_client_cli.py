@@ -149,7 +149,12 @@ def test_generate_json_prints_the_whole_result(
     assert cli.main(["generate", "Hi", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert (result["text"], result["finish_reason"]) == ("Hello world", "eos")
-    assert set(result["usage"]) == {"prompt_tokens", "completion_tokens", "cached_prompt_tokens"}
+    assert set(result["usage"]) == {
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_prompt_tokens",
+        "truncated_prompt_tokens",
+    }
 
 
 def test_prompt_dash_reads_stdin(

@@ -92,3 +92,29 @@ def test_contradictory_constraint_keywords_raise_before_any_rpc(
     """Both grammar and json_schema, or a root without a grammar, is a ValueError."""
     with pytest.raises(ValueError, match="grammar"):
         client.generate("p", **params)
+
+
+def test_context_overflow_keywords_fill_the_policy(client: Client, unary: UnaryScript) -> None:
+    """context_overflow="truncate_left" and n_keep land in params.context_overflow."""
+    _, request, _ = unary(
+        lambda: client.generate("p", context_overflow="truncate_left", n_keep=4),
+        "Generate",
+        pb.GenerateResponse(),
+    )
+    overflow = request.params.context_overflow
+    assert (overflow.policy, overflow.n_keep) == (pb.OVERFLOW_POLICY_TRUNCATE_LEFT, 4)
+
+
+def test_unknown_context_overflow_raises_before_any_rpc(client: Client) -> None:
+    """A misspelled policy is a ValueError, not a request."""
+    with pytest.raises(ValueError, match="truncate_left"):
+        client.generate("p", context_overflow="truncate")  # type: ignore[typeddict-item]
+
+
+def test_truncation_is_reported_in_the_result(client: Client, unary: UnaryScript) -> None:
+    """`truncated` and usage.truncated_prompt_tokens reach the GenerateResult."""
+    response = pb.GenerateResponse(
+        truncated=True, usage=pb.Usage(prompt_tokens=10, truncated_prompt_tokens=7)
+    )
+    _, _, result = unary(lambda: client.generate("p"), "Generate", response)
+    assert result.truncated and result.usage.truncated_prompt_tokens == 7

@@ -15,6 +15,8 @@ from llama_grpc_server.core.plan import SampledLogprob, StepPlan, StepResult
 from llama_grpc_server.core.request import (
     Constraint,
     Failed,
+    Finished,
+    FinishReason,
     GenerationRequest,
     OutputParams,
     Request,
@@ -23,6 +25,7 @@ from llama_grpc_server.core.request import (
     TokenDelta,
     TokenLogprob,
     TopLogprob,
+    Usage,
 )
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerConfig
 from llama_grpc_server.rpc import convert, validation
@@ -299,3 +302,95 @@ def test_a_constraint_dead_end_fails_only_that_request() -> None:
     assert failed.error.field == "params.json_schema"
     assert "no token allowed (after 1 generated tokens)" in failed.error.message
     assert all(slot.request is None for slot in s.slots)
+
+
+# -- context overflow -----------------------------------------------------------------------------
+
+BOS = INFO.bos_token_id
+
+
+def overflow_request(
+    prompt: list[int], max_tokens: int | None = None, **overflow: Any
+) -> GenerationRequest:
+    stopping = pb.StoppingCriteria(max_tokens=max_tokens) if max_tokens else None
+    message = pb.GenerateTokensRequest(
+        token_ids=prompt,
+        params=pb.GenerationParams(
+            stopping=stopping, context_overflow=pb.ContextOverflow(**overflow)
+        ),
+    )
+    draft = validation.parse_tokens_request(message, INFO, LIMITS)
+    return validation.complete_request(draft, draft.prompt_tokens, request_id="o", deadline=None)
+
+
+TRUNCATE = pb.OVERFLOW_POLICY_TRUNCATE_LEFT
+
+
+def test_truncate_left_keeps_bos_head_and_newest_tail() -> None:
+    """70 tokens into a 64-token context with max_tokens 10: BOS + n_keep=2 stay, then the newest
+    51 tokens; 16 are dropped and reported."""
+    prompt = [BOS, *range(10, 79)]
+    request = overflow_request(prompt, 10, policy=TRUNCATE, n_keep=2)
+    assert request.prompt_tokens == (BOS, 10, 11, *prompt[-51:])
+    assert len(request.prompt_tokens) + request.stopping.max_tokens == 64
+    assert request.num_truncated == 70 - 54
+
+
+def test_truncate_left_without_bos_or_n_keep_keeps_only_the_tail() -> None:
+    """No BOS and n_keep 0: exactly the newest n_ctx - max_tokens tokens remain."""
+    prompt = list(range(10, 110))
+    request = overflow_request(prompt, 4, policy=TRUNCATE)
+    assert request.prompt_tokens == tuple(prompt[-60:])
+    assert request.num_truncated == 40
+
+
+def test_truncate_left_uses_the_default_max_tokens_when_unset() -> None:
+    """With max_tokens unset the prompt is cut to leave the server default's room."""
+    request = overflow_request(list(range(10, 110)), policy=TRUNCATE)
+    assert len(request.prompt_tokens) == 64 - LIMITS.default_max_tokens
+    assert request.stopping.max_tokens == LIMITS.default_max_tokens
+
+
+def test_truncate_left_leaves_a_fitting_prompt_alone() -> None:
+    """A prompt that fits is not touched and reports nothing dropped."""
+    request = overflow_request([BOS, 10, 11], 10, policy=TRUNCATE, n_keep=1)
+    assert request.prompt_tokens == (BOS, 10, 11) and request.num_truncated == 0
+
+
+def test_reject_is_the_default_and_names_the_numbers() -> None:
+    """Without a policy an overflowing prompt is still CONTEXT_LENGTH_EXCEEDED with numbers."""
+    with pytest.raises(errors.PromptTooLong) as caught:
+        overflow_request(list(range(10, 70)), 10)
+    assert caught.value.metadata == {"prompt_tokens": "60", "max_tokens": "10", "n_ctx": "64"}
+
+
+@pytest.mark.parametrize(
+    ("overflow", "field", "text"),
+    [
+        ({"policy": TRUNCATE, "n_keep": 60}, "params.context_overflow.n_keep", "allows 54 prompt"),
+        ({"n_keep": 3}, "params.context_overflow.n_keep", "only applies with"),
+        ({"policy": 7}, "params.context_overflow.policy", "unknown context overflow policy 7"),
+    ],
+)
+def test_bad_overflow_settings_name_the_field(
+    overflow: dict[str, int], field: str, text: str
+) -> None:
+    """n_keep that leaves no tail, n_keep without truncation, an unknown policy."""
+    with pytest.raises(errors.InvalidRequest) as caught:
+        overflow_request([BOS, *range(10, 79)], 10, **overflow)
+    assert caught.value.field == field
+    assert text in caught.value.message
+
+
+def test_truncation_is_reported_on_the_wire() -> None:
+    """usage.truncated_prompt_tokens and `truncated` reach both the unary and the final message."""
+    from .test_convert import TIMINGS
+
+    usage = Usage(54, 3, 0, truncated_prompt_tokens=16)
+    done = Finished(FinishReason.MAX_TOKENS, usage, TIMINGS, seed=1)
+    response = convert.generate_response("r", [], done)
+    assert response.truncated and response.usage.truncated_prompt_tokens == 16
+    final = convert.generation_done(done, "r")
+    assert final.truncated and final.usage.truncated_prompt_tokens == 16
+    plain = convert.generation_done(Finished(FinishReason.EOS, Usage(5, 1, 0), TIMINGS, 1), "r")
+    assert not plain.truncated

@@ -57,6 +57,34 @@ FINISH_REASON_TIME_LIMIT: FinishReason.ValueType  # 6
 """`stopping.time_limit_ms` elapsed."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _OverflowPolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _OverflowPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_OverflowPolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    OVERFLOW_POLICY_UNSPECIFIED: _OverflowPolicy.ValueType  # 0
+    """The same as OVERFLOW_POLICY_REJECT."""
+    OVERFLOW_POLICY_REJECT: _OverflowPolicy.ValueType  # 1
+    """INVALID_ARGUMENT with the numbers (prompt tokens, max_tokens, context size)."""
+    OVERFLOW_POLICY_TRUNCATE_LEFT: _OverflowPolicy.ValueType  # 2
+    """Drop the oldest prompt tokens so that prompt + max_tokens fits (max_tokens unset means the
+    server's default_max_tokens); a leading BOS and the first n_keep tokens after it are kept.
+    """
+
+class OverflowPolicy(_OverflowPolicy, metaclass=_OverflowPolicyEnumTypeWrapper):
+    """What happens to a prompt that leaves too little room in the context."""
+
+OVERFLOW_POLICY_UNSPECIFIED: OverflowPolicy.ValueType  # 0
+"""The same as OVERFLOW_POLICY_REJECT."""
+OVERFLOW_POLICY_REJECT: OverflowPolicy.ValueType  # 1
+"""INVALID_ARGUMENT with the numbers (prompt tokens, max_tokens, context size)."""
+OVERFLOW_POLICY_TRUNCATE_LEFT: OverflowPolicy.ValueType  # 2
+"""Drop the oldest prompt tokens so that prompt + max_tokens fits (max_tokens unset means the
+server's default_max_tokens); a leading BOS and the first n_keep tokens after it are kept.
+"""
+Global___OverflowPolicy: _TypeAlias = OverflowPolicy  # noqa: Y015
+
 @_typing.final
 class SamplingParams(_message.Message):
     """Sampling. Unset fields take the server's defaults; temperature 0 means greedy."""
@@ -227,6 +255,7 @@ class GenerationParams(_message.Message):
     OUTPUT_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
     JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    CONTEXT_OVERFLOW_FIELD_NUMBER: _builtins.int
     cache_prompt: _builtins.bool
     """Reuse and keep KV cache for this request's prefix (server default: true)."""
     json_schema: _builtins.str
@@ -243,6 +272,10 @@ class GenerationParams(_message.Message):
     def grammar(self) -> Global___Grammar:
         """A GBNF grammar (llama.cpp's grammar format)."""
 
+    @_builtins.property
+    def context_overflow(self) -> Global___ContextOverflow:
+        """What to do when prompt + max_tokens does not fit the context (default: reject)."""
+
     def __init__(
         self,
         *,
@@ -252,10 +285,11 @@ class GenerationParams(_message.Message):
         output: Global___OutputOptions | None = ...,
         grammar: Global___Grammar | None = ...,
         json_schema: _builtins.str = ...,
+        context_overflow: Global___ContextOverflow | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "cache_prompt", b"cache_prompt", "constraint", b"constraint", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "cache_prompt", b"cache_prompt", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "cache_prompt", b"cache_prompt", "constraint", b"constraint", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "cache_prompt", b"cache_prompt", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cache_prompt: _TypeAlias = _typing.Literal["cache_prompt"]  # noqa: Y015
     _WhichOneofArgType__cache_prompt: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt"]  # noqa: Y015
@@ -267,6 +301,31 @@ class GenerationParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_constraint) -> _WhichOneofReturnType_constraint | None: ...
 
 Global___GenerationParams: _TypeAlias = GenerationParams  # noqa: Y015
+
+@_typing.final
+class ContextOverflow(_message.Message):
+    """Context-overflow policy of one request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POLICY_FIELD_NUMBER: _builtins.int
+    N_KEEP_FIELD_NUMBER: _builtins.int
+    policy: Global___OverflowPolicy.ValueType
+    n_keep: _builtins.int
+    """With TRUNCATE_LEFT: prompt tokens kept at the start (after a leading BOS, which is kept too)."""
+    def __init__(
+        self,
+        *,
+        policy: Global___OverflowPolicy.ValueType = ...,
+        n_keep: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["n_keep", b"n_keep", "policy", b"policy"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ContextOverflow: _TypeAlias = ContextOverflow  # noqa: Y015
 
 @_typing.final
 class Grammar(_message.Message):
@@ -391,20 +450,24 @@ class Usage(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    TRUNCATED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     completion_tokens: _builtins.int
     cached_prompt_tokens: _builtins.int
     """Prompt tokens whose KV came from the prefix cache instead of being computed."""
+    truncated_prompt_tokens: _builtins.int
+    """Prompt tokens dropped by OVERFLOW_POLICY_TRUNCATE_LEFT (not counted in prompt_tokens)."""
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
         completion_tokens: _builtins.int = ...,
         cached_prompt_tokens: _builtins.int = ...,
+        truncated_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "truncated_prompt_tokens", b"truncated_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -536,11 +599,14 @@ class GenerateResponse(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     finish_reason: Global___FinishReason.ValueType
     request_id: _builtins.str
     seed: _builtins.int
     """The seed the sampler used (useful when none was given)."""
+    truncated: _builtins.bool
+    """The prompt was truncated to fit (usage.truncated_prompt_tokens says by how much)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -565,10 +631,11 @@ class GenerateResponse(_message.Message):
         request_id: _builtins.str = ...,
         seed: _builtins.int = ...,
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+        truncated: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["finish", b"finish", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish", b"finish", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "seed", b"seed", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish", b"finish", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "seed", b"seed", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "truncated", b"truncated", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -659,9 +726,12 @@ class GenerationDone(_message.Message):
     FINISH_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     request_id: _builtins.str
     seed: _builtins.int
+    truncated: _builtins.bool
+    """The prompt was truncated to fit (usage.truncated_prompt_tokens says by how much)."""
     @_builtins.property
     def usage(self) -> Global___Usage: ...
     @_builtins.property
@@ -677,10 +747,11 @@ class GenerationDone(_message.Message):
         finish: Global___FinishInfo | None = ...,
         request_id: _builtins.str = ...,
         seed: _builtins.int = ...,
+        truncated: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["finish", b"finish", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish", b"finish", "finish_reason", b"finish_reason", "request_id", b"request_id", "seed", b"seed", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish", b"finish", "finish_reason", b"finish_reason", "request_id", b"request_id", "seed", b"seed", "timings", b"timings", "truncated", b"truncated", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

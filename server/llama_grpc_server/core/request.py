@@ -103,6 +103,7 @@ class GenerationRequest:
     deadline: float | None = None
     output: OutputParams = OutputParams()
     constraint: Constraint | None = None
+    num_truncated: int = 0  # prompt tokens dropped to fit the context (truncate_left)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
+    truncated_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +248,9 @@ class Request:
         return limit is not None and (now_ns - self.arrival_ns) >= limit * 1_000_000
 
     def usage(self) -> Usage:
-        return Usage(self.num_prompt, self.num_output, self.num_cached_prompt)
+        return Usage(
+            self.num_prompt, self.num_output, self.num_cached_prompt, self.spec.num_truncated
+        )
 
     def timings(self, now_ns: int) -> Timings:
         admitted = self.admitted_ns or now_ns

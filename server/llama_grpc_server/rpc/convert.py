@@ -73,6 +73,7 @@ def generation_done(finished: core.Finished, request_id: str) -> pb.GenerationDo
         finish=finish_info(finished),
         request_id=request_id,
         seed=finished.seed,
+        truncated=finished.usage.truncated_prompt_tokens > 0,
     )
 
 
@@ -90,6 +91,7 @@ def generate_response(
         request_id=request_id,
         seed=finished.seed,
         logprobs=[token_logprob(lp) for delta in deltas for lp in delta.logprobs],
+        truncated=finished.usage.truncated_prompt_tokens > 0,
     )
 
 

@@ -69,6 +69,15 @@ class Message(enum.StrEnum):
     EMPTY_CONSTRAINT = "{name} must not be empty"
     CONSTRAINT_TOO_LONG = "{name} is {length} characters long; at most {limit} are allowed"
     NO_CONSTRAINTS = "this server cannot check grammars, so {name} is not supported"
+    UNKNOWN_POLICY = "unknown context overflow policy {value}"
+    N_KEEP_WITHOUT_TRUNCATION = "n_keep only applies with OVERFLOW_POLICY_TRUNCATE_LEFT"
+    N_KEEP_TOO_LARGE = (
+        "n_keep ({n_keep}) leaves no room for the newest prompt tokens: the context "
+        "({n_ctx} tokens) minus max_tokens ({max_tokens}) allows {budget} prompt tokens"
+    )
+    NO_ROOM_FOR_PROMPT = (
+        "max_tokens ({max_tokens}) leaves no room for a prompt in the context ({n_ctx} tokens)"
+    )
 
 
 def _invalid(field: str, message: Message, **values: Any) -> errors.InvalidRequest:
@@ -125,6 +134,7 @@ class Draft:
     stopping: StoppingParams  # max_tokens is filled in by complete_request
     output: OutputParams
     constraint: Constraint | None
+    n_keep: int | None  # None = reject what does not fit; else truncate_left keeping n_keep
     max_tokens: int | None  # as asked for; None = the server default, clamped to fit
     session_id: str
     cache_scope: str
@@ -132,6 +142,7 @@ class Draft:
     n_ctx: int
     default_max_tokens: int
     prompt_field: str  # "prompt" or "token_ids": where a context error points
+    bos_token_id: int | None = None  # a leading BOS survives truncation
     prompt_tokens: tuple[int, ...] = ()  # set for token requests only
 
 
@@ -204,7 +215,7 @@ def complete_request(
     draft: Draft, prompt_tokens: Iterable[int], *, request_id: str, deadline: float | None
 ) -> GenerationRequest:
     """Apply the context checks and the default max_tokens; the result is ready to submit."""
-    tokens = tuple(prompt_tokens)
+    tokens, num_truncated = _truncate_left(draft, tuple(prompt_tokens))
     max_tokens = _fit_max_tokens(draft, len(tokens))
     stopping = dataclasses.replace(
         draft.stopping, max_tokens=max_tokens, max_tokens_is_default=draft.max_tokens is None
@@ -216,6 +227,7 @@ def complete_request(
         stopping=stopping,
         output=draft.output,
         constraint=draft.constraint,
+        num_truncated=num_truncated,
         session_id=draft.session_id,
         cache_scope=draft.cache_scope,
         cache_prompt=draft.cache_prompt,
@@ -248,6 +260,8 @@ def _draft(
         stopping=_stopping(params.stopping, info.n_vocab, limits),
         output=_output(params.output),
         constraint=_constraint(params, grammars),
+        n_keep=_n_keep(params.context_overflow),
+        bos_token_id=info.bos_token_id,
         max_tokens=max_tokens,
         session_id=message.session_id,
         cache_scope=message.cache_scope,
@@ -419,6 +433,44 @@ def _check_stops(stops: list[str], limits: SchedulerSettings) -> None:
                 length=len(stop),
                 limit=limits.max_stop_length,
             )
+
+
+def _n_keep(message: pb.ContextOverflow) -> int | None:
+    """None for the reject policy; the number of leading tokens to keep for truncate_left."""
+    if message.policy == pb.OVERFLOW_POLICY_TRUNCATE_LEFT:
+        return message.n_keep
+    if message.policy not in (pb.OVERFLOW_POLICY_UNSPECIFIED, pb.OVERFLOW_POLICY_REJECT):
+        raise _invalid(
+            "params.context_overflow.policy", Message.UNKNOWN_POLICY, value=message.policy
+        )
+    if message.n_keep:
+        raise _invalid("params.context_overflow.n_keep", Message.N_KEEP_WITHOUT_TRUNCATION)
+    return None
+
+
+def _truncate_left(draft: Draft, tokens: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """With truncate_left, drop the oldest tokens after the kept head (a leading BOS plus
+    n_keep) so that prompt + max_tokens (or the default) fits; returns (tokens, dropped)."""
+    if draft.n_keep is None:
+        return tokens, 0
+    max_tokens = draft.default_max_tokens if draft.max_tokens is None else draft.max_tokens
+    budget = draft.n_ctx - max_tokens
+    if len(tokens) <= budget:
+        return tokens, 0
+    numbers = {"max_tokens": max_tokens, "n_ctx": draft.n_ctx}
+    if budget < 1:
+        field = "params.stopping.max_tokens"
+        raise errors.PromptTooLong(Message.NO_ROOM_FOR_PROMPT.format(**numbers), field=field)
+    head = draft.n_keep + (1 if tokens[0] == draft.bos_token_id else 0)
+    if head >= budget:
+        raise _invalid(
+            "params.context_overflow.n_keep",
+            Message.N_KEEP_TOO_LARGE,
+            n_keep=draft.n_keep,
+            budget=budget,
+            **numbers,
+        )
+    return tokens[:head] + tokens[len(tokens) - (budget - head) :], len(tokens) - budget
 
 
 def _fit_max_tokens(draft: Draft, num_prompt: int) -> int:
