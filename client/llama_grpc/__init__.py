@@ -30,6 +30,7 @@ from llama_grpc.errors import (
     UnavailableError,
 )
 from llama_grpc.types import (
+    ChatMessage,
     Delta,
     Done,
     GenerateResult,
@@ -49,6 +50,7 @@ __all__ = [
     "AsyncClient",
     "AsyncStream",
     "CallOptions",
+    "ChatMessage",
     "Client",
     "ContextLengthExceededError",
     "DeadlineExceededError",

@@ -78,9 +78,16 @@ class TokenGenerationParams(CallOptions, total=False):
 
 
 class GenerationParams(TokenGenerationParams, total=False):
-    """Keyword parameters of generate() and stream(): those of generate_tokens() + add_special."""
+    """Keyword parameters of generate(), stream(), chat() and stream_chat(): those of
+    generate_tokens() + add_special and (for chat) chat_template."""
 
     add_special: bool | None
+    # chat() / stream_chat(): a built-in template ("gemma", "chatml") or "gguf" (the model's own).
+    chat_template: str | None
+
+
+# A chat turn: ChatMessage, {"role": ..., "content": ...} or (role, content).
+MessageLike = t.ChatMessage | Mapping[str, str] | tuple[str, str]
 
 
 _SAMPLING_KEYS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
@@ -93,7 +100,7 @@ _POLICIES = {
     "truncate_left": pb.OVERFLOW_POLICY_TRUNCATE_LEFT,
 }
 _CALL_KEYS = frozenset(CallOptions.__annotations__)
-_REQUEST_KEYS = frozenset({"session_id", "cache_scope", "model", "add_special"})
+_REQUEST_KEYS = frozenset({"session_id", "cache_scope", "model", "add_special", "chat_template"})
 
 
 def _fill(message: Message, values: Mapping[str, object]) -> None:
@@ -162,6 +169,20 @@ def _set_constraint(message: pb.GenerationParams, values: Mapping[str, object]) 
     elif "grammar" in values:
         message.grammar.gbnf = str(values["grammar"])
         message.grammar.root = str(values.get("grammar_root", ""))
+
+
+def chat_messages(messages: Iterable[MessageLike]) -> list[pb.ChatMessage]:
+    """ChatMessage values, {"role", "content"} mappings or (role, content) pairs as messages."""
+    out: list[pb.ChatMessage] = []
+    for message in messages:
+        if isinstance(message, t.ChatMessage):
+            role, content = message.role, message.content
+        elif isinstance(message, Mapping):
+            role, content = message["role"], message["content"]
+        else:
+            role, content = message
+        out.append(pb.ChatMessage(role=role, content=content))
+    return out
 
 
 def tokenize_request(
@@ -416,6 +437,23 @@ class Client:
         timeout, metadata = self._defaults.call_options(params)
         return _open_stream(self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata))
 
+    def chat(
+        self, messages: Iterable[MessageLike], **params: Unpack[GenerationParams]
+    ) -> t.GenerateResult:
+        """Complete a conversation (rendered with the server's or `chat_template`'s template)."""
+        request = build_request(pb.GenerateRequest(messages=chat_messages(messages)), params)
+        response, request_id = self._unary(self._stub.Generate, request, params)
+        return t.result_from_proto(response, request_id)
+
+    def stream_chat(
+        self, messages: Iterable[MessageLike], **params: Unpack[GenerationParams]
+    ) -> Stream:
+        """Stream the reply to a conversation as Delta values, then one Done."""
+        messages_pb = chat_messages(messages)
+        request = build_request(pb.StreamGenerateRequest(messages=messages_pb), params)
+        timeout, metadata = self._defaults.call_options(params)
+        return _open_stream(self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata))
+
     def generate_tokens(
         self, token_ids: Sequence[int], **params: Unpack[TokenGenerationParams]
     ) -> Stream:
@@ -548,6 +586,24 @@ class AsyncClient:
     def stream(self, prompt: str, **params: Unpack[GenerationParams]) -> AsyncStream:
         """Stream the completion of `prompt` as Delta values, then one Done."""
         request = build_request(pb.StreamGenerateRequest(prompt=prompt), params)
+        timeout, metadata = self._defaults.call_options(params)
+        call = self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata)
+        return _open_async_stream(call)
+
+    async def chat(
+        self, messages: Iterable[MessageLike], **params: Unpack[GenerationParams]
+    ) -> t.GenerateResult:
+        """Complete a conversation (rendered with the server's or `chat_template`'s template)."""
+        request = build_request(pb.GenerateRequest(messages=chat_messages(messages)), params)
+        response, request_id = await self._unary(self._stub.Generate, request, params)
+        return t.result_from_proto(response, request_id)
+
+    def stream_chat(
+        self, messages: Iterable[MessageLike], **params: Unpack[GenerationParams]
+    ) -> AsyncStream:
+        """Stream the reply to a conversation as Delta values, then one Done."""
+        messages_pb = chat_messages(messages)
+        request = build_request(pb.StreamGenerateRequest(messages=messages_pb), params)
         timeout, metadata = self._defaults.call_options(params)
         call = self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata)
         return _open_async_stream(call)

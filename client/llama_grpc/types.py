@@ -41,6 +41,14 @@ class Timings:
 
 
 @dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One turn of a conversation: role "system", "user" or "assistant"."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
 class TopLogprob:
     """One alternative at a generation step."""
 
@@ -179,6 +187,8 @@ class ModelInfo:
     size_bytes: int
     n_params: int
     add_bos: bool
+    # The template chat messages are rendered with ("gemma", "chatml", "gguf"), "" for none.
+    chat_template: str = ""
 
 
 def finish_reason_name(value: int) -> str:

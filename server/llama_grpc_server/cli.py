@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from llama_grpc_server import telemetry
 from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSettings, Settings
 from llama_grpc_server.core.api import EngineApi
+from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
 from llama_grpc_server.core.request import SamplingParams
 from llama_grpc_server.core.strategies import load_strategy
 from llama_grpc_server.telemetry import configure_logging
@@ -73,6 +74,10 @@ def _non_empty(v: Value) -> str | None:
     return None if v else "must not be empty"
 
 
+def _chat_template(v: Value) -> str | None:
+    return None if v == "" else one_of(*BUILTIN_TEMPLATES)(v)
+
+
 def _loads_strategy(v: Value) -> str | None:
     try:
         load_strategy(str(v))
@@ -120,6 +125,9 @@ OPTIONS: tuple[Option, ...] = (
            "prompt threads (default: --threads)", at_least(1)),
     Option("n_gpu_layers", int, 0, "model.n_gpu_layers", "layers offloaded to the GPU (-1 = all)",
            at_least(-1)),
+    Option("chat_template", str, "", "model.chat_template",
+           "template for chat messages: " + " | ".join(BUILTIN_TEMPLATES)
+           + " (default: the model's own, if it has one)", _chat_template, "NAME"),
     Option("max_queue", int, 64, "scheduler.max_queue", "waiting requests (0 = unbounded)",
            at_least(0)),
     Option("batch_strategy", str, "decode_maximal", "scheduler.batch_strategy",

@@ -20,6 +20,7 @@ class ModelSettings:
     n_threads_batch: int = 2
     n_gpu_layers: int = 0
     flash_attn: bool = True
+    chat_template: str = ""  # a built-in for messages ("gemma", "chatml"); "" = the model's own
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ import structlog
 
 from llama_grpc_server import errors
 from llama_grpc_server.core.api import ModelInfo, StatsSnapshot
+from llama_grpc_server.core.chat import ChatMessage
 from llama_grpc_server.core.plan import StepPlan, StepResult
 from llama_grpc_server.core.request import Event, Failed, Finished, GenerationRequest, Request
 from llama_grpc_server.core.scheduler import Emitted, Scheduler
@@ -138,6 +139,10 @@ class EngineLoop:
     def json_schema_to_grammar(self, schema: str) -> str:
         gbnf: str = self._tokenizer.json_schema_to_grammar(schema)
         return gbnf
+
+    def render_chat(self, messages: Sequence[ChatMessage], template: str) -> str:
+        prompt: str = self._tokenizer.render_chat(messages, template)
+        return prompt
 
     def stats(self) -> StatsSnapshot:
         snapshot = self._scheduler.snapshot(self._kv_cells_total)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from llama_grpc_server import errors
 from llama_grpc_server.core.api import ModelInfo, StatsSnapshot
+from llama_grpc_server.core.chat import ROLES, ChatMessage
 from llama_grpc_server.core.request import (
     Event,
     Failed,
@@ -176,6 +177,12 @@ class FakeEngine:
             raise ValueError("invalid grammar: expecting ::=")
         if root not in rules:
             raise ValueError(f"invalid grammar: grammar does not contain a '{root}' symbol")
+
+    def render_chat(self, messages: Sequence[ChatMessage], template: str) -> str:
+        """A stand-in template: "<role>content" per message, then "<assistant>"."""
+        if any(m.role not in ROLES for m in messages):
+            raise ValueError("unknown role")
+        return "".join(f"<{m.role}>{m.content}" for m in messages) + "<assistant>"
 
     def json_schema_to_grammar(self, schema: str) -> str:
         """Any JSON object schema becomes a grammar for "{}"; anything else is invalid."""

@@ -1,5 +1,5 @@
 """Generation features through gRPC with the real model: logprobs, logit bias, grammar and
-JSON-schema constraints, context overflow, and their validation errors."""
+JSON-schema constraints, context overflow, chat messages, and their validation errors."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from llama_grpc import (
     ContextLengthExceededError,
     Delta,
     Done,
+    FailedPreconditionError,
     InvalidArgumentError,
 )
 
@@ -208,3 +209,117 @@ async def collect_ids(stream: Any) -> tuple[list[int], Done]:
             done = event
     assert isinstance(done, Done)
     return ids, done
+
+
+# -- chat -----------------------------------------------------------------------------------------
+
+CHAT = [
+    {"role": "system", "content": "Answer in one word."},
+    {"role": "user", "content": "Capital of France?"},
+]
+CHAT_PROMPT = (
+    "<bos><start_of_turn>user\nAnswer in one word.\n\nCapital of France?<end_of_turn>\n"
+    "<start_of_turn>model\n"
+)
+
+
+async def test_messages_need_a_template_on_the_embedded_model(client: AsyncClient) -> None:
+    """The embedded base model has no template and none is configured: GetModelInfo says so and
+    messages are FAILED_PRECONDITION naming the field."""
+    assert (await client.model_info()).chat_template == ""
+    with pytest.raises(FailedPreconditionError) as caught:
+        await client.chat(CHAT, max_tokens=4)
+    assert caught.value.field == "messages"
+    assert "--chat-template" in str(caught.value)
+
+
+async def test_chat_renders_through_the_template_with_one_bos(client: AsyncClient) -> None:
+    """chat() with chat_template="gemma" generates exactly what the hand-rendered prompt
+    generates as token ids, and its prompt has the same length (one BOS, not two)."""
+    expected = await client.tokenize(CHAT_PROMPT, add_special=False, parse_special=True)
+    bos = (await client.model_info()).bos_token_id
+    assert expected[0] == bos and bos not in expected[1:]
+    reply = await client.chat(CHAT, chat_template="gemma", max_tokens=8, ignore_eos=True)
+    direct, _ = await collect_ids(client.generate_tokens(expected, max_tokens=8, ignore_eos=True))
+    assert list(reply.token_ids) == direct
+    assert reply.usage.prompt_tokens == len(expected)
+    streamed, done = await collect_ids(
+        client.stream_chat(CHAT, chat_template="gemma", max_tokens=8, ignore_eos=True)
+    )
+    assert streamed == direct and done.usage.prompt_tokens == len(expected)
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        ({"messages": CHAT, "chat_template": "nope"}, "chat_template"),
+        (
+            {"messages": [{"role": "robot", "content": "x"}], "chat_template": "gemma"},
+            "messages[0].role",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": "x"}], "chat_template": "gemma"},
+            "messages",
+        ),
+        ({"prompt": "hi", "chat_template": "gemma"}, "chat_template"),
+    ],
+)
+async def test_bad_chat_requests_name_the_field(
+    client: AsyncClient, call: dict[str, Any], field: str
+) -> None:
+    """Unknown template or role, a template refusing the turn order, a template without messages:
+    INVALID_ARGUMENT naming the field."""
+    if "messages" in call:
+        messages = call.pop("messages")
+        with pytest.raises(InvalidArgumentError) as caught:
+            await client.chat(messages, max_tokens=4, **call)
+    else:
+        with pytest.raises(InvalidArgumentError) as caught:
+            await client.generate(call.pop("prompt"), max_tokens=4, **call)
+    assert caught.value.field == field
+
+
+# -- exact finish reasons -------------------------------------------------------------------------
+
+
+async def test_stream_done_names_the_matched_stop_string(client: AsyncClient) -> None:
+    """With logprobs on, a stop string taken from the greedy output ends the stream with
+    stop_sequence, the string in the final message, and logprobs only for emitted tokens."""
+    free = await client.generate(PROMPT, max_tokens=24, ignore_eos=True)
+    stop = " " + free.text.split()[3]
+    text, logprobs, done = "", 0, None
+    async for event in client.stream(PROMPT, max_tokens=24, stop=[stop], logprobs=True):
+        if isinstance(event, Delta):
+            text += event.text
+            logprobs += len(event.logprobs)
+        else:
+            done = event
+    assert isinstance(done, Done)
+    assert (done.finish_reason, done.matched_stop) == ("stop_sequence", stop)
+    assert text == free.text[: free.text.index(stop)]
+    assert logprobs == done.usage.completion_tokens
+
+
+async def test_stream_done_names_the_matched_stop_token(client: AsyncClient) -> None:
+    """A stop token id ends with stop_token and its id; the token itself is not emitted."""
+    free = await client.generate(PROMPT, max_tokens=12, ignore_eos=True)
+    stop_id = free.token_ids[5]
+    first = free.token_ids.index(stop_id)
+    ids, done = await collect_ids(
+        client.stream(PROMPT, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id])
+    )
+    assert (done.finish_reason, done.matched_token_id) == ("stop_token", stop_id)
+    assert ids == list(free.token_ids[:first])
+
+
+async def test_completed_grammar_ends_with_eos_and_its_token(client: AsyncClient) -> None:
+    """A grammar that completes ends with eos, naming the end-of-generation token; one cut
+    short ends with max_tokens."""
+    eog = set((await client.model_info()).eog_token_ids)
+    ids, done = await collect_ids(client.stream("Is ice cold?", max_tokens=8, grammar=YES_NO))
+    assert done.finish_reason == "eos" and done.matched_token_id in eog
+    assert not eog & set(ids)
+    _, cut = await collect_ids(
+        client.stream("Count:", max_tokens=3, grammar='root ::= "1 2 3 4 5 6 7 8 9"')
+    )
+    assert cut.finish_reason == "max_tokens" and cut.matched_token_id is None

@@ -1,5 +1,5 @@
 """Generation features on the real model, through the engine: logprobs, logit bias, grammar
-and JSON-schema constraints."""
+and JSON-schema constraints, chat templates."""
 
 from __future__ import annotations
 
@@ -8,6 +8,10 @@ import json
 import math
 from collections import Counter
 
+import pytest
+
+from llama_grpc_server.config import ModelSettings, Settings
+from llama_grpc_server.core.chat import ChatMessage
 from llama_grpc_server.core.request import (
     Constraint,
     Failed,
@@ -16,6 +20,7 @@ from llama_grpc_server.core.request import (
     OutputParams,
     TokenLogprob,
 )
+from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.loop import EngineLoop
 
 from .conftest import request, run, run_all
@@ -219,3 +224,58 @@ async def test_finished_grammar_with_ignore_eos_keeps_to_end_of_generation(
     eog = set(engine.model_info.eog_token_ids)
     tail = out.token_ids[len(engine.tokenize(out.text, add_special=False, parse_special=False)) :]
     assert tail and set(tail) <= eog
+
+
+# -- chat templates -------------------------------------------------------------------------------
+
+CONVERSATION = (
+    ChatMessage("system", "Answer in one word."),
+    ChatMessage("user", "Capital of France?"),
+    ChatMessage("assistant", "Paris."),
+    ChatMessage("user", "And of Italy?"),
+)
+GEMMA_PROMPT = (
+    "<bos><start_of_turn>user\nAnswer in one word.\n\nCapital of France?<end_of_turn>\n"
+    "<start_of_turn>model\nParis.<end_of_turn>\n"
+    "<start_of_turn>user\nAnd of Italy?<end_of_turn>\n"
+    "<start_of_turn>model\n"
+)
+
+
+def test_gemma_template_renders_the_expected_prompt(engine: EngineLoop) -> None:
+    """The built-in gemma template folds the system message into the first user turn, spells the
+    assistant "model", opens the model's turn, and starts with exactly one BOS token."""
+    text = engine.render_chat(CONVERSATION, "gemma")
+    assert text == GEMMA_PROMPT
+    ids = engine.tokenize(text, add_special=False, parse_special=True)
+    bos = engine.model_info.bos_token_id
+    assert ids[0] == bos and bos not in ids[1:]
+    start_of_turn = engine.tokenize("<start_of_turn>", add_special=False, parse_special=True)
+    assert len(start_of_turn) == 1 and ids.count(start_of_turn[0]) == 4
+
+
+def test_chatml_template_renders_the_expected_prompt(engine: EngineLoop) -> None:
+    """chatml writes one <|im_start|>role block per message and opens the assistant's."""
+    text = engine.render_chat(CONVERSATION[1:2], "chatml")
+    assert text == "<|im_start|>user\nCapital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_template_errors_are_value_errors(engine: EngineLoop) -> None:
+    """A template's own raise_exception (roles out of order) and a missing GGUF template are
+    ValueErrors with the reason, for the servicer to turn into INVALID_ARGUMENT."""
+    with pytest.raises(ValueError, match="alternate"):
+        engine.render_chat((ChatMessage("assistant", "hi"),), "gemma")
+    with pytest.raises(ValueError, match="gguf"):
+        engine.render_chat(CONVERSATION, "gguf")
+
+
+def test_embedded_model_has_no_template_unless_configured(engine: EngineLoop) -> None:
+    """Gemma 3 270M (base) ships no template: the default engine reports none; one built with
+    chat_template="gemma" reports it."""
+    assert engine.model_info.chat_template == "" and not engine.model_info.has_chat_template
+    settings = Settings(model=ModelSettings(n_ctx=512, n_batch=128, chat_template="gemma"))
+    configured = build_engine(settings)
+    try:
+        assert configured.model_info.chat_template == "gemma"
+    finally:
+        configured.close()

@@ -1,5 +1,5 @@
 """Client request building and result conversion for the generation features (logit bias,
-logprobs, constraints), against scripted server behaviour (grpc_testing)."""
+logprobs, constraints, context overflow, chat), against scripted server behaviour (grpc_testing)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from llama_grpc import Client, TokenLogprob, TopLogprob
+from llama_grpc import ChatMessage, Client, TokenLogprob, TopLogprob
 from llama_grpc.types import delta_from_proto
 from llama_grpc.v1 import llm_service_pb2 as pb
 
@@ -118,3 +118,24 @@ def test_truncation_is_reported_in_the_result(client: Client, unary: UnaryScript
     )
     _, _, result = unary(lambda: client.generate("p"), "Generate", response)
     assert result.truncated and result.usage.truncated_prompt_tokens == 7
+
+
+def test_chat_sends_messages_in_any_accepted_shape(client: Client, unary: UnaryScript) -> None:
+    """chat() takes ChatMessage values, mappings and (role, content) pairs, plus chat_template."""
+    messages = [
+        ChatMessage("system", "s"),
+        {"role": "user", "content": "u"},
+        ("assistant", "a"),
+    ]
+    _, request, _ = unary(
+        lambda: client.chat(messages, chat_template="gemma", max_tokens=3),
+        "Generate",
+        pb.GenerateResponse(),
+    )
+    assert [(m.role, m.content) for m in request.messages] == [
+        ("system", "s"),
+        ("user", "u"),
+        ("assistant", "a"),
+    ]
+    assert request.chat_template == "gemma" and request.prompt == ""
+    assert request.params.stopping.max_tokens == 3

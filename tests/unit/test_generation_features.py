@@ -3,6 +3,7 @@ scheduler carrying logprobs and constraint failures between runner and events, a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -10,7 +11,9 @@ import pytest
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
+from llama_grpc_server.cli import ConfigError, load_settings
 from llama_grpc_server.config import SchedulerSettings
+from llama_grpc_server.core.chat import ChatMessage
 from llama_grpc_server.core.plan import SampledLogprob, StepPlan, StepResult
 from llama_grpc_server.core.request import (
     Constraint,
@@ -394,3 +397,84 @@ def test_truncation_is_reported_on_the_wire() -> None:
     assert final.truncated and final.usage.truncated_prompt_tokens == 16
     plain = convert.generation_done(Finished(FinishReason.EOS, Usage(5, 1, 0), TIMINGS, 1), "r")
     assert not plain.truncated
+
+
+# -- chat -----------------------------------------------------------------------------------------
+
+TURNS = [pb.ChatMessage(role="system", content="s"), pb.ChatMessage(role="user", content="u")]
+
+
+def chat_draft(info: Any = INFO, **fields: Any) -> validation.Draft:
+    message = pb.GenerateRequest(messages=fields.pop("messages", TURNS), **fields)
+    return validation.parse_text_request(message, info, LIMITS)
+
+
+def test_chat_request_resolves_the_template() -> None:
+    """The request's template wins, else the server's; the messages travel in the draft."""
+    server_gemma = dataclasses.replace(INFO, chat_template="gemma")
+    draft = chat_draft(server_gemma)
+    assert draft.chat_template == "gemma"
+    assert draft.messages == (ChatMessage("system", "s"), ChatMessage("user", "u"))
+    assert chat_draft(server_gemma, chat_template="chatml").chat_template == "chatml"
+    with_gguf = dataclasses.replace(INFO, has_chat_template=True, chat_template="gguf")
+    assert chat_draft(with_gguf).chat_template == "gguf"
+
+
+@pytest.mark.parametrize(
+    ("info_fields", "fields", "error_type", "field", "text"),
+    [
+        ({}, {}, errors.FailedPrecondition, "messages", "--chat-template (gemma | chatml)"),
+        ({}, {"chat_template": "gguf"}, errors.FailedPrecondition, "chat_template", "own"),
+        ({}, {"chat_template": "llama3"}, errors.InvalidRequest, "chat_template", "'llama3'"),
+        ({}, {"prompt": "p"}, errors.InvalidRequest, "prompt", "not both"),
+        (
+            {},
+            {"messages": [pb.ChatMessage(role="tool", content="x")], "chat_template": "gemma"},
+            errors.InvalidRequest,
+            "messages[0].role",
+            "got 'tool'",
+        ),
+    ],
+)
+def test_bad_chat_requests_name_the_field(
+    info_fields: dict[str, Any],
+    fields: dict[str, Any],
+    error_type: type[errors.ServiceError],
+    field: str,
+    text: str,
+) -> None:
+    """No template anywhere is FAILED_PRECONDITION; bad names, roles and prompt+messages are
+    INVALID_ARGUMENT; each names its field."""
+    with pytest.raises(errors.ServiceError) as caught:
+        chat_draft(dataclasses.replace(INFO, **info_fields), **fields)
+    assert type(caught.value) is error_type
+    assert caught.value.field == field
+    assert text in caught.value.message
+
+
+def test_chat_template_without_messages_is_refused() -> None:
+    """chat_template on a plain prompt request is a mistake worth reporting."""
+    message = pb.GenerateRequest(prompt="p", chat_template="gemma")
+    with pytest.raises(errors.InvalidRequest) as caught:
+        validation.parse_text_request(message, INFO, LIMITS)
+    assert caught.value.field == "chat_template"
+
+
+def test_chat_prompt_gets_exactly_one_bos() -> None:
+    """A rendered prompt that starts with BOS is kept; one without gets it (the model wants it)."""
+    bos = INFO.bos_token_id
+    assert validation.chat_prompt_tokens([bos, 7, 8], INFO) == [bos, 7, 8]
+    assert validation.chat_prompt_tokens([7, 8], INFO) == [bos, 7, 8]
+    no_bos_model = dataclasses.replace(INFO, add_bos=False)
+    assert validation.chat_prompt_tokens([7, 8], no_bos_model) == [7, 8]
+
+
+def test_chat_template_option_reaches_the_model_settings() -> None:
+    """--chat-template (or LLAMA_GRPC_CHAT_TEMPLATE) picks a built-in; anything else is refused
+    naming the option."""
+    assert load_settings(["--chat-template", "gemma"], {}).model.chat_template == "gemma"
+    env = {"LLAMA_GRPC_CHAT_TEMPLATE": "chatml"}
+    assert load_settings([], env).model.chat_template == "chatml"
+    assert load_settings([], {}).model.chat_template == ""
+    with pytest.raises(ConfigError, match=r"--chat-template.*must be one of gemma, chatml"):
+        load_settings(["--chat-template", "llama3"], {})

@@ -553,6 +553,8 @@ class GenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     CACHE_SCOPE_FIELD_NUMBER: _builtins.int
     ADD_SPECIAL_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Optional: when set, it must name the loaded model."""
     prompt: _builtins.str
@@ -562,8 +564,18 @@ class GenerateRequest(_message.Message):
     """Prefix caches are never shared across scopes."""
     add_special: _builtins.bool
     """Add BOS (and other special tokens the model wants); default true."""
+    chat_template: _builtins.str
+    """With `messages`: a built-in template by name ("gemma", "chatml") or "gguf" (the model's own);
+    empty means the server's (GetModelInfoResponse.chat_template).
+    """
     @_builtins.property
     def params(self) -> Global___GenerationParams: ...
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """A conversation instead of `prompt`: rendered with the chat template (the BOS the template
+        writes is the only one). FAILED_PRECONDITION when no template is available.
+        """
+
     def __init__(
         self,
         *,
@@ -573,16 +585,43 @@ class GenerateRequest(_message.Message):
         session_id: _builtins.str = ...,
         cache_scope: _builtins.str = ...,
         add_special: _builtins.bool | None = ...,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
+        chat_template: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "add_special", b"add_special", "params", b"params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "add_special", b"add_special", "cache_scope", b"cache_scope", "model", b"model", "params", b"params", "prompt", b"prompt", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "add_special", b"add_special", "cache_scope", b"cache_scope", "chat_template", b"chat_template", "messages", b"messages", "model", b"model", "params", b"params", "prompt", b"prompt", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_special: _TypeAlias = _typing.Literal["add_special"]  # noqa: Y015
     _WhichOneofArgType__add_special: _TypeAlias = _typing.Literal["_add_special", b"_add_special"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special) -> _WhichOneofReturnType__add_special | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class ChatMessage(_message.Message):
+    """One turn of a conversation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """"system", "user" or "assistant"."""
+    content: _builtins.str
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
@@ -653,13 +692,20 @@ class StreamGenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     CACHE_SCOPE_FIELD_NUMBER: _builtins.int
     ADD_SPECIAL_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     prompt: _builtins.str
     session_id: _builtins.str
     cache_scope: _builtins.str
     add_special: _builtins.bool
+    chat_template: _builtins.str
     @_builtins.property
     def params(self) -> Global___GenerationParams: ...
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """As in GenerateRequest."""
+
     def __init__(
         self,
         *,
@@ -669,10 +715,12 @@ class StreamGenerateRequest(_message.Message):
         session_id: _builtins.str = ...,
         cache_scope: _builtins.str = ...,
         add_special: _builtins.bool | None = ...,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
+        chat_template: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "add_special", b"add_special", "params", b"params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "add_special", b"add_special", "cache_scope", b"cache_scope", "model", b"model", "params", b"params", "prompt", b"prompt", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "add_special", b"add_special", "cache_scope", b"cache_scope", "chat_template", b"chat_template", "messages", b"messages", "model", b"model", "params", b"params", "prompt", b"prompt", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_special: _TypeAlias = _typing.Literal["add_special"]  # noqa: Y015
     _WhichOneofArgType__add_special: _TypeAlias = _typing.Literal["_add_special", b"_add_special"]  # noqa: Y015
@@ -1158,6 +1206,7 @@ class GetModelInfoResponse(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     N_PARAMS_FIELD_NUMBER: _builtins.int
     ADD_BOS_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     model_path: _builtins.str
     n_ctx_train: _builtins.int
@@ -1172,6 +1221,10 @@ class GetModelInfoResponse(_message.Message):
     size_bytes: _builtins.int
     n_params: _builtins.int
     add_bos: _builtins.bool
+    chat_template: _builtins.str
+    """The chat template `messages` are rendered with: "gemma", "chatml", "gguf" (the model's own),
+    or "" when there is none (requests with messages then fail with FAILED_PRECONDITION).
+    """
     @_builtins.property
     def eog_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -1192,10 +1245,11 @@ class GetModelInfoResponse(_message.Message):
         size_bytes: _builtins.int = ...,
         n_params: _builtins.int = ...,
         add_bos: _builtins.bool = ...,
+        chat_template: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "_eos_token_id", b"_eos_token_id", "bos_token_id", b"bos_token_id", "eos_token_id", b"eos_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "_eos_token_id", b"_eos_token_id", "add_bos", b"add_bos", "bos_token_id", b"bos_token_id", "description", b"description", "eog_token_ids", b"eog_token_ids", "eos_token_id", b"eos_token_id", "has_chat_template", b"has_chat_template", "model_name", b"model_name", "model_path", b"model_path", "n_batch", b"n_batch", "n_ctx", b"n_ctx", "n_ctx_train", b"n_ctx_train", "n_parallel", b"n_parallel", "n_params", b"n_params", "n_vocab", b"n_vocab", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "_eos_token_id", b"_eos_token_id", "add_bos", b"add_bos", "bos_token_id", b"bos_token_id", "chat_template", b"chat_template", "description", b"description", "eog_token_ids", b"eog_token_ids", "eos_token_id", b"eos_token_id", "has_chat_template", b"has_chat_template", "model_name", b"model_name", "model_path", b"model_path", "n_batch", b"n_batch", "n_ctx", b"n_ctx", "n_ctx_train", b"n_ctx_train", "n_parallel", b"n_parallel", "n_params", b"n_params", "n_vocab", b"n_vocab", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bos_token_id: _TypeAlias = _typing.Literal["bos_token_id"]  # noqa: Y015
     _WhichOneofArgType__bos_token_id: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id"]  # noqa: Y015

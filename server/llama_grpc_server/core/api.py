@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from llama_grpc_server.core.chat import ChatMessage
 from llama_grpc_server.core.request import Event, GenerationRequest
 
 
@@ -29,6 +30,7 @@ class ModelInfo:
     size_bytes: int
     n_params: int
     add_bos: bool
+    chat_template: str = ""  # the template in use for messages: a built-in, "gguf" or none
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +116,10 @@ class EngineApi(Protocol):
     def check_grammar(self, gbnf: str, root: str) -> None: ...
 
     def json_schema_to_grammar(self, schema: str) -> str: ...
+
+    def render_chat(self, messages: Sequence[ChatMessage], template: str) -> str:
+        """The prompt text of a conversation; ValueError when the template cannot render it."""
+        ...
 
     def stats(self) -> StatsSnapshot: ...
 

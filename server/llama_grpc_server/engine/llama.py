@@ -14,7 +14,9 @@ import llama_cpp
 
 from llama_grpc_server.config import ModelSettings
 from llama_grpc_server.core.api import ModelInfo
+from llama_grpc_server.core.chat import ChatMessage, template_in_use
 from llama_grpc_server.engine import grammar
+from llama_grpc_server.engine.chat import ChatRenderer
 
 
 @functools.cache
@@ -61,6 +63,12 @@ class LlamaModel:
             t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)
         )
         self.pieces = self._piece_table()
+        self.gguf_chat_template = _gguf_chat_template(self.model)
+        self.chat = ChatRenderer(
+            self.gguf_chat_template,
+            bos_token=self._special_text(llama_cpp.llama_vocab_bos(self.vocab)),
+            eos_token=self._special_text(llama_cpp.llama_vocab_eos(self.vocab)),
+        )
         # Recurrent and hybrid models cannot remove part of a sequence.
         self.supports_partial_removal = not (
             llama_cpp.llama_model_is_recurrent(self.model)
@@ -126,10 +134,18 @@ class LlamaModel:
     def json_schema_to_grammar(self, schema: str) -> str:
         return grammar.json_schema_to_gbnf(schema)
 
+    def render_chat(self, messages: Sequence[ChatMessage], template: str) -> str:
+        """Raise ChatTemplateError (a ValueError) when the template cannot render them."""
+        return self.chat.render(messages, template)
+
+    def _special_text(self, token_id: int) -> str:
+        return (
+            self.special_piece(token_id).decode("utf-8", errors="replace") if token_id >= 0 else ""
+        )
+
     def info(self, model_name: str) -> ModelInfo:
         bos = int(llama_cpp.llama_vocab_bos(self.vocab))
         eos = int(llama_cpp.llama_vocab_eos(self.vocab))
-        template = llama_cpp.llama_model_chat_template(self.model, None)
         return ModelInfo(
             model_name=model_name,
             model_path=self.path,
@@ -139,13 +155,16 @@ class LlamaModel:
             bos_token_id=bos if bos >= 0 else None,
             eos_token_id=eos if eos >= 0 else None,
             eog_token_ids=tuple(sorted(self.eog_ids)),
-            has_chat_template=bool(template),
+            has_chat_template=bool(self.gguf_chat_template),
             n_parallel=self.n_seq_max,
             n_batch=self.n_batch,
             description=_meta(self.model, "general.name") or Path(self.path).stem,
             size_bytes=int(llama_cpp.llama_model_size(self.model)),
             n_params=int(llama_cpp.llama_model_n_params(self.model)),
             add_bos=bool(llama_cpp.llama_vocab_get_add_bos(self.vocab)),
+            chat_template=template_in_use(
+                self.settings.chat_template, bool(self.gguf_chat_template)
+            ),
         )
 
     # -- memory (engine thread only) -------------------------------------------------------------
@@ -180,6 +199,12 @@ class LlamaModel:
         if self.model:
             llama_cpp.llama_model_free(self.model)
             self.model = None
+
+
+def _gguf_chat_template(model: Any) -> str:
+    """The Jinja chat template stored in the GGUF file ("" when it has none)."""
+    template = llama_cpp.llama_model_chat_template(model, None)
+    return template.decode("utf-8", errors="replace") if template else ""
 
 
 def default_threads() -> int:

@@ -55,6 +55,17 @@ async def _tokenize(
     )
 
 
+async def _chat_tokens(engine: EngineApi, draft: validation.Draft, *, add_bos: bool) -> list[int]:
+    """Render the conversation with its template and tokenize it; the template writes the
+    special tokens (parsed as such), so the only BOS is the template's (or one added here)."""
+    try:
+        text = engine.render_chat(draft.messages, draft.chat_template)
+    except ValueError as exc:
+        raise errors.InvalidRequest(str(exc), field="messages") from None
+    tokens = await _tokenize(engine, text, add_special=False, parse_special=True)
+    return validation.chat_prompt_tokens(tokens, engine.model_info) if add_bos else tokens
+
+
 def _request_id() -> str:
     """The interceptor's id; a fresh one when the servicer runs without it."""
     return current_request_id() or new_request_id()
@@ -126,9 +137,12 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
             message, engine.model_info, self._settings.scheduler, grammars=engine
         )
         add_special = validation.add_special(message)
-        tokens = await _tokenize(
-            engine, message.prompt, add_special=add_special, parse_special=False
-        )
+        if draft.messages:
+            tokens = await _chat_tokens(engine, draft, add_bos=add_special)
+        else:
+            tokens = await _tokenize(
+                engine, message.prompt, add_special=add_special, parse_special=False
+            )
         return validation.complete_request(
             draft, tokens, request_id=request_id, deadline=_deadline(context)
         )

@@ -11,7 +11,7 @@ import enum
 import math
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,6 +19,7 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
 from llama_grpc_server.config import SchedulerSettings
 from llama_grpc_server.core.api import GrammarCompiler, ModelInfo
+from llama_grpc_server.core.chat import BUILTIN_TEMPLATES, GGUF_TEMPLATE, ROLES, ChatMessage
 from llama_grpc_server.core.request import (
     Constraint,
     GenerationRequest,
@@ -69,6 +70,15 @@ class Message(enum.StrEnum):
     EMPTY_CONSTRAINT = "{name} must not be empty"
     CONSTRAINT_TOO_LONG = "{name} is {length} characters long; at most {limit} are allowed"
     NO_CONSTRAINTS = "this server cannot check grammars, so {name} is not supported"
+    PROMPT_AND_MESSAGES = "set either prompt or messages, not both"
+    TEMPLATE_WITHOUT_MESSAGES = "chat_template applies to messages only"
+    UNKNOWN_ROLE = "role must be one of {roles}, got {role!r}"
+    UNKNOWN_TEMPLATE = "unknown chat template {name!r}; known: {known}"
+    NO_TEMPLATE = (
+        "this model has no chat template: start the server with --chat-template "
+        "({builtins}) or send chat_template with the request"
+    )
+    NO_GGUF_TEMPLATE = "the model file has no chat template of its own; use one of {builtins}"
     UNKNOWN_POLICY = "unknown context overflow policy {value}"
     N_KEEP_WITHOUT_TRUNCATION = "n_keep only applies with OVERFLOW_POLICY_TRUNCATE_LEFT"
     N_KEEP_TOO_LARGE = (
@@ -144,6 +154,8 @@ class Draft:
     prompt_field: str  # "prompt" or "token_ids": where a context error points
     bos_token_id: int | None = None  # a leading BOS survives truncation
     prompt_tokens: tuple[int, ...] = ()  # set for token requests only
+    messages: tuple[ChatMessage, ...] = ()  # a chat request: render these with chat_template
+    chat_template: str = ""
 
 
 # -- public entry points ---------------------------------------------------------------------------
@@ -190,8 +202,17 @@ def parse_text_request(
     """Check a Generate/StreamGenerate request before its prompt is tokenized. `grammars`
     (the engine) compiles a constraint once, here, so a bad one never reaches a slot."""
     check_model(message.model, info)
+    if message.messages:
+        if message.prompt:
+            raise _invalid("prompt", Message.PROMPT_AND_MESSAGES)
+        messages = _messages(message.messages)
+        draft = _draft(message, info, limits, grammars, prompt_field="messages")
+        template = _chat_template(message.chat_template, info)
+        return dataclasses.replace(draft, messages=messages, chat_template=template)
     if not message.prompt:
         raise _invalid("prompt", Message.EMPTY_PROMPT)
+    if message.chat_template:
+        raise _invalid("chat_template", Message.TEMPLATE_WITHOUT_MESSAGES)
     return _draft(message, info, limits, grammars, prompt_field="prompt")
 
 
@@ -209,6 +230,15 @@ def parse_tokens_request(
     check_token_ids(message.token_ids, info.n_vocab)
     draft = _draft(message, info, limits, grammars, prompt_field="token_ids")
     return dataclasses.replace(draft, prompt_tokens=tuple(message.token_ids))
+
+
+def chat_prompt_tokens(tokens: Sequence[int], info: ModelInfo) -> list[int]:
+    """A rendered chat prompt's tokens (tokenized without adding specials, since the template
+    writes them): add BOS only when the model wants one and the template did not write it."""
+    bos = info.bos_token_id
+    if info.add_bos and bos is not None and (not tokens or tokens[0] != bos):
+        return [bos, *tokens]
+    return list(tokens)
 
 
 def complete_request(
@@ -272,6 +302,37 @@ def _draft(
         default_max_tokens=limits.default_max_tokens,
         prompt_field=prompt_field,
     )
+
+
+def _messages(messages: Sequence[pb.ChatMessage]) -> tuple[ChatMessage, ...]:
+    for index, message in enumerate(messages):
+        if message.role not in ROLES:
+            raise _invalid(
+                f"messages[{index}].role",
+                Message.UNKNOWN_ROLE,
+                roles=", ".join(sorted(ROLES)),
+                role=message.role,
+            )
+    return tuple(ChatMessage(m.role, m.content) for m in messages)
+
+
+def _chat_template(requested: str, info: ModelInfo) -> str:
+    """The template a chat request gets: its own choice, else the server's; FAILED_PRECONDITION
+    when there is none."""
+    builtins = ", ".join(BUILTIN_TEMPLATES)
+    if requested and requested not in (*BUILTIN_TEMPLATES, GGUF_TEMPLATE):
+        known = f"{builtins}, {GGUF_TEMPLATE} (the model's own)"
+        raise _invalid("chat_template", Message.UNKNOWN_TEMPLATE, name=requested, known=known)
+    name = requested or info.chat_template
+    if not name:
+        raise errors.FailedPrecondition(
+            Message.NO_TEMPLATE.format(builtins=" | ".join(BUILTIN_TEMPLATES)), field="messages"
+        )
+    if name == GGUF_TEMPLATE and not info.has_chat_template:
+        raise errors.FailedPrecondition(
+            Message.NO_GGUF_TEMPLATE.format(builtins=builtins), field="chat_template"
+        )
+    return name
 
 
 def _check_id_length(name: str, value: str) -> None:

@@ -1,0 +1,53 @@
+"""Chat values: a message, the built-in chat templates (Jinja source, rendered sandboxed by
+engine/chat.py) and which template a request gets. Pure Python: no llama_cpp, no grpc."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GGUF_TEMPLATE = "gguf"
+"""The name reported (and accepted per request) for the template embedded in the model file."""
+
+# Gemma's turn format (as in Gemma 3's own template): a system message is folded into the first
+# user turn, "assistant" is spelled "model", and the prompt ends by opening the model's turn.
+GEMMA = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = '' -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception('roles must alternate user/assistant/user/... after an optional system message') }}
+    {%- endif -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\n' }}
+{%- endif -%}"""  # noqa: E501  # Jinja source reads best unwrapped
+
+CHATML = """{%- for message in messages -%}
+    {{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<|im_start|>assistant\n' }}
+{%- endif -%}"""
+
+BUILTIN_TEMPLATES: dict[str, str] = {"gemma": GEMMA, "chatml": CHATML}
+ROLES = frozenset({"system", "user", "assistant"})
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+def template_in_use(configured: str, has_model_template: bool) -> str:
+    """The server's template: the configured built-in, else the model's own, else "" (none)."""
+    if configured:
+        return configured
+    return GGUF_TEMPLATE if has_model_template else ""
