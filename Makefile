@@ -13,7 +13,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install run serve test test-unit test-model test-e2e check lint format types proto proto-check \
 	proto-lint model bench bench-single bench-concurrency bench-strategies bench-prefix \
-	bench-tokenize bench-telemetry bench-peers clean
+	bench-tokenize bench-telemetry bench-logprobs bench-peers clean
 
 install: $(STAMP)
 
@@ -94,7 +94,8 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q --group bench
 	touch $(BENCH_STAMP)
 
-bench: bench-single bench-concurrency bench-strategies bench-prefix bench-tokenize bench-telemetry
+bench: bench-single bench-concurrency bench-strategies bench-prefix bench-tokenize bench-telemetry \
+	bench-logprobs
 	$(PY) bench/summary.py
 
 bench-single: $(BENCH_STAMP)
@@ -109,6 +110,8 @@ bench-tokenize: $(BENCH_STAMP)
 	$(PY) bench/tokenize_overhead.py $(ARGS)
 bench-telemetry: $(BENCH_STAMP)
 	$(PY) bench/telemetry_overhead.py
+bench-logprobs: $(BENCH_STAMP)
+	$(PY) bench/logprobs_cost.py $(ARGS)
 bench-peers: $(BENCH_STAMP)
 	PYTHON=$(PYTHON) bench/setup_peers.sh
 	$(PY) bench/peers.py $(ARGS)
