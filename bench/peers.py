@@ -353,7 +353,8 @@ async def concurrency_rows(
         for name in names:
             med = sorted(times[name])[len(times[name]) // 2]
             row[name] = {"wall_s": spread(times[name]), "tok_s": b * gen / med,
-                         "fraction_of_raw": raw_m / med}  # fmt: skip
+                         "fraction_of_raw": raw_m / med,
+                         "fraction_of_raw_best": min(times["raw"]) / min(times[name])}  # fmt: skip
         rows.append(row)
     return rows
 
@@ -443,7 +444,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     parser.add_argument("--skip-concurrency", action="store_true")
     parser.add_argument("--skip-prefix", action="store_true")
+    parser.add_argument("--system-tokens", type=int, default=prefix_cache.SYSTEM_TOKENS)
+    parser.add_argument("--chat-system-tokens", type=int, default=prefix_cache.CHAT_SYSTEM_TOKENS)
     args = parser.parse_args()
+    facts = machine_facts(args.threads)  # the load average before the run
+    prefix_cache.configure(args.system_tokens, args.chat_system_tokens)
     model = str(default_model_path())
     result = asyncio.run(run(args, model))
     data = {
@@ -457,7 +462,7 @@ def main() -> int:
             },
             "prefix_cache": prefix_cache.workload(),
         },
-        "machine": machine_facts(args.threads) | peer_facts(),
+        "machine": facts | peer_facts(),
         **result,
     }
     write_json("peers", finish_facts(data))

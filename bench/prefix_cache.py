@@ -216,6 +216,7 @@ def main() -> int:
     parser.add_argument("--system-tokens", type=int, default=SYSTEM_TOKENS)
     parser.add_argument("--chat-system-tokens", type=int, default=CHAT_SYSTEM_TOKENS)
     args = parser.parse_args()
+    facts = machine_facts(args.threads)  # the load average before the run
     configure(args.system_tokens, args.chat_system_tokens)
     progress("starting llama-grpc")
     with llama_grpc_server(*server_args(args.threads, "--n-parallel", str(N_SLOTS))) as target:
@@ -225,7 +226,7 @@ def main() -> int:
         "command": "python bench/prefix_cache.py " + " ".join(sys.argv[1:]),
         "workload": workload(),
         "settings": vars(args),
-        "machine": machine_facts(args.threads),
+        "machine": facts,
         "llama_grpc": result,
     }
     write_json("prefix_cache", finish_facts(data))

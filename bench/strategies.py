@@ -173,12 +173,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--configs",
-        default="decode_maximal,prefill_priority,balanced,decode_maximal@64",
+        default="decode_maximal,prefill_priority,balanced,decode_maximal@64,decode_maximal@16",
         help="strategy[@chunk_size],... (chunk size default 512)",
     )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     args = parser.parse_args()
+    facts = machine_facts(args.threads)  # the load average before the run
     configs = parse_configs(args.configs)
     n_par = N_STREAMS + N_LONG
     with contextlib.ExitStack() as stack:
@@ -228,7 +229,7 @@ def main() -> int:
             "n_parallel": n_par,
         },
         "settings": vars(args),
-        "machine": machine_facts(args.threads),
+        "machine": facts,
         "rows": rows,
     }
     write_json("strategies", finish_facts(data))

@@ -93,6 +93,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     args = parser.parse_args()
+    facts = machine_facts(args.threads)  # the load average before the run
     progress("starting llama-grpc")
     extra = ["--n-parallel", str(CALLERS)]
     with llama_grpc_server(*server_args(args.threads, *extra)) as target:
@@ -119,7 +120,7 @@ def main() -> int:
             "generated_tokens": GEN_TOKENS,
         },
         "settings": vars(args),
-        "machine": machine_facts(args.threads),
+        "machine": facts,
         "rows": rows,
         "ids_speedup_over_text": speedup,
         "ids_speedup_per_rep": per_rep,
