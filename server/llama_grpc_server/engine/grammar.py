@@ -1,6 +1,6 @@
-"""Grammar constraints: check GBNF with llama.cpp's own parser (capturing its message), turn a
-JSON Schema into GBNF with llama-cpp-python's converter, and the per-request grammar sampler
-that only ever sees tokens it allows. Safe to call from any thread (reads the vocabulary)."""
+"""Grammar constraints: check GBNF with llama.cpp's own parser (capturing its message, which it
+prints to stderr), turn a JSON Schema into GBNF with llama-cpp-python's converter, and create the
+grammar sampler that engine/sampler.py drives. Safe from any thread (reads the vocabulary)."""
 
 from __future__ import annotations
 
