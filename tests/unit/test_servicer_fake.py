@@ -140,7 +140,7 @@ async def test_deadline_reaches_the_engine(stub: Any, engine: FakeEngine) -> Non
     loop_now = time.monotonic()
     deadline = engine.submitted[0].deadline
     assert deadline is not None
-    assert 25 < deadline - loop_now <= 30
+    assert 25 < deadline - loop_now <= 31  # grpc rounds time_remaining; clocks differ a little
     assert engine.submitted[1].deadline is None
 
 

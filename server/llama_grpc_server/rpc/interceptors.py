@@ -115,6 +115,9 @@ class _Rpc:
         self.method = method
         self.request_id = _incoming_request_id(metadata)
         self.context = context
+        # Read the peer while the call is alive: context.peer() on a call that grpc has already
+        # torn down (a cancelled stream's access line) segfaulted once in a full test run.
+        self.peer = context.peer()
         self.recorder = recorder
         self.is_stream = is_stream
         self.request = request
@@ -159,7 +162,7 @@ class _Rpc:
             "code": code,
             "duration_ms": round(seconds * 1000, 3),
             "messages_sent": self.num_messages,
-            "peer": self.context.peer(),
+            "peer": self.peer,
             "request_id": self.request_id,
         }
         if self.is_stream and self.first_message_ns:
