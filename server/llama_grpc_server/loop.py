@@ -68,6 +68,7 @@ class EngineLoop:
         on_tick: TickHook | None = None,
         on_done: DoneHook | None = None,
         on_close: Callable[[], None] | None = None,
+        on_start: Callable[[], None] | None = None,
     ) -> None:
         self._scheduler = scheduler
         self._runner = runner
@@ -77,6 +78,7 @@ class EngineLoop:
         self._on_tick = on_tick
         self._on_done = on_done
         self._on_close = on_close
+        self._on_start = on_start
         self._inbox: list[tuple[str, Any]] = []
         self._num_rejected_at_submit = 0
         self._wake = threading.Condition()
@@ -161,6 +163,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            if self._on_start is not None:  # before any request: they wait in the inbox
+                self._on_start()
             while self._drain_inbox():
                 self._tick()
         except Exception:
