@@ -42,6 +42,7 @@ import concurrency
 import prefix_cache
 from common import (
     DEFAULT_THREADS,
+    RESULTS,
     ROOT,
     GrpcBackend,
     StreamRecord,
@@ -451,6 +452,18 @@ def main() -> int:
     prefix_cache.configure(args.system_tokens, args.chat_system_tokens)
     model = str(default_model_path())
     result = asyncio.run(run(args, model))
+    previous = RESULTS / "peers.json"
+    if (args.skip_concurrency or args.skip_prefix) and previous.exists():
+        # a partial rerun keeps the other part of the last run (its own command is kept too)
+        old = json.loads(previous.read_text())
+        for part, skipped in (("concurrency", args.skip_concurrency),
+                              ("prefix_cache", args.skip_prefix)):  # fmt: skip
+            if skipped and part in old:
+                result[part] = old[part]
+                result[f"{part}_from"] = old.get(f"{part}_from") or {
+                    "command": old.get("command"),
+                    "date": old.get("machine", {}).get("date"),
+                }
     data = {
         "benchmark": "peers",
         "command": "python bench/peers.py " + " ".join(sys.argv[1:]),

@@ -156,7 +156,10 @@ class Rounds:
             )
         chat_order = self.chat_modes[:: 1 if rep % 2 == 0 else -1]
         for key in chat_order:
-            result = await chat(backend, 5000 + rep, cache_prompt=key == "with_cache")
+            # A fresh conversation per mode: a server that keeps the KV of a cache_prompt=false
+            # request (llama-server does) must not hand it to the with-cache run.
+            seed = 5000 + 10 * rep + self.chat_modes.index(key)
+            result = await chat(backend, seed, cache_prompt=key == "with_cache")
             self.chats[key].append(result)
             progress(
                 f"{backend.name} rep {rep + 1}/{reps} chat {key:<13}: {result['total_s']:.2f} s "

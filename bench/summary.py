@@ -199,6 +199,10 @@ def peers(data: dict[str, Any]) -> list[str]:
     if data.get("skipped"):
         lines.append("")
     rows = data.get("concurrency")
+    for part in ("concurrency", "prefix_cache"):
+        src = data.get(f"{part}_from")
+        if src:
+            lines += [f"The {part} part comes from `{src['command']}` ({src['date']}).", ""]
     if rows:
         names = [k for k in rows[0] if k != "batch"]
         lines += [
@@ -254,6 +258,9 @@ def main() -> int:
             "was (other work ran on it).",
             "",
         ]
+    notes = RESULTS / "NOTES.md"  # hand-written caveats of the committed run, if any
+    if notes.exists():
+        body += ["## Notes on this run", "", notes.read_text().strip(), ""]
     text = "\n".join(parts + body).rstrip() + "\n"
     out = RESULTS / "SUMMARY.md"
     out.write_text(text)
