@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from llama_grpc_server.core.scheduler import TickCosts
 from llama_grpc_server.core.strategies import (
     MAX_DECODE_WAIT_TICKS,
     Balanced,
@@ -109,3 +110,30 @@ def test_load_strategy_by_name_and_path() -> None:
         load_strategy("fastest")
     with pytest.raises(ValueError, match="cannot import"):
         load_strategy("no_such_module:thing")
+
+
+def test_decode_maximal_limits_prefill_to_the_allowance_while_decoding() -> None:
+    """With slots generating, prompt chunks get only the measured allowance; without, all."""
+    decoding = SlotView(0, 1, True, 5)
+    prefilling = SlotView(1, 2000, False, 5)
+    view = BatchView(tick=6, budget=2048, chunk_size=512, queue_depth=0,
+                     slots=(decoding, prefilling), prefill_allowance=20)  # fmt: skip
+    assert DecodeMaximal().allocate(view) == {0: 1, 1: 20}
+    alone = BatchView(6, 2048, 512, 0, (prefilling,), prefill_allowance=20)
+    assert DecodeMaximal().allocate(alone) == {1: 512}
+    unmeasured = BatchView(6, 2048, 512, 0, (decoding, prefilling))
+    assert DecodeMaximal().allocate(unmeasured) == {0: 1, 1: 512}
+
+
+def test_tick_costs_turn_measured_times_into_an_allowance() -> None:
+    """A 40 ms decode tick and 2.5 ms per prompt token allow 0.8 * 40 / 2.5 = 12 tokens;
+    bounded below (prompts progress) and above (chunk size); 0 until both are measured."""
+    costs = TickCosts()
+    assert costs.prefill_allowance(512) == 0
+    costs.observe(num_decode=4, num_prefill=0, eval_ms=40.0)
+    assert costs.prefill_allowance(512) == 0
+    costs.observe(num_decode=0, num_prefill=512, eval_ms=1280.0)
+    assert costs.prefill_allowance(512) == 12
+    assert costs.prefill_allowance(10) == 10
+    costs.observe(num_decode=0, num_prefill=512, eval_ms=512_000.0)  # very slow prompt tokens
+    assert costs.prefill_allowance(512) == 8

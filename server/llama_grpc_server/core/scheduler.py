@@ -76,6 +76,41 @@ class SchedulerConfig:
     ram_min_tokens: int = 64  # smaller caches are not worth saving
 
 
+@dataclass(slots=True)
+class TickCosts:
+    """Moving averages of measured llama_decode times: a decode-only tick, and a prompt token in
+    a prefill-heavy tick. They turn "at most ~2x a decode tick" into a token count."""
+
+    decode_tick_ms: float = 0.0
+    prefill_token_ms: float = 0.0
+
+    def observe(self, num_decode: int, num_prefill: int, eval_ms: float) -> None:
+        if eval_ms <= 0:
+            return
+        if num_prefill == 0 and num_decode > 0:
+            self.decode_tick_ms = _ema(self.decode_tick_ms, eval_ms)
+        elif num_prefill >= MIN_COST_SAMPLE_TOKENS:
+            self.prefill_token_ms = _ema(
+                self.prefill_token_ms, eval_ms / (num_prefill + num_decode)
+            )
+
+    def prefill_allowance(self, chunk_size: int) -> int:
+        """Prompt tokens that add about one decode tick to a tick (0 = not measured yet)."""
+        if self.decode_tick_ms <= 0 or self.prefill_token_ms <= 0:
+            return 0
+        n = int(ALLOWANCE_SHARE * self.decode_tick_ms / self.prefill_token_ms)
+        return max(MIN_PREFILL_ALLOWANCE, min(chunk_size, n))
+
+
+def _ema(old: float, new: float, alpha: float = 0.2) -> float:
+    return new if old <= 0 else old + alpha * (new - old)
+
+
+MIN_COST_SAMPLE_TOKENS = 32  # prompt tokens in a tick for it to measure the per-token cost
+MIN_PREFILL_ALLOWANCE = 8  # prompts always progress, however slow a prompt token is
+ALLOWANCE_SHARE = 0.8  # keep below one extra decode tick: the p95 target is 2x
+
+
 class Scheduler:
     """Continuous batching over a slot pool sharing one unified KV cache."""
 
@@ -105,6 +140,7 @@ class Scheduler:
         self._tick = 0
         self._is_admission_paused = False
         self._started_ns = clock_ns()
+        self.costs = TickCosts()
         self.ram = prefix_cache.RamTier(config.ram_cache_bytes) if config.ram_cache_bytes else None
         self._saving: dict[int, tuple[str, list[int]]] = {}
 
@@ -388,6 +424,7 @@ class Scheduler:
                 SlotView(r.slot_id, r.num_pending, r.is_decoding, r.last_served_tick)
                 for r in active
             ),
+            prefill_allowance=self.costs.prefill_allowance(self.config.chunk_size),
         )
         allocation = self.strategy.allocate(view)
         chunks: list[Chunk] = []
@@ -434,6 +471,7 @@ class Scheduler:
         if result.status != DECODE_OK:
             return self._fail_batch(plan, result.status)
         if plan.chunks:  # a plan of KV edits only is no forward pass
+            self.costs.observe(plan.num_decode, plan.num_prefill, result.eval_ms)
             self.counters.ticks += 1
             self.counters.batch_tokens += plan.num_tokens
         out: Emitted = []

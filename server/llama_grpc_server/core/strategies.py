@@ -31,6 +31,9 @@ class BatchView:
     chunk_size: int  # one slot's prefill per tick at most
     queue_depth: int
     slots: tuple[SlotView, ...]
+    # Prompt tokens a tick may add to the decode tokens and still take at most about twice a
+    # decode-only tick, as the scheduler measured it; 0 = not measured yet (no limit).
+    prefill_allowance: int = 0
 
     def waited(self, slot: SlotView) -> int:
         return self.tick - slot.last_served_tick
@@ -80,7 +83,10 @@ def _split(view: BatchView) -> tuple[list[SlotView], list[SlotView], list[SlotVi
 
 @dataclass(frozen=True, slots=True)
 class DecodeMaximal:
-    """Every generating slot gets its token first; prompt chunks take the rest (interactive)."""
+    """Every generating slot gets its token first; prompt chunks take the rest (interactive).
+    While slots are generating, prompt chunks get only the measured prefill allowance, so a long
+    prompt arriving does not stretch the running streams' inter-token latency beyond ~2x (with
+    whole 512-token chunks it went to 65x on 2 CPU cores: bench/strategies.py)."""
 
     name: str = "decode_maximal"
 
@@ -88,6 +94,8 @@ class DecodeMaximal:
         starving, decoders, prefills = _split(view)
         out: dict[int, int] = {}
         budget = _give_decodes(view, starving + decoders, view.budget, out)
+        if out and view.prefill_allowance > 0:
+            budget = min(budget, view.prefill_allowance)
         _give_prefills(view, prefills, budget, out)
         return out
 
