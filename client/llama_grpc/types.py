@@ -166,6 +166,9 @@ class Stats:
     ram_cache_hits: int = 0
     ram_cache_misses: int = 0
     ram_cache_evictions: int = 0
+    # "starting", "running", "failed" (generation answers UNAVAILABLE) or "stopped".
+    engine_state: str = ""
+    engine_error: str = ""  # why the engine failed
 
 
 @dataclass(frozen=True, slots=True)

@@ -142,6 +142,9 @@ OPTIONS: tuple[Option, ...] = (
            "log request and response messages (debugging: prompts and completions in logs)"),
     Option("grace_s", float, 10.0, "server.grace_s", "seconds to finish requests on shutdown",
            at_least(0)),
+    Option("keep_alive_on_engine_error", bool, False, "server.keep_alive_on_engine_error",
+           "if the engine thread dies, keep the process up (health NOT_SERVING) instead of "
+           "exiting with code 70 after --grace-s"),
     Option("cache_prompt", bool, True, "scheduler.cache_prompt", "reuse KV of a cached prefix"),
     Option("prompt_cache_ram_mb", int, 0, "scheduler.prompt_cache_ram_mb",
            "RAM tier: MiB of saved slot caches kept after eviction (0 = off)", at_least(0)),

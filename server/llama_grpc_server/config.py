@@ -46,6 +46,7 @@ class ServerSettings:
     log_level: str = "info"
     log_payloads: bool = False  # request/response messages in the logs (debugging only)
     grace_s: float = 10.0
+    keep_alive_on_engine_error: bool = False  # else exit EXIT_ENGINE_FAILED after grace_s
     max_message_bytes: int = 16 * 1024 * 1024
 
 

@@ -95,6 +95,20 @@ class EngineError(ServiceError):
     reason = "ENGINE_ERROR"
 
 
+class EngineFailed(ServiceError):
+    """The engine thread died while this request was in flight or queued."""
+
+    code = "INTERNAL"
+    reason = "ENGINE_FAILED"
+
+
+class EngineUnavailable(ServiceError):
+    """The engine thread has died: nothing is served until the server is restarted."""
+
+    code = "UNAVAILABLE"
+    reason = "ENGINE_FAILED"
+
+
 class Cancelled(ServiceError):
     """The caller went away."""
 

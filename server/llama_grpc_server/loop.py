@@ -1,13 +1,21 @@
 """EngineLoop: the engine thread. Submissions and cancellations arrive through one inbox; each
-tick is schedule -> execute -> update -> deliver; events reach each request's asyncio queue with
-one call_soon_threadsafe per event loop per tick. It sleeps when idle, never busy-waits."""
+tick is schedule -> execute -> update -> publish stats -> deliver; events reach each request's
+asyncio queue with one call_soon_threadsafe per event loop per tick. It sleeps when idle, never
+busy-waits.
+
+If the thread dies (anything raised by a strategy, the runner, llama.cpp or a plan check), every
+request in flight or queued ends with INTERNAL naming the cause, later submissions get
+UNAVAILABLE, stats() reports engine_state "failed" with the cause, and the failure listeners
+(the server: health NOT_SERVING, exit) are told once."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import threading
 import time
+import traceback
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -25,6 +33,23 @@ log = structlog.get_logger("llama_grpc.engine")
 
 TickHook = Callable[[StepPlan, StepResult, Scheduler], None]
 DoneHook = Callable[[Request, Event], None]
+FailureListener = Callable[[str], None]
+
+MAX_CAUSE_CHARS = 300
+
+
+class EngineState(enum.Enum):
+    STARTING = "starting"  # the warm-up decode runs; submissions wait in the inbox
+    RUNNING = "running"
+    FAILED = "failed"  # the engine thread died: nothing is served any more
+    STOPPED = "stopped"  # close() was called
+
+
+def describe(exc: BaseException) -> str:
+    """One line naming an exception: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text[:MAX_CAUSE_CHARS]
 
 
 class RequestStream:
@@ -81,9 +106,15 @@ class EngineLoop:
         self._on_start = on_start
         self._inbox: list[tuple[str, Any]] = []
         self._num_rejected_at_submit = 0
-        self._wake = threading.Condition()
+        self._wake = threading.Condition()  # guards inbox, streams, state, error, listeners
         self._streams: dict[str, RequestStream] = {}
         self._is_stopping = False
+        self._state = EngineState.STARTING
+        self._error = ""
+        self._failure_listeners: list[FailureListener] = []
+        self._started = time.monotonic()
+        # Written by the engine thread only (one reference assignment), read by stats().
+        self._published = scheduler.snapshot(kv_cells_total)
         self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
         self._thread.start()
 
@@ -93,9 +124,13 @@ class EngineLoop:
     def model_info(self) -> ModelInfo:
         return self._model_info
 
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
     def submit(self, request: GenerationRequest) -> RequestStream:
-        if self._is_stopping:
-            raise errors.ShuttingDown("server is shutting down")
+        with self._wake:
+            self._check_accepting()
         try:
             self._scheduler.check_fits(request)
         except errors.ServiceError:
@@ -104,6 +139,7 @@ class EngineLoop:
         live = Request(request, arrival_ns=time.perf_counter_ns())
         stream = RequestStream(self, live, asyncio.get_running_loop())
         with self._wake:
+            self._check_accepting()  # again: the engine may have died meanwhile
             if request.request_id in self._streams:
                 # a caller reusing x-request-id on concurrent calls: the id keys the sampler,
                 # the detokenizer and the stream, so a second one in flight cannot be accepted
@@ -115,6 +151,26 @@ class EngineLoop:
             self._inbox.append(("add", stream))
             self._wake.notify()
         return stream
+
+    def _check_accepting(self) -> None:
+        """Raise unless the engine thread is alive and accepting work (call with _wake held)."""
+        if self._state is EngineState.FAILED or (
+            not self._thread.is_alive() and not self._is_stopping
+        ):
+            cause = self._error or "the engine thread is not running"
+            raise errors.EngineUnavailable(f"the engine has failed: {cause}")
+        if self._is_stopping:
+            raise errors.ShuttingDown("server is shutting down")
+
+    def on_failure(self, listener: FailureListener) -> None:
+        """Call `listener(cause)` once if the engine thread dies (on that thread); at once if it
+        already has."""
+        with self._wake:
+            if self._state is not EngineState.FAILED:
+                self._failure_listeners.append(listener)
+                return
+            cause = self._error
+        listener(cause)
 
     def cancel(self, request_id: str) -> None:
         with self._wake:
@@ -147,13 +203,22 @@ class EngineLoop:
         return prompt
 
     def stats(self) -> StatsSnapshot:
-        snapshot = self._scheduler.snapshot(self._kv_cells_total)
-        rejected = snapshot.requests_rejected + self._num_rejected_at_submit
-        return dataclasses.replace(snapshot, requests_rejected=rejected)
+        """The snapshot the engine thread published after its last tick (never the live
+        scheduler, which that thread is mutating), with this thread's own figures."""
+        snapshot = self._published
+        return dataclasses.replace(
+            snapshot,
+            requests_rejected=snapshot.requests_rejected + self._num_rejected_at_submit,
+            uptime_s=time.monotonic() - self._started,
+            engine_state=self._state.value,
+            engine_error=self._error,
+        )
 
     def close(self) -> None:
         with self._wake:
             self._is_stopping = True
+            if self._state is not EngineState.FAILED:
+                self._state = EngineState.STOPPED
             self._wake.notify()
         self._thread.join(timeout=30)
         if self._on_close is not None and not self._thread.is_alive():
@@ -165,12 +230,41 @@ class EngineLoop:
         try:
             if self._on_start is not None:  # before any request: they wait in the inbox
                 self._on_start()
+            with self._wake:
+                if self._state is EngineState.STARTING:
+                    self._state = EngineState.RUNNING
             while self._drain_inbox():
                 self._tick()
-        except Exception:
-            log.exception("engine_thread_crashed")
-        finally:
             self._deliver(self._scheduler.fail_all(errors.ShuttingDown("engine stopped")))
+        except BaseException as exc:  # the thread must not die silently, whatever it was
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The engine is dead: end every request it owed an answer, refuse new ones, tell the
+        listeners. Reads nothing from the scheduler, whose state may be what broke."""
+        cause = describe(exc)
+        # The traceback without frame locals: they hold requests (prompt text).
+        log.error("engine_failed", error=cause, traceback="".join(traceback.format_exception(exc)))
+        with self._wake:
+            self._state = EngineState.FAILED
+            self._error = cause
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self._inbox.clear()
+            listeners, self._failure_listeners = self._failure_listeners, []
+        failed = Failed(errors.EngineFailed(f"the engine failed: {cause}"))
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]] = defaultdict(
+            list
+        )
+        for stream in streams:
+            by_loop[stream.loop].append((stream, failed))
+            self._notify_done(stream.request, failed)
+        self._post(by_loop)
+        for listener in listeners:
+            try:
+                listener(cause)
+            except Exception:
+                log.exception("engine_failure_listener_failed")
 
     def _drain_inbox(self) -> bool:
         """Apply submissions and cancellations; sleep while there is nothing to do."""
@@ -186,6 +280,8 @@ class EngineLoop:
                 events += self._add(item)
             else:
                 events += self._scheduler.cancel(item)
+        if inbox:
+            self._publish()
         self._deliver(events)
         return not self._is_stopping
 
@@ -203,7 +299,12 @@ class EngineLoop:
             events += self._scheduler.update(plan, result)
             if self._on_tick is not None and plan.chunks:
                 self._on_tick(plan, result, self._scheduler)
+            self._publish()
         self._deliver(events)
+
+    def _publish(self) -> None:
+        """Before delivering: a caller that saw its request end then reads stats that agree."""
+        self._published = self._scheduler.snapshot(self._kv_cells_total)
 
     def _deliver(self, events: Emitted) -> None:
         """One call_soon_threadsafe per event loop for the whole tick."""
@@ -222,9 +323,18 @@ class EngineLoop:
                     del self._streams[request.request_id]
                     ended.append((request, event))
                 by_loop[stream.loop].append((stream, event))
+        for request, event in ended:
+            self._notify_done(request, event)
+        self._post(by_loop)
+
+    def _notify_done(self, request: Request, event: Event) -> None:
         if self._on_done is not None:
-            for request, event in ended:
-                self._on_done(request, event)
+            self._on_done(request, event)
+
+    @staticmethod
+    def _post(
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]],
+    ) -> None:
         for loop, batch in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
@@ -235,7 +345,3 @@ class EngineLoop:
 def _put_all(batch: list[tuple[RequestStream, Event]]) -> None:
     for stream, event in batch:
         stream.queue.put_nowait(event)
-
-
-def monotonic_deadline(time_remaining_s: float | None) -> float | None:
-    return None if time_remaining_s is None else time.monotonic() + time_remaining_s

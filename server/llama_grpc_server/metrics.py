@@ -190,11 +190,15 @@ class _SnapshotCollector:
             "num_requests_running": ("Requests holding a slot.", s.active_slots),
             "num_requests_waiting": ("Requests in the queue.", s.queue_depth),
             "kv_cache_usage_perc": (
-                "KV cache usage (0-1): cells held by slots over cells in the context.",
+                "KV cache usage (0-1): distinct cells in use (shared prefixes once) over n_ctx.",
                 s.kv_cells_used / s.kv_cells_total if s.kv_cells_total else 0.0,
             ),
             "ram_cache_entries": ("Slot caches saved in the RAM tier.", s.ram_cache_entries),
             "ram_cache_bytes": ("Bytes held by the RAM tier.", s.ram_cache_bytes),
+            "engine_up": (
+                "1 while the engine thread serves; 0 once it has failed (see GetStats).",
+                0 if s.engine_state == "failed" else 1,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)

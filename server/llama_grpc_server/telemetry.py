@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 import structlog
+from structlog.tracebacks import ExceptionDictTransformer
 
 from llama_grpc_server.core.plan import DECODE_OK, StepPlan, StepResult
 from llama_grpc_server.core.request import Event, Failed, Finished, Request
@@ -326,9 +327,15 @@ def configure_logging(
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer: structlog.types.Processor = structlog.dev.ConsoleRenderer()
+    # Tracebacks never render frame locals (structlog's defaults do): locals hold requests, and
+    # prompt or output text reaches the logs only with --log-payloads.
+    renderer: structlog.types.Processor = structlog.dev.ConsoleRenderer(
+        exception_formatter=structlog.dev.plain_traceback
+    )
     if log_format == "json":
-        shared.append(structlog.processors.dict_tracebacks)
+        shared.append(
+            structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False))
+        )
         renderer = structlog.processors.JSONRenderer()
     structlog.configure(
         processors=[*shared, renderer],

@@ -128,6 +128,9 @@ class FakeEngine:
     counters: _Counters = field(default_factory=_Counters, init=False)
     started_at: float = field(default_factory=time.monotonic, init=False)
     _cancel_seen: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+    _failure_listeners: list[Callable[[str], None]] = field(
+        default_factory=list, init=False, repr=False
+    )
 
     # -- EngineApi --------------------------------------------------------------------------------
 
@@ -222,6 +225,9 @@ class FakeEngine:
             batch_strategy="fake",
             prefix_cache_hit_rate=0.0,
         )
+
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        self._failure_listeners.append(listener)
 
     def close(self) -> None:
         self.is_closed = True

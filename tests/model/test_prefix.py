@@ -75,3 +75,35 @@ async def test_cache_scopes_never_share(engine: EngineLoop) -> None:
     assert other.finished.usage.cached_prompt_tokens == 0
     n = same.finished.usage.prompt_tokens
     assert same.finished.usage.cached_prompt_tokens == n - 1
+
+
+async def test_refused_partial_removal_recomputes_instead_of_reusing_stale_kv() -> None:
+    """If llama_memory_seq_rm refuses to drop a cache's tail (as recurrent memory does), the
+    slot is emptied and the request re-prefills from scratch: correct output, nothing reported
+    as cached, never a decode over stale cells."""
+    eng = make_engine(n_parallel=1)
+    model = eng._runner.model
+    real_remove = model.seq_remove
+    refused: list[tuple[int, int]] = []
+
+    def refuse_partial(seq_id: int, p0: int, p1: int = -1) -> bool:
+        if p0 > 0:
+            refused.append((seq_id, p0))
+            return False
+        return real_remove(seq_id, p0, p1)
+
+    try:
+        base = "Partial removal test. " + STORY * 3
+        await run(eng, request(eng, base + "What did he see?", max_tokens=6))
+        model.seq_remove = refuse_partial  # type: ignore[method-assign]
+        edited = request(eng, base + "Why was he alone?", max_tokens=12)
+        warm = await run(eng, edited)
+        model.seq_remove = real_remove  # type: ignore[method-assign]
+        cold = await run(
+            eng, request(eng, list(edited.prompt_tokens), max_tokens=12, cache_prompt=False)
+        )
+    finally:
+        eng.close()
+    assert refused, "the edited prompt needed a partial removal"
+    assert warm.finished.usage.cached_prompt_tokens == 0
+    assert warm.token_ids == cold.token_ids

@@ -8,7 +8,7 @@ import logging
 import subprocess
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -297,16 +297,6 @@ def test_run_wires_serve_and_build_engine(monkeypatch: pytest.MonkeyPatch) -> No
     assert name == "build" and isinstance(kwargs, dict)
     assert kwargs["debug_logs"] is True
     assert callable(kwargs["on_tick"]) and callable(kwargs["on_done"])  # telemetry hooks
-
-
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    structlog.reset_defaults()
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 def test_json_logging_writes_one_object_per_line(

@@ -83,7 +83,7 @@ def make_snapshot() -> StatsSnapshot:
     numbers = {
         f.name: index + 1
         for index, f in enumerate(dataclasses.fields(StatsSnapshot))
-        if f.name not in ("slots", "batch_strategy", "avg_batch_size", "uptime_s")
+        if f.type in ("int", int)
     }
     return StatsSnapshot(
         **numbers,
@@ -91,6 +91,9 @@ def make_snapshot() -> StatsSnapshot:
         uptime_s=12.25,
         slots=slots,
         batch_strategy="decode_maximal",
+        prefix_cache_hit_rate=0.75,
+        engine_state="failed",
+        engine_error="RuntimeError: boom",
     )
 
 

@@ -132,6 +132,13 @@ def test_snapshot_series_equal_the_engine_stats() -> None:
     assert {name: value(got, name) for name in expected} == expected
     assert value(got, "llama_grpc:kv_cache_usage_perc") == 0.0
     assert value(got, "llama_grpc:num_slots", state="idle") == stats.idle_slots
+    assert value(got, "llama_grpc:engine_up") == 1
+
+
+def test_engine_up_is_zero_once_the_engine_failed() -> None:
+    metrics = Metrics()
+    metrics.watch(lambda: replace(FakeEngine().stats(), engine_state="failed"))
+    assert value(samples(metrics.render()), "llama_grpc:engine_up") == 0
 
 
 def test_rpc_series_use_grpc_prometheus_names() -> None:

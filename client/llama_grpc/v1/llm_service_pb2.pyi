@@ -1097,6 +1097,8 @@ class GetStatsResponse(_message.Message):
     RAM_CACHE_HITS_FIELD_NUMBER: _builtins.int
     RAM_CACHE_MISSES_FIELD_NUMBER: _builtins.int
     RAM_CACHE_EVICTIONS_FIELD_NUMBER: _builtins.int
+    ENGINE_STATE_FIELD_NUMBER: _builtins.int
+    ENGINE_ERROR_FIELD_NUMBER: _builtins.int
     n_parallel: _builtins.int
     active_slots: _builtins.int
     idle_slots: _builtins.int
@@ -1126,6 +1128,12 @@ class GetStatsResponse(_message.Message):
     ram_cache_hits: _builtins.int
     ram_cache_misses: _builtins.int
     ram_cache_evictions: _builtins.int
+    engine_state: _builtins.str
+    """"starting", "running", "failed" (the engine thread died: generation answers UNAVAILABLE and
+    health is NOT_SERVING) or "stopped".
+    """
+    engine_error: _builtins.str
+    """Why the engine failed: the exception's type and message ("" unless engine_state is "failed")."""
     @_builtins.property
     def slots(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotStats]: ...
     def __init__(
@@ -1159,10 +1167,12 @@ class GetStatsResponse(_message.Message):
         ram_cache_hits: _builtins.int = ...,
         ram_cache_misses: _builtins.int = ...,
         ram_cache_evictions: _builtins.int = ...,
+        engine_state: _builtins.str = ...,
+        engine_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "n_parallel", b"n_parallel", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "slots", b"slots", "ticks", b"ticks", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "n_parallel", b"n_parallel", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "slots", b"slots", "ticks", b"ticks", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

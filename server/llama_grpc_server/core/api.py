@@ -3,7 +3,7 @@ Pure Python; the real implementation is loop.EngineLoop, tests may use fakes."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,6 +73,8 @@ class StatsSnapshot:
     ram_cache_hits: int = 0
     ram_cache_misses: int = 0
     ram_cache_evictions: int = 0
+    engine_state: str = "running"  # "starting" | "running" | "failed" | "stopped"
+    engine_error: str = ""  # why the engine failed ("" unless engine_state is "failed")
 
 
 class RequestStream(Protocol):
@@ -122,6 +124,10 @@ class EngineApi(Protocol):
         ...
 
     def stats(self) -> StatsSnapshot: ...
+
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(cause)` once if the engine dies (from any thread); at once if it has."""
+        ...
 
     def close(self) -> None:
         """Stop the engine thread, fail what is still queued, free llama.cpp resources (blocks)."""

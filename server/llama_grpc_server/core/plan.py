@@ -95,3 +95,5 @@ class StepResult:
     sample_ms: float = 0.0
     logprobs: dict[int, SampledLogprob] = field(default_factory=dict)  # slot_id -> (asked for)
     failed: dict[int, str] = field(default_factory=dict)  # slot_id -> why nothing was sampled
+    # Sequences the runner emptied because a partial removal failed; their chunks were skipped.
+    reset: frozenset[int] = frozenset()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from llama_grpc_server import errors
 from llama_grpc_server.core import prefix_cache
 from llama_grpc_server.core.api import SlotSnapshot, StatsSnapshot
+from llama_grpc_server.core.kv_cells import CellMap
 from llama_grpc_server.core.plan import (
     DECODE_KV_FULL,
     DECODE_OK,
@@ -143,6 +144,7 @@ class Scheduler:
         self.costs = TickCosts()
         self.ram = prefix_cache.RamTier(config.ram_cache_bytes) if config.ram_cache_bytes else None
         self._saving: dict[int, tuple[str, list[int]]] = {}
+        self.cells = CellMap()  # cells shared through seq_cp count once in kv_cells_used
 
     # -- intake ---------------------------------------------------------------------------------
 
@@ -307,9 +309,9 @@ class Scheduler:
             return 0
         entry = self.ram.take(key)
         self._drop_cache(slot)
-        self._seq_ops.append(SeqOp(SeqOpKind.RESTORE, slot.slot_id, data=entry.data))
+        self._queue(SeqOp(SeqOpKind.RESTORE, slot.slot_id, data=entry.data), len(entry.tokens))
         if len(entry.tokens) > n:
-            self._seq_ops.append(SeqOp(SeqOpKind.REMOVE, slot.slot_id, n, -1))
+            self._queue(SeqOp(SeqOpKind.REMOVE, slot.slot_id, n, -1))
         return n
 
     def _drop_cache(self, slot: Slot, keep: int = 0) -> None:
@@ -325,10 +327,20 @@ class Scheduler:
             and len(held) - keep >= MIN_SHARED_WAIT_TOKENS
         ):
             self._saving[slot.slot_id] = (slot.cache_scope, list(held))
-            self._seq_ops.append(SeqOp(SeqOpKind.SAVE, slot.slot_id))
-        self._seq_ops.append(SeqOp(SeqOpKind.REMOVE, slot.slot_id, keep, -1))
+            self._queue(SeqOp(SeqOpKind.SAVE, slot.slot_id))
+        self._queue(SeqOp(SeqOpKind.REMOVE, slot.slot_id, keep, -1))
         if slot.is_idle:
             slot.cached_tokens = held[:keep]
+
+    def _queue(self, op: SeqOp, restored_tokens: int = 0) -> None:
+        """Queue a KV edit for the next plan and mirror it in the cell map."""
+        self._seq_ops.append(op)
+        if op.kind is SeqOpKind.REMOVE:
+            self.cells.removed(op.seq_id, op.p0, op.p1)
+        elif op.kind is SeqOpKind.COPY:
+            self.cells.copied(op.src_seq_id, op.seq_id, op.p1)
+        elif op.kind is SeqOpKind.RESTORE:
+            self.cells.restored(op.seq_id, restored_tokens)
 
     def _count_cached(self, request: Request, num_cached: int) -> None:
         if request.num_preemptions == 0:
@@ -350,7 +362,7 @@ class Scheduler:
         if best_slot is None or best_slot.request is None:
             return False
         if request.num_computed:
-            self._seq_ops.append(SeqOp(SeqOpKind.REMOVE, slot.slot_id, 0, -1))
+            self._queue(SeqOp(SeqOpKind.REMOVE, slot.slot_id, 0, -1))
             request.num_computed = 0
         request.wait_slot_id = best_slot.slot_id
         request.wait_request_id = best_slot.request.request_id
@@ -380,7 +392,7 @@ class Scheduler:
                     if m > n:
                         src, n = other.slot_id, m
             if n:
-                self._seq_ops.append(SeqOp(SeqOpKind.COPY, slot.slot_id, 0, n, src_seq_id=src))
+                self._queue(SeqOp(SeqOpKind.COPY, slot.slot_id, 0, n, src_seq_id=src))
             request.num_computed = n
             request.wait_slot_id = -1
             self._count_cached(request, n)
@@ -392,7 +404,7 @@ class Scheduler:
             return 0
         if placement.donor_slot_id >= 0:
             self._drop_cache(slot)
-            self._seq_ops.append(
+            self._queue(
                 SeqOp(
                     SeqOpKind.COPY,
                     slot.slot_id,
@@ -465,20 +477,23 @@ class Scheduler:
 
     def update(self, plan: StepPlan, result: StepResult) -> Emitted:
         """Apply one tick's outcome; returns (request, event) pairs in order."""
+        self._apply_resets(result.reset)
         self._apply_ram_results(result)
         if result.status == DECODE_KV_FULL:
             return self._relieve_kv_pressure(plan)
         if result.status != DECODE_OK:
             return self._fail_batch(plan, result.status)
-        if plan.chunks:  # a plan of KV edits only is no forward pass
+        chunks = [c for c in plan.chunks if c.slot_id not in result.reset]
+        if chunks:  # a plan of KV edits only is no forward pass
             self.costs.observe(plan.num_decode, plan.num_prefill, result.eval_ms)
             self.counters.ticks += 1
-            self.counters.batch_tokens += plan.num_tokens
+            self.counters.batch_tokens += sum(len(c.tokens) for c in chunks)
         out: Emitted = []
-        for chunk in plan.chunks:
+        for chunk in chunks:
             request = self.slots[chunk.slot_id].request
             if request is None or request.request_id != chunk.request_id:
                 continue
+            self.cells.computed(chunk.slot_id, chunk.start_pos, len(chunk.tokens))
             request.num_computed += len(chunk.tokens)
             if chunk.wants_logits and chunk.slot_id in result.failed:
                 out += self._fail_constraint(request, result.failed[chunk.slot_id])
@@ -496,6 +511,22 @@ class Scheduler:
         )
         return self._end_failed(request, error)
 
+    def _apply_resets(self, reset: frozenset[int]) -> None:
+        """A partial seq_rm failed and the runner emptied the sequence instead: its request
+        re-prefills from position 0 (never reuses a stale cache); an idle slot holds nothing."""
+        for seq_id in reset:
+            self.cells.cleared(seq_id)
+            slot = self.slots[seq_id]
+            request = slot.request
+            if request is None:
+                slot.cached_tokens = []
+                continue
+            if request.num_preemptions == 0 and request.num_cached_prompt:
+                self.counters.cached_prompt_tokens -= request.num_cached_prompt
+                request.num_cached_prompt = 0
+            request.num_computed = 0
+            request.restore_keep = 0
+
     def _apply_ram_results(self, result: StepResult) -> None:
         for seq_id, data in result.saved.items():
             scope, tokens = self._saving.pop(seq_id, ("", []))
@@ -507,7 +538,7 @@ class Scheduler:
                 continue
             n = request.restore_keep if ok else 0
             if not ok:
-                self._seq_ops.append(SeqOp(SeqOpKind.REMOVE, seq_id, 0, -1))
+                self._queue(SeqOp(SeqOpKind.REMOVE, seq_id, 0, -1))
             request.num_computed, request.restore_keep = n, 0
             self._count_cached(request, n)
 
@@ -564,7 +595,7 @@ class Scheduler:
                     slot.cached_tokens = request.tokens[: request.num_computed]
                 else:
                     slot.cached_tokens = []
-                    self._seq_ops.append(SeqOp(SeqOpKind.REMOVE, slot.slot_id, 0, -1))
+                    self._queue(SeqOp(SeqOpKind.REMOVE, slot.slot_id, 0, -1))
         if request.request_id in self._texts:
             del self._texts[request.request_id]
             self._close.append(request.request_id)
@@ -650,7 +681,7 @@ class Scheduler:
         re-prefilling prompt + output so far (its sampler and text state are kept)."""
         slot = self.slots[request.slot_id]
         slot.request, slot.cached_tokens = None, []
-        self._seq_ops.append(SeqOp(SeqOpKind.REMOVE, slot.slot_id, 0, -1))
+        self._queue(SeqOp(SeqOpKind.REMOVE, slot.slot_id, 0, -1))
         request.num_computed = 0
         request.slot_id = -1
         request.state = RequestState.QUEUED
@@ -671,7 +702,7 @@ class Scheduler:
             )
             for s in self.slots
         )
-        c = self.counters
+        c, ram = self.counters, self.ram
         states = [s.state for s in slots]
         return StatsSnapshot(
             n_parallel=len(self.slots),
@@ -680,7 +711,7 @@ class Scheduler:
             prefilling_slots=states.count("prefilling"),
             generating_slots=states.count("generating"),
             queue_depth=len(self.queue),
-            kv_cells_used=min(kv_cells_total, sum(s.cached_tokens for s in slots)),
+            kv_cells_used=min(kv_cells_total, self.cells.num_used()),
             kv_cells_total=kv_cells_total,
             requests_started=c.started,
             requests_finished=c.finished,
@@ -699,17 +730,9 @@ class Scheduler:
             prefix_cache_hit_rate=c.cached_prompt_tokens / c.prompt_tokens
             if c.prompt_tokens
             else 0.0,
-            **self._ram_stats(),
+            ram_cache_entries=ram.num_entries if ram is not None else 0,
+            ram_cache_bytes=ram.num_bytes if ram is not None else 0,
+            ram_cache_hits=ram.hits if ram is not None else 0,
+            ram_cache_misses=ram.misses if ram is not None else 0,
+            ram_cache_evictions=ram.evictions if ram is not None else 0,
         )
-
-    def _ram_stats(self) -> dict[str, int]:
-        ram = self.ram
-        if ram is None:
-            return {}
-        return {
-            "ram_cache_entries": ram.num_entries,
-            "ram_cache_bytes": ram.num_bytes,
-            "ram_cache_hits": ram.hits,
-            "ram_cache_misses": ram.misses,
-            "ram_cache_evictions": ram.evictions,
-        }

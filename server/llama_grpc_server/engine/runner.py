@@ -43,28 +43,25 @@ class Runner:
                 self.top_logprobs[spec.request_id] = spec.output.top_logprobs
         saved: dict[int, bytes] = {}
         restored: dict[int, bool] = {}
-        for op in plan.seq_ops:
-            if op.kind is SeqOpKind.REMOVE:
-                self.model.seq_remove(op.seq_id, op.p0, op.p1)
-            elif op.kind is SeqOpKind.COPY:
-                self.model.seq_copy(op.src_seq_id, op.seq_id, op.p0, op.p1)
-            elif op.kind is SeqOpKind.SAVE:
-                saved[op.seq_id] = self.model.seq_save(op.seq_id)
-            else:
-                restored[op.seq_id] = self.model.seq_restore(op.seq_id, op.data)
-        if not plan.chunks:
-            return StepResult(saved=saved, restored=restored)
-        outputs = self.batch.fill(plan.chunks)
+        reset = self._edit_kv(plan, saved, restored)
+        chunks = (
+            plan.chunks if not reset else tuple(c for c in plan.chunks if c.slot_id not in reset)
+        )
+        if not chunks:
+            return StepResult(saved=saved, restored=restored, reset=reset)
+        outputs = self.batch.fill(chunks)
         t0 = time.perf_counter_ns()
         status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
         t1 = time.perf_counter_ns()
         if status != DECODE_OK:
-            return StepResult(status, saved=saved, restored=restored, eval_ms=(t1 - t0) / 1e6)
+            return StepResult(
+                status, saved=saved, restored=restored, eval_ms=(t1 - t0) / 1e6, reset=reset
+            )
         sampled: dict[int, int] = {}
         logprobs: dict[int, SampledLogprob] = {}
         failed: dict[int, str] = {}
         ctx = self.model.ctx
-        for chunk, index in zip(plan.chunks, outputs, strict=True):
+        for chunk, index in zip(chunks, outputs, strict=True):
             if index < 0:
                 continue
             sampler = self.samplers[chunk.request_id]
@@ -86,7 +83,39 @@ class Runner:
             (t2 - t1) / 1e6,
             logprobs=logprobs,
             failed=failed,
+            reset=reset,
         )
+
+    def _edit_kv(
+        self, plan: StepPlan, saved: dict[int, bytes], restored: dict[int, bool]
+    ) -> frozenset[int]:
+        """Apply the plan's KV edits in order. llama_memory_seq_rm may refuse a partial removal
+        (recurrent and hybrid memory do; the unified KV cache does not): such a sequence is
+        emptied instead, later edits into it (or copies from it) are skipped and it is returned,
+        so its request re-prefills from scratch rather than decoding over a stale cache."""
+        reset: set[int] = set()
+        for op in plan.seq_ops:
+            if op.seq_id in reset:
+                continue
+            if op.kind is SeqOpKind.REMOVE:
+                if not self.model.seq_remove(op.seq_id, op.p0, op.p1):
+                    self._empty(op.seq_id)
+                    reset.add(op.seq_id)
+            elif op.kind is SeqOpKind.COPY:
+                if op.src_seq_id in reset:
+                    self._empty(op.seq_id)
+                    reset.add(op.seq_id)
+                else:
+                    self.model.seq_copy(op.src_seq_id, op.seq_id, op.p0, op.p1)
+            elif op.kind is SeqOpKind.SAVE:
+                saved[op.seq_id] = self.model.seq_save(op.seq_id)
+            else:
+                restored[op.seq_id] = self.model.seq_restore(op.seq_id, op.data)
+        return frozenset(reset)
+
+    def _empty(self, seq_id: int) -> None:
+        if not self.model.seq_remove(seq_id, 0, -1):  # a whole-sequence removal never fails
+            raise RuntimeError(f"llama_memory_seq_rm could not empty sequence {seq_id}")
 
     def _open_sampler(self, spec: SamplerSpec) -> RequestSampler:
         if spec.constraint is None:

@@ -1,8 +1,10 @@
 """The grpc.aio server: LlmService, grpc.health.v1 and reflection behind the request interceptor.
 
 The port opens at once; the engine loads in a thread meanwhile (health NOT_SERVING, RPCs answer
-NOT_READY). SIGTERM/SIGINT drain gracefully. Never imports llama_cpp: the engine comes from a
-factory."""
+NOT_READY). SIGTERM/SIGINT drain gracefully. If the engine thread dies, health turns NOT_SERVING
+at once and serve() exits with EXIT_ENGINE_FAILED after the grace period (so an orchestrator
+restarts the process), unless keep_alive_on_engine_error. Never imports llama_cpp: the engine
+comes from a factory."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ HEALTH_NAMES = ("", SERVICE_NAME)  # "" = the server as a whole
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine thread died
 
 log = structlog.get_logger("llama_grpc.server")
 
@@ -63,6 +66,39 @@ def _try_command(host: str, port: int) -> str:
 
 
 @dataclass(eq=False)
+class EngineWatch:
+    """Set on the event loop when the engine reports its death; `cause` says why."""
+
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
+    cause: str = ""
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def attach(self, engine: EngineApi, health_servicer: Any) -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_loop(cause: str) -> None:
+            if self.failed.is_set():
+                return
+            self.cause = cause
+            self.failed.set()
+            log.error("engine_failed_not_serving", error=cause)
+            task = loop.create_task(_set_health(health_servicer, NOT_SERVING))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        def on_engine_thread(cause: str) -> None:
+            # RuntimeError (the loop is closed) is caught by the engine and logged.
+            loop.call_soon_threadsafe(on_loop, cause)
+
+        engine.on_failure(on_engine_thread)
+
+
+async def _set_health(health_servicer: Any, status: Any) -> None:
+    for name in HEALTH_NAMES:
+        await health_servicer.set(name, status)
+
+
+@dataclass(eq=False)
 class RunningServer:
     """A started server. `port` is the bound one (useful with port 0); stop() is idempotent."""
 
@@ -72,6 +108,7 @@ class RunningServer:
     health: Any  # grpc_health.v1.health.aio.HealthServicer (grpc-stubs has no aio stubs)
     grace_s: float
     _loading: asyncio.Task[EngineApi | None]
+    engine_watch: EngineWatch
     metrics_server: MetricsServer | None = None
     _stopping: asyncio.Task[None] | None = field(default=None, init=False)
 
@@ -104,7 +141,11 @@ class RunningServer:
 
 
 async def _load_engine(
-    factory: EngineFactory, servicer: LlmServicer, health_servicer: Any, metrics: Metrics | None
+    factory: EngineFactory,
+    servicer: LlmServicer,
+    health_servicer: Any,
+    metrics: Metrics | None,
+    watch: EngineWatch,
 ) -> EngineApi | None:
     """Run the (seconds-long, blocking) factory in a thread, then switch to SERVING."""
     try:
@@ -115,8 +156,8 @@ async def _load_engine(
     servicer.attach(engine)
     if metrics is not None:
         metrics.watch(engine.stats)
-    for name in HEALTH_NAMES:
-        await health_servicer.set(name, SERVING)
+    await _set_health(health_servicer, SERVING)
+    watch.attach(engine, health_servicer)  # after SERVING: a dead engine turns it back off
     info = engine.model_info
     log.info("ready", model=info.model_name, n_ctx=info.n_ctx, n_parallel=info.n_parallel)
     return engine
@@ -162,9 +203,14 @@ async def _started(
     await server.start()
     log.info("listening", address=_address(host, port), port=port)
     log.info("try", command=_try_command(host, port))
-    loading = asyncio.create_task(_load_engine(engine_factory, servicer, health_servicer, metrics))
+    watch = EngineWatch()
+    loading = asyncio.create_task(
+        _load_engine(engine_factory, servicer, health_servicer, metrics, watch)
+    )
     grace_s = settings.server.grace_s
-    return RunningServer(port, server, servicer, health_servicer, grace_s, loading, metrics_server)
+    return RunningServer(
+        port, server, servicer, health_servicer, grace_s, loading, watch, metrics_server
+    )
 
 
 @contextlib.asynccontextmanager
@@ -217,6 +263,30 @@ async def _loaded_unless_stopped(running: RunningServer, stop: asyncio.Event) ->
     return loaded.result() if loaded in done else None
 
 
+async def _until_stopped(running: RunningServer, stop: asyncio.Event, settings: Settings) -> int:
+    """Serve until a stop signal (exit 0) or the engine's death (EXIT_ENGINE_FAILED): then, for
+    the grace period, health says NOT_SERVING so proxies route elsewhere before the port closes;
+    with keep_alive_on_engine_error, keep answering (GetStats says why) until a signal."""
+    failed = asyncio.ensure_future(running.engine_watch.failed.wait())
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        failed.cancel()
+        stopped.cancel()
+    if not running.engine_watch.failed.is_set():
+        return 0
+    if settings.server.keep_alive_on_engine_error:
+        log.error("engine_failed_keep_alive", error=running.engine_watch.cause)
+        await stop.wait()
+    else:
+        grace = settings.server.grace_s
+        log.error("engine_failed_exiting", error=running.engine_watch.cause, grace_s=grace)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), grace)
+    return EXIT_ENGINE_FAILED
+
+
 async def serve(
     settings: Settings,
     engine_factory: EngineFactory,
@@ -225,8 +295,9 @@ async def serve(
     recorder: RpcRecorder | None = None,
     metrics: Metrics | None = None,
 ) -> int:
-    """Run until SIGTERM/SIGINT (then drain) and return the exit code: 0, or 1 when the server
-    cannot listen or the engine fails to load. `ready` is set once the engine serves."""
+    """Run until SIGTERM/SIGINT (then drain) and return the exit code: 0, 1 when the server
+    cannot listen or the engine fails to load, EXIT_ENGINE_FAILED when the engine thread died.
+    `ready` is set once the engine serves."""
     try:
         async with start_server(
             settings, engine_factory, recorder=recorder, metrics=metrics
@@ -238,9 +309,9 @@ async def serve(
                     return 1
                 if is_loaded and ready is not None:
                     ready.set()
-                await stop.wait()
-            log.info("stopping", grace_s=settings.server.grace_s)
+                code = 0 if is_loaded is None else await _until_stopped(running, stop, settings)
+            log.info("stopping", grace_s=settings.server.grace_s, exit_code=code)
     except ServerStartError as exc:
         log.error("listen_failed", error=str(exc))
         return 1
-    return 0
+    return code
