@@ -174,7 +174,7 @@ def hook_cost_us(batch: int, iterations: int = 20_000) -> dict[str, float]:
     from llama_grpc_server.testing import FakeEngine
 
     chunks = tuple(Chunk(i, f"r{i}", 50, (7,), True) for i in range(batch))
-    plan = StepPlan(tick=1, chunks=chunks, num_decode=batch)
+    plan = StepPlan(tick=1, chunks=chunks)
     result = StepResult(sampled=dict.fromkeys(range(batch), 7), eval_ms=40.0, sample_ms=4.0)
     scheduler: Any = SimpleNamespace(
         slots=[SimpleNamespace(request=object()) for _ in range(batch)], queue=deque()

@@ -23,9 +23,9 @@ from typing import Any
 import structlog
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.api import ModelInfo, StatsSnapshot
+from llama_grpc_server.core.api import ModelInfo, StatsSnapshot, Vocabulary
 from llama_grpc_server.core.chat import ChatMessage
-from llama_grpc_server.core.plan import StepPlan, StepResult
+from llama_grpc_server.core.plan import StepPlan, StepResult, StepRunner
 from llama_grpc_server.core.request import Event, Failed, Finished, GenerationRequest, Request
 from llama_grpc_server.core.scheduler import Emitted, Scheduler
 
@@ -36,6 +36,9 @@ DoneHook = Callable[[Request, Event], None]
 FailureListener = Callable[[str], None]
 
 MAX_CAUSE_CHARS = 300
+
+
+Deliveries = dict[asyncio.AbstractEventLoop, list[tuple["EngineStream", Event]]]
 
 
 class EngineState(enum.Enum):
@@ -52,8 +55,9 @@ def describe(exc: BaseException) -> str:
     return text[:MAX_CAUSE_CHARS]
 
 
-class RequestStream:
-    """The asyncio side of one request: an async iterator of events; cancel() is idempotent."""
+class EngineStream:
+    """The asyncio side of one request (an api.RequestStream): an async iterator of events;
+    cancel() is idempotent."""
 
     def __init__(self, engine: EngineLoop, request: Request, loop: asyncio.AbstractEventLoop):
         self.request = request
@@ -85,10 +89,10 @@ class EngineLoop:
     def __init__(
         self,
         scheduler: Scheduler,
-        runner: Any,
+        runner: StepRunner,
         model_info: ModelInfo,
         *,
-        tokenizer: Any,
+        tokenizer: Vocabulary,
         kv_cells_total: int,
         on_tick: TickHook | None = None,
         on_done: DoneHook | None = None,
@@ -107,7 +111,7 @@ class EngineLoop:
         self._inbox: list[tuple[str, Any]] = []
         self._num_rejected_at_submit = 0
         self._wake = threading.Condition()  # guards inbox, streams, state, error, listeners
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, EngineStream] = {}
         self._is_stopping = False
         self._state = EngineState.STARTING
         self._error = ""
@@ -128,7 +132,7 @@ class EngineLoop:
     def state(self) -> EngineState:
         return self._state
 
-    def submit(self, request: GenerationRequest) -> RequestStream:
+    def submit(self, request: GenerationRequest) -> EngineStream:
         with self._wake:
             self._check_accepting()
         try:
@@ -137,7 +141,7 @@ class EngineLoop:
             self._num_rejected_at_submit += 1  # only this (event-loop) thread writes it
             raise
         live = Request(request, arrival_ns=time.perf_counter_ns())
-        stream = RequestStream(self, live, asyncio.get_running_loop())
+        stream = EngineStream(self, live, asyncio.get_running_loop())
         with self._wake:
             self._check_accepting()  # again: the engine may have died meanwhile
             if request.request_id in self._streams:
@@ -178,29 +182,22 @@ class EngineLoop:
             self._wake.notify()
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-        result: list[int] = self._tokenizer.tokenize(
-            text, add_special=add_special, parse_special=parse_special
-        )
-        return result
+        return self._tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, token_ids: Sequence[int], *, render_special: bool) -> str:
-        result: str = self._tokenizer.detokenize(token_ids, render_special=render_special)
-        return result
+        return self._tokenizer.detokenize(token_ids, render_special=render_special)
 
     def token_piece(self, token_id: int) -> str:
-        piece: bytes = self._tokenizer.special_piece(token_id)
-        return piece.decode("utf-8", errors="replace")
+        return self._tokenizer.special_piece(token_id).decode("utf-8", errors="replace")
 
     def check_grammar(self, gbnf: str, root: str) -> None:
         self._tokenizer.check_grammar(gbnf, root)
 
     def json_schema_to_grammar(self, schema: str) -> str:
-        gbnf: str = self._tokenizer.json_schema_to_grammar(schema)
-        return gbnf
+        return self._tokenizer.json_schema_to_grammar(schema)
 
     def render_chat(self, messages: Sequence[ChatMessage], template: str) -> str:
-        prompt: str = self._tokenizer.render_chat(messages, template)
-        return prompt
+        return self._tokenizer.render_chat(messages, template)
 
     def stats(self) -> StatsSnapshot:
         """The snapshot the engine thread published after its last tick (never the live
@@ -252,19 +249,17 @@ class EngineLoop:
             self._streams.clear()
             self._inbox.clear()
             listeners, self._failure_listeners = self._failure_listeners, []
-        failed = Failed(errors.EngineFailed(f"the engine failed: {cause}"))
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]] = defaultdict(
-            list
-        )
-        for stream in streams:
-            by_loop[stream.loop].append((stream, failed))
-            self._notify_done(stream.request, failed)
-        self._post(by_loop)
-        for listener in listeners:
+        for listener in listeners:  # first: health is NOT_SERVING before callers hear why
             try:
                 listener(cause)
             except Exception:
                 log.exception("engine_failure_listener_failed")
+        failed = Failed(errors.EngineFailed(f"the engine failed: {cause}"))
+        by_loop: Deliveries = defaultdict(list)
+        for stream in streams:
+            by_loop[stream.loop].append((stream, failed))
+            self._notify_done(stream.request, failed)
+        self._post(by_loop)
 
     def _drain_inbox(self) -> bool:
         """Apply submissions and cancellations; sleep while there is nothing to do."""
@@ -285,7 +280,7 @@ class EngineLoop:
         self._deliver(events)
         return not self._is_stopping
 
-    def _add(self, stream: RequestStream) -> Emitted:
+    def _add(self, stream: EngineStream) -> Emitted:
         try:
             self._scheduler.add(stream.request)
         except errors.ServiceError as exc:
@@ -310,9 +305,7 @@ class EngineLoop:
         """One call_soon_threadsafe per event loop for the whole tick."""
         if not events:
             return
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]] = defaultdict(
-            list
-        )
+        by_loop: Deliveries = defaultdict(list)
         ended: list[tuple[Request, Event]] = []
         with self._wake:
             for request, event in events:
@@ -333,7 +326,7 @@ class EngineLoop:
 
     @staticmethod
     def _post(
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]],
+        by_loop: Deliveries,
     ) -> None:
         for loop, batch in by_loop.items():
             try:
@@ -342,6 +335,6 @@ class EngineLoop:
                 continue
 
 
-def _put_all(batch: list[tuple[RequestStream, Event]]) -> None:
+def _put_all(batch: list[tuple[EngineStream, Event]]) -> None:
     for stream, event in batch:
         stream.queue.put_nowait(event)

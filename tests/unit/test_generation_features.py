@@ -30,7 +30,7 @@ from llama_grpc_server.core.request import (
     TopLogprob,
     Usage,
 )
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerConfig
+from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.rpc import convert, validation
 from llama_grpc_server.testing import N_VOCAB, FakeEngine, fake_model_info
 
@@ -133,7 +133,7 @@ def test_scheduler_attaches_logprobs_to_each_delta() -> None:
     """Sampled logprobs become TokenLogprob values (with pieces) on the token's own delta,
     and the runner learns which requests asked for them."""
     pieces = [f"<{i}>".encode() for i in range(97)]
-    s = Scheduler(SchedulerConfig(1, 256, 64), pieces=pieces, eog_ids=frozenset())
+    s = Scheduler(SchedulerLimits(1, 256, 64), pieces=pieces, eog_ids=frozenset())
     spec = GenerationRequest(
         "a",
         (1, 2, 3),
@@ -285,7 +285,7 @@ def test_a_constraint_dead_end_fails_only_that_request() -> None:
     """The runner's "no token allowed" ends the request with INVALID_ARGUMENT on the
     constraint's field, frees the slot, and the sampler receives the constraint."""
     s = Scheduler(
-        SchedulerConfig(1, 256, 64), pieces=[b"x"] * 97, eog_ids=frozenset(), strategy=None
+        SchedulerLimits(1, 256, 64), pieces=[b"x"] * 97, eog_ids=frozenset(), strategy=None
     )
     constraint = Constraint('root ::= "x"', "root", "params.json_schema")
     spec = GenerationRequest(

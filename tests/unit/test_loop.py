@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 
 from llama_grpc_server import errors
 from llama_grpc_server.core.request import Event, Failed, Finished, GenerationRequest
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerConfig
+from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.core.strategies import Allocation, BatchView, DecodeMaximal
 from llama_grpc_server.loop import EngineLoop, EngineState
 from llama_grpc_server.telemetry import configure_logging
@@ -48,7 +48,7 @@ class CrashOnCall:
 
 def make_loop(strategy: Any = None, n_parallel: int = 2) -> EngineLoop:
     scheduler = Scheduler(
-        SchedulerConfig(n_parallel, 512, 64, 16, 8),
+        SchedulerLimits(n_parallel, 512, 64, 16, 8),
         pieces=PIECES,
         eog_ids=frozenset(),
         strategy=strategy,

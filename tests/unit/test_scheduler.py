@@ -20,7 +20,7 @@ from llama_grpc_server.core.request import (
     StoppingParams,
     TokenDelta,
 )
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerConfig
+from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.core.strategies import PrefillPriority
 
 from .fake_runner import FakeRunner
@@ -55,7 +55,7 @@ def make(  # noqa: PLR0917  # positional sizes keep the many call sites short
 ) -> Scheduler:
     clock = clock or Clock()
     return Scheduler(
-        SchedulerConfig(
+        SchedulerLimits(
             n_parallel, n_ctx, n_batch, chunk, max_queue, ram_cache_bytes=ram_cache_bytes
         ),
         pieces=PIECES,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from llama_grpc_server.core.scheduler import TickCosts
 from llama_grpc_server.core.strategies import (
     MAX_DECODE_WAIT_TICKS,
     Balanced,
@@ -13,6 +12,7 @@ from llama_grpc_server.core.strategies import (
     DecodeMaximal,
     PrefillPriority,
     SlotView,
+    TickCosts,
     load_strategy,
 )
 

@@ -22,7 +22,7 @@ from llama_grpc_server.core.request import (
     Timings,
     Usage,
 )
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerConfig
+from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.loop import EngineLoop
 from llama_grpc_server.telemetry import Bus, RequestEvent, Telemetry, TelemetryEvent, TickEvent
 from llama_grpc_server.testing import fake_model_info
@@ -226,7 +226,7 @@ class FakeClock:
 
 def scheduler(n_parallel: int = 2, n_batch: int = 64) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(n_parallel, n_ctx=512, n_batch=n_batch, chunk_size=16, max_queue=8),
+        SchedulerLimits(n_parallel, n_ctx=512, n_batch=n_batch, chunk_size=16, max_queue=8),
         pieces=PIECES,
         eog_ids=frozenset(),
     )

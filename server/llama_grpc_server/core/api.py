@@ -99,6 +99,18 @@ class GrammarCompiler(Protocol):
         ...
 
 
+class Vocabulary(GrammarCompiler, Protocol):
+    """The model's vocabulary and templates, thread-safe (engine.llama.LlamaModel)."""
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
+
+    def detokenize(self, token_ids: Sequence[int], *, render_special: bool) -> str: ...
+
+    def special_piece(self, token_id: int) -> bytes: ...
+
+    def render_chat(self, messages: Sequence[ChatMessage], template: str) -> str: ...
+
+
 class EngineApi(Protocol):
     """The engine as the servicer uses it. Every method is safe to call from the event loop."""
 

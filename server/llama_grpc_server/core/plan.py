@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from llama_grpc_server.core.request import Constraint, OutputParams, SamplingParams
 
@@ -62,12 +64,37 @@ class StepPlan:
     seq_ops: tuple[SeqOp, ...] = ()
     open_samplers: tuple[SamplerSpec, ...] = ()
     close_samplers: tuple[str, ...] = ()
-    num_decode: int = 0
-    num_prefill: int = 0
+
+    @property
+    def num_decode(self) -> int:
+        """Slots fed their one next token (decode) in this forward pass."""
+        return sum(1 for c in self.chunks if c.is_decode)
+
+    @property
+    def num_prefill(self) -> int:
+        """Prompt tokens (chunks that are not decodes) in this forward pass."""
+        return sum(len(c.tokens) for c in self.chunks if not c.is_decode)
 
     @property
     def num_tokens(self) -> int:
-        return self.num_decode + self.num_prefill
+        return sum(len(c.tokens) for c in self.chunks)
+
+    def check(self, n_batch: int, chunk_size: int, computed: Mapping[int, int]) -> None:
+        """The invariants every plan keeps (checked each tick: a broken plan would corrupt KV
+        or abort llama.cpp): at most n_batch tokens, one non-empty chunk per busy slot starting
+        where its computed KV ends (`computed`: slot_id -> tokens computed), prompt chunks of
+        at most chunk_size. RuntimeError otherwise (the engine fails loudly)."""
+        if self.num_tokens > n_batch:
+            raise RuntimeError(f"plan exceeds n_batch: {self.num_tokens} > {n_batch}")
+        seen: set[int] = set()
+        for chunk in self.chunks:
+            if chunk.slot_id in seen or chunk.slot_id not in computed or not chunk.tokens:
+                raise RuntimeError(f"bad chunk for slot {chunk.slot_id}")
+            if chunk.start_pos != computed[chunk.slot_id]:
+                raise RuntimeError(f"non-contiguous chunk for slot {chunk.slot_id}")
+            if not chunk.is_decode and len(chunk.tokens) > chunk_size:
+                raise RuntimeError(f"chunk over chunk_size for slot {chunk.slot_id}")
+            seen.add(chunk.slot_id)
 
 
 DECODE_OK = 0
@@ -97,3 +124,9 @@ class StepResult:
     failed: dict[int, str] = field(default_factory=dict)  # slot_id -> why nothing was sampled
     # Sequences the runner emptied because a partial removal failed; their chunks were skipped.
     reset: frozenset[int] = frozenset()
+
+
+class StepRunner(Protocol):
+    """Executes plans (engine.runner.Runner over llama.cpp; testing.FakeRunner in tests)."""
+
+    def execute(self, plan: StepPlan) -> StepResult: ...

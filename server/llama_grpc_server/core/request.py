@@ -204,7 +204,7 @@ class Request:
     wait_slot_id: int = -1
     wait_request_id: str = ""
     wait_tokens: int = 0
-    restore_keep: int = 0  # > 0 while a RAM-tier restore is in flight
+    restoring_tokens: int = 0  # > 0 while a RAM-tier restore of this many tokens is in flight
 
     def __post_init__(self) -> None:
         self.tokens = list(self.spec.prompt_tokens)
@@ -221,7 +221,7 @@ class Request:
     @property
     def is_blocked(self) -> bool:
         """Holds a slot but gets no tokens yet (waiting for a shared prefix or a restore)."""
-        return self.wait_slot_id >= 0 or self.restore_keep > 0
+        return self.wait_slot_id >= 0 or self.restoring_tokens > 0
 
     @property
     def num_output(self) -> int:

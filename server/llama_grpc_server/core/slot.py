@@ -13,7 +13,7 @@ class Slot:
 
     slot_id: int
     request: Request | None = None
-    cached_tokens: list[int] = field(default_factory=list)
+    idle_cache: list[int] = field(default_factory=list)  # token ids whose KV it keeps when idle
     cache_scope: str = ""
     session_id: str = ""
     last_used_ns: int = 0
@@ -33,10 +33,10 @@ class Slot:
         """Tokens whose KV is computed in this sequence right now."""
         if self.request is not None:
             return self.request.num_computed
-        return len(self.cached_tokens)
+        return len(self.idle_cache)
 
     def kv_tokens(self) -> list[int]:
         """The tokens whose KV this sequence holds, in position order."""
         if self.request is not None:
             return self.request.tokens[: self.request.num_computed]
-        return self.cached_tokens
+        return self.idle_cache

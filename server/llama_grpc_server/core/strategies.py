@@ -41,6 +41,41 @@ class BatchView:
 
 Allocation = Mapping[int, int]  # slot_id -> tokens fed this tick
 
+MIN_COST_SAMPLE_TOKENS = 32  # prompt tokens in a tick for it to measure the per-token cost
+MIN_PREFILL_ALLOWANCE = 8  # prompts always progress, however slow a prompt token is
+ALLOWANCE_SHARE = 0.8  # keep below one extra decode tick: the p95 target is 2x
+
+
+@dataclass(slots=True)
+class TickCosts:
+    """Moving averages of measured llama_decode times: a decode-only tick, and a prompt token in
+    a prefill-heavy tick. They turn "at most ~2x a decode tick" into the prompt-token allowance
+    the scheduler passes to strategies in BatchView.prefill_allowance."""
+
+    decode_tick_ms: float = 0.0
+    prefill_token_ms: float = 0.0
+
+    def observe(self, num_decode: int, num_prefill: int, eval_ms: float) -> None:
+        if eval_ms <= 0:
+            return
+        if num_prefill == 0 and num_decode > 0:
+            self.decode_tick_ms = _ema(self.decode_tick_ms, eval_ms)
+        elif num_prefill >= MIN_COST_SAMPLE_TOKENS:
+            self.prefill_token_ms = _ema(
+                self.prefill_token_ms, eval_ms / (num_prefill + num_decode)
+            )
+
+    def prefill_allowance(self, chunk_size: int) -> int:
+        """Prompt tokens that add about one decode tick to a tick (0 = not measured yet)."""
+        if self.decode_tick_ms <= 0 or self.prefill_token_ms <= 0:
+            return 0
+        n = int(ALLOWANCE_SHARE * self.decode_tick_ms / self.prefill_token_ms)
+        return max(MIN_PREFILL_ALLOWANCE, min(chunk_size, n))
+
+
+def _ema(old: float, new: float, alpha: float = 0.2) -> float:
+    return new if old <= 0 else old + alpha * (new - old)
+
 
 @runtime_checkable
 class BatchStrategy(Protocol):

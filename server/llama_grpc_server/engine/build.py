@@ -7,7 +7,7 @@ from pathlib import Path
 
 from llama_grpc_server.config import Settings
 from llama_grpc_server.core.plan import Chunk, StepPlan
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerConfig
+from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.core.strategies import load_strategy
 from llama_grpc_server.engine import logs
 from llama_grpc_server.engine.llama import LlamaModel
@@ -27,7 +27,7 @@ def resolve_model(settings: Settings) -> tuple[str, str]:
 def warm_up(model: LlamaModel, runner: Runner) -> None:
     """One real decode so the first request does not pay for lazy allocations."""
     tokens = tuple(model.tokenize("Hello", add_special=True, parse_special=False))
-    plan = StepPlan(tick=0, chunks=(Chunk(0, "", 0, tokens, False),), num_prefill=len(tokens))
+    plan = StepPlan(tick=0, chunks=(Chunk(0, "", 0, tokens, False),))
     runner.execute(plan)
     model.seq_remove(0, 0, -1)
 
@@ -46,7 +46,7 @@ def build_engine(
     model = LlamaModel(settings.model, path, sched.n_parallel)
     runner = Runner(model)
     scheduler = Scheduler(
-        SchedulerConfig(
+        SchedulerLimits(
             n_parallel=sched.n_parallel,
             n_ctx=model.n_ctx,
             n_batch=model.n_batch,

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
 from llama_grpc_server.config import SchedulerSettings
+from llama_grpc_server.core import context_fit
 from llama_grpc_server.core.api import GrammarCompiler, ModelInfo
 from llama_grpc_server.core.chat import BUILTIN_TEMPLATES, GGUF_TEMPLATE, ROLES, ChatMessage
 from llama_grpc_server.core.request import (
@@ -37,7 +38,8 @@ TextRequest = pb.GenerateRequest | pb.StreamGenerateRequest
 
 
 class Message(enum.StrEnum):
-    """Every validation message, written once; format() fills the numbers."""
+    """Every validation message, written once; format() fills the numbers. The context-fit
+    messages live with their rule in core.context_fit."""
 
     EMPTY_PROMPT = "prompt must not be empty"
     EMPTY_TOKEN_IDS = "token_ids must not be empty"
@@ -46,14 +48,6 @@ class Message(enum.StrEnum):
     )
     MODEL_NOT_FOUND = "model {model!r} is not loaded here; this server serves {loaded!r}"
     MAX_TOKENS_ZERO = "max_tokens must be at least 1 (leave it unset for the server default)"
-    MAX_TOKENS_ABSURD = "max_tokens ({max_tokens}) exceeds the context ({n_ctx} tokens)"
-    PROMPT_FILLS_CONTEXT = (
-        "prompt ({prompt_tokens} tokens) leaves no room to generate in the context ({n_ctx} tokens)"
-    )
-    PROMPT_PLUS_MAX_TOKENS = (
-        "prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
-        "({n_ctx} tokens)"
-    )
     NOT_FINITE = "{name} must be a finite number, got {value:g}"
     OUT_OF_RANGE = "{name} must be {bounds}, got {value:g}"
     TOO_MANY_STOPS = "stop has {count} strings; at most {limit} are allowed"
@@ -81,13 +75,6 @@ class Message(enum.StrEnum):
     NO_GGUF_TEMPLATE = "the model file has no chat template of its own; use one of {builtins}"
     UNKNOWN_POLICY = "unknown context overflow policy {value}"
     N_KEEP_WITHOUT_TRUNCATION = "n_keep only applies with OVERFLOW_POLICY_TRUNCATE_LEFT"
-    N_KEEP_TOO_LARGE = (
-        "n_keep ({n_keep}) leaves no room for the newest prompt tokens: the context "
-        "({n_ctx} tokens) minus max_tokens ({max_tokens}) allows {budget} prompt tokens"
-    )
-    NO_ROOM_FOR_PROMPT = (
-        "max_tokens ({max_tokens}) leaves no room for a prompt in the context ({n_ctx} tokens)"
-    )
 
 
 def _invalid(field: str, message: Message, **values: Any) -> errors.InvalidRequest:
@@ -455,8 +442,7 @@ def _max_tokens(message: pb.StoppingCriteria, n_ctx: int) -> int | None:
     field = "params.stopping.max_tokens"
     if message.max_tokens == 0:
         raise _invalid(field, Message.MAX_TOKENS_ZERO)
-    if message.max_tokens > n_ctx:
-        raise _invalid(field, Message.MAX_TOKENS_ABSURD, max_tokens=message.max_tokens, n_ctx=n_ctx)
+    context_fit.check_max_tokens(message.max_tokens, n_ctx)
     return message.max_tokens
 
 
@@ -510,47 +496,24 @@ def _n_keep(message: pb.ContextOverflow) -> int | None:
 
 
 def _truncate_left(draft: Draft, tokens: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
-    """With truncate_left, drop the oldest tokens after the kept head (a leading BOS plus
-    n_keep) so that prompt + max_tokens (or the default) fits; returns (tokens, dropped)."""
+    """With truncate_left, cut the prompt to fit with max_tokens (or the default)."""
     if draft.n_keep is None:
         return tokens, 0
     max_tokens = draft.default_max_tokens if draft.max_tokens is None else draft.max_tokens
-    budget = draft.n_ctx - max_tokens
-    if len(tokens) <= budget:
-        return tokens, 0
-    numbers = {"max_tokens": max_tokens, "n_ctx": draft.n_ctx}
-    if budget < 1:
-        field = "params.stopping.max_tokens"
-        raise errors.PromptTooLong(Message.NO_ROOM_FOR_PROMPT.format(**numbers), field=field)
-    head = draft.n_keep + (1 if tokens[0] == draft.bos_token_id else 0)
-    if head >= budget:
-        raise _invalid(
-            "params.context_overflow.n_keep",
-            Message.N_KEEP_TOO_LARGE,
-            n_keep=draft.n_keep,
-            budget=budget,
-            **numbers,
-        )
-    return tokens[:head] + tokens[len(tokens) - (budget - head) :], len(tokens) - budget
+    return context_fit.truncate_left(
+        tokens,
+        n_keep=draft.n_keep,
+        max_tokens=max_tokens,
+        n_ctx=draft.n_ctx,
+        bos_token_id=draft.bos_token_id,
+    )
 
 
 def _fit_max_tokens(draft: Draft, num_prompt: int) -> int:
-    """The explicit max_tokens if prompt + it fits, else the default clamped to the room left."""
-    n_ctx = draft.n_ctx
-    numbers = {"prompt_tokens": num_prompt, "n_ctx": n_ctx}
-    if num_prompt >= n_ctx:
-        raise errors.PromptTooLong(
-            Message.PROMPT_FILLS_CONTEXT.format(**numbers),
-            field=draft.prompt_field,
-            metadata={k: str(v) for k, v in numbers.items()},
-        )
-    if draft.max_tokens is None:
-        return min(draft.default_max_tokens, n_ctx - num_prompt)
-    if num_prompt + draft.max_tokens > n_ctx:
-        numbers["max_tokens"] = draft.max_tokens
-        raise errors.PromptTooLong(
-            Message.PROMPT_PLUS_MAX_TOKENS.format(**numbers),
-            field="params.stopping.max_tokens",
-            metadata={k: str(v) for k, v in numbers.items()},
-        )
-    return draft.max_tokens
+    return context_fit.fit_max_tokens(
+        num_prompt,
+        draft.max_tokens,
+        default_max_tokens=draft.default_max_tokens,
+        n_ctx=draft.n_ctx,
+        prompt_field=draft.prompt_field,
+    )

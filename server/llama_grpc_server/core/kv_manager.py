@@ -1,0 +1,221 @@
+"""KvCacheManager: every KV edit of the slot pool. It decides what a placed request reuses (LCP
+of the slot's cache, a copy from another slot, a RAM-tier restore, or a wait for a shared prefix
+a busy slot is computing), queues the seq_rm / seq_cp / save / restore ops the runner applies
+before the next decode, mirrors them in the cell map, and applies what the runner reports back.
+Pure Python; used by the Scheduler on the engine thread only."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from llama_grpc_server.core import prefix_cache
+from llama_grpc_server.core.kv_cells import CellMap
+from llama_grpc_server.core.plan import Chunk, SeqOp, SeqOpKind, StepResult
+from llama_grpc_server.core.request import Request
+from llama_grpc_server.core.slot import Slot
+
+MIN_SHARED_WAIT_TOKENS = 32
+"""A request waits for a busy slot's prefill only to share at least this many more tokens."""
+
+MIN_RAM_TIER_TOKENS = 32
+"""The RAM tier saves a cache only when dropping at least this many tokens of it, and restores
+an entry only when it beats what the slots offer by at least this many tokens."""
+
+CountCached = Callable[[Request, int], None]  # record a request's cached prompt tokens
+
+
+class KvCacheManager:
+    def __init__(
+        self,
+        slots: Sequence[Slot],
+        *,
+        count_cached: CountCached,
+        supports_partial_removal: bool = True,
+        ram_cache_bytes: int = 0,
+        ram_min_tokens: int = 64,
+    ) -> None:
+        self.slots = slots
+        self.cells = CellMap()  # cells shared through seq_cp count once
+        self.ram = prefix_cache.RamTier(ram_cache_bytes) if ram_cache_bytes else None
+        self._count_cached = count_cached
+        self._supports_partial_removal = supports_partial_removal
+        self._ram_min_tokens = ram_min_tokens
+        self._ops: list[SeqOp] = []
+        self._saving: dict[int, tuple[str, list[int]]] = {}  # seq_id -> (scope, tokens)
+
+    # -- the op queue -----------------------------------------------------------------------------
+
+    @property
+    def has_ops(self) -> bool:
+        return bool(self._ops)
+
+    def take_ops(self) -> tuple[SeqOp, ...]:
+        """The edits for the next plan, in order."""
+        ops, self._ops = tuple(self._ops), []
+        return ops
+
+    def _queue(self, op: SeqOp, restored_tokens: int = 0) -> None:
+        self._ops.append(op)
+        if op.kind is SeqOpKind.REMOVE:
+            self.cells.removed(op.seq_id, op.p0, op.p1)
+        elif op.kind is SeqOpKind.COPY:
+            self.cells.copied(op.src_seq_id, op.seq_id, op.p1)
+        elif op.kind is SeqOpKind.RESTORE:
+            self.cells.restored(op.seq_id, restored_tokens)
+
+    def clear(self, slot: Slot) -> None:
+        """Drop the whole sequence (no RAM-tier save)."""
+        self._queue(SeqOp(SeqOpKind.REMOVE, slot.slot_id, 0, -1))
+
+    # -- placing a request ------------------------------------------------------------------------
+
+    def prepare(self, slot: Slot, request: Request, placement: prefix_cache.Placement) -> int:
+        """Make the (idle) slot hold what `request` reuses. Returns the tokens it holds at once;
+        a RAM-tier restore in flight sets request.restoring_tokens instead (its count comes
+        when the runner reports it)."""
+        restoring = self._try_restore(slot, request, placement.num_cached)
+        if restoring:
+            request.restoring_tokens = restoring
+            return 0
+        return self._reuse(slot, placement if request.spec.cache_prompt else None)
+
+    def _try_restore(self, slot: Slot, request: Request, num_cached: int) -> int:
+        """Restore a saved state from the RAM tier when it beats what the slots offer; returns
+        the prefix length it will provide (0 = no restore)."""
+        if self.ram is None or not request.spec.cache_prompt or request.num_preemptions:
+            return 0
+        key, n = self.ram.best(request.spec.cache_scope, request.tokens)
+        if key < 0 or n < num_cached + MIN_RAM_TIER_TOKENS:
+            self.ram.misses += 1
+            return 0
+        entry = self.ram.take(key)
+        self.drop_cache(slot)
+        self._queue(SeqOp(SeqOpKind.RESTORE, slot.slot_id, data=entry.data), len(entry.tokens))
+        if len(entry.tokens) > n:
+            self._queue(SeqOp(SeqOpKind.REMOVE, slot.slot_id, n, -1))
+        return n
+
+    def _reuse(self, slot: Slot, placement: prefix_cache.Placement | None) -> int:
+        """Queue the seq_rm / seq_cp that make `slot` hold exactly the reused prefix."""
+        if placement is None or placement.num_cached == 0:
+            self.drop_cache(slot)
+            return 0
+        if placement.donor_slot_id >= 0:
+            self.drop_cache(slot)
+            n = placement.donor_tokens
+            self._queue(SeqOp(SeqOpKind.COPY, slot.slot_id, 0, n, placement.donor_slot_id))
+            return n
+        keep = placement.keep
+        if slot.num_kv_tokens > keep and not self._supports_partial_removal:
+            self.drop_cache(slot)
+            return 0
+        self.drop_cache(slot, keep)
+        return keep
+
+    def drop_cache(self, slot: Slot, keep: int = 0) -> None:
+        """Remove a slot's KV from `keep` on, saving an idle cache to the RAM tier first if it
+        is worth keeping."""
+        held = slot.idle_cache if slot.is_idle else slot.kv_tokens()
+        if not held or len(held) <= keep:
+            return
+        if (
+            self.ram is not None
+            and slot.is_idle
+            and len(held) >= self._ram_min_tokens
+            and len(held) - keep >= MIN_RAM_TIER_TOKENS
+        ):
+            self._saving[slot.slot_id] = (slot.cache_scope, list(held))
+            self._queue(SeqOp(SeqOpKind.SAVE, slot.slot_id))
+        self._queue(SeqOp(SeqOpKind.REMOVE, slot.slot_id, keep, -1))
+        if slot.is_idle:
+            slot.idle_cache = held[:keep]
+
+    # -- sharing a prefix a busy slot is computing ------------------------------------------------
+
+    def wait_for_shared_prefix(self, request: Request, slot: Slot) -> bool:
+        """If a busy slot is still prefilling a longer shared prefix (a system prompt sent by
+        requests arriving together), wait for it and copy its KV instead of computing it twice."""
+        best_slot, best_n = None, request.num_computed + MIN_SHARED_WAIT_TOKENS
+        for other in self.slots:
+            donor = other.request
+            if donor is None or other is slot or other.cache_scope != slot.cache_scope:
+                continue
+            n = prefix_cache.common_prefix_length(donor.tokens[: donor.num_prompt], request.tokens)
+            n = min(n, len(request.tokens) - 1)
+            if n > best_n and donor.num_computed < n:
+                best_slot, best_n = other, n
+        if best_slot is None or best_slot.request is None:
+            return False
+        if request.num_computed:
+            self.clear(slot)
+            request.num_computed = 0
+        request.wait_slot_id = best_slot.slot_id
+        request.wait_request_id = best_slot.request.request_id
+        request.wait_tokens = best_n
+        return True
+
+    def resolve_waits(self) -> None:
+        """Copy a shared prefix once its donor has computed it; if the donor went away, copy the
+        best prefix any slot still holds (or compute from scratch)."""
+        for slot in self.slots:
+            request = slot.request
+            if request is None or not request.is_waiting:
+                continue
+            donor = self.slots[request.wait_slot_id]
+            if donor.request is not None and donor.request.request_id == request.wait_request_id:
+                if donor.request.num_computed < request.wait_tokens:
+                    continue
+                src, n = donor.slot_id, request.wait_tokens
+            else:
+                src, n = -1, 0
+                for other in self.slots:
+                    if other is slot:
+                        continue
+                    m = prefix_cache.usable_prefix(other, request.tokens, slot.cache_scope)
+                    if m > n:
+                        src, n = other.slot_id, m
+            if n:
+                self._queue(SeqOp(SeqOpKind.COPY, slot.slot_id, 0, n, src_seq_id=src))
+            request.num_computed = n
+            request.wait_slot_id = -1
+            self._count_cached(request, n)
+
+    # -- what the runner did ----------------------------------------------------------------------
+
+    def apply(self, result: StepResult) -> None:
+        """Sequences the runner emptied, states it saved, restores it completed (before the
+        tick's chunks are accounted)."""
+        for seq_id in result.reset:
+            self._reset(seq_id)
+        for seq_id, data in result.saved.items():
+            scope, tokens = self._saving.pop(seq_id, ("", []))
+            if self.ram is not None and tokens:
+                self.ram.put(scope, tokens, data)
+        for seq_id, ok in result.restored.items():
+            request = self.slots[seq_id].request
+            if request is None or not request.restoring_tokens:
+                continue
+            n = request.restoring_tokens if ok else 0
+            if not ok:
+                self.clear(self.slots[seq_id])
+            request.num_computed, request.restoring_tokens = n, 0
+            self._count_cached(request, n)
+
+    def _reset(self, seq_id: int) -> None:
+        """A partial seq_rm failed and the runner emptied the sequence instead: its request
+        re-prefills from position 0 (never reuses a stale cache); an idle slot holds nothing."""
+        self.cells.cleared(seq_id)
+        slot = self.slots[seq_id]
+        request = slot.request
+        if request is None:
+            slot.idle_cache = []
+            return
+        request.num_computed = 0
+        request.restoring_tokens = 0
+        self._count_cached(request, 0)
+
+    def computed(self, chunk: Chunk) -> None:
+        self.cells.computed(chunk.slot_id, chunk.start_pos, len(chunk.tokens))
+
+    def num_used_cells(self) -> int:
+        return self.cells.num_used()

@@ -1,0 +1,76 @@
+"""Outputs: what each sampled token means for its request. It owns the per-request text
+assembly (UTF-8 safe, stop strings held back) and judges a token: end of generation, a stop
+token, or a delta (with its logprobs) that may complete a stop string or reach a length limit.
+Pure Python; the scheduler applies the verdict (finishing frees the slot)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from llama_grpc_server.core import context_fit
+from llama_grpc_server.core.plan import SampledLogprob
+from llama_grpc_server.core.request import (
+    FinishReason,
+    Request,
+    TokenDelta,
+    TokenLogprob,
+    TopLogprob,
+)
+from llama_grpc_server.core.text import TextAssembler
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A judged token: the delta to emit (None for EOS / a stop token, which are not output)
+    and why the request ends now, if it does."""
+
+    delta: TokenDelta | None = None
+    reason: FinishReason | None = None
+    matched_stop: str = ""
+    matched_token_id: int | None = None
+
+
+class Outputs:
+    def __init__(self, pieces: Sequence[bytes], eog_ids: frozenset[int], n_ctx: int) -> None:
+        self._pieces = pieces
+        self._eog_ids = eog_ids
+        self._n_ctx = n_ctx
+        self._texts: dict[str, TextAssembler] = {}
+
+    def open(self, request: Request) -> None:
+        self._texts[request.request_id] = TextAssembler(self._pieces, request.spec.stopping.stop)
+
+    def close(self, request_id: str) -> bool:
+        """Forget a request's text state; False if it had none (never opened or closed)."""
+        return self._texts.pop(request_id, None) is not None
+
+    def flush(self, request_id: str) -> str:
+        """Text held back for a possible stop string that never completed."""
+        text = self._texts.get(request_id)
+        return text.flush() if text is not None else ""
+
+    def judge(self, request: Request, token: int, logprob: SampledLogprob | None) -> Verdict:
+        """Append an output token to the request (unless it ends generation) and judge it."""
+        stopping = request.spec.stopping
+        if token in self._eog_ids and not stopping.ignore_eos:
+            return Verdict(reason=FinishReason.EOS, matched_token_id=token)
+        if token in stopping.stop_token_ids:
+            return Verdict(reason=FinishReason.STOP_TOKEN, matched_token_id=token)
+        request.tokens.append(token)
+        text, matched = self._texts[request.request_id].push(token)
+        logprobs = () if logprob is None else (self._token_logprob(token, logprob),)
+        delta = TokenDelta((token,), text, logprobs)
+        if matched:
+            return Verdict(delta, FinishReason.STOP_SEQUENCE, matched_stop=matched)
+        reason = context_fit.length_reason(
+            request.num_output, len(request.tokens), self._n_ctx, stopping
+        )
+        return Verdict(delta, reason)
+
+    def _piece(self, token: int) -> str:
+        return self._pieces[token].decode("utf-8", errors="replace")
+
+    def _token_logprob(self, token: int, sampled: SampledLogprob) -> TokenLogprob:
+        top = tuple(TopLogprob(t, self._piece(t), lp) for t, lp in sampled.top)
+        return TokenLogprob(token, self._piece(token), sampled.logprob, top)

@@ -1,0 +1,82 @@
+"""Counters the scheduler keeps and the immutable StatsSnapshot built from them (published by
+the engine thread after each tick; GetStats and /metrics read only that)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from llama_grpc_server.core.api import SlotSnapshot, StatsSnapshot
+from llama_grpc_server.core.prefix_cache import RamTier
+from llama_grpc_server.core.slot import Slot
+
+
+@dataclass(slots=True)
+class Counters:
+    """Cumulative since start."""
+
+    started: int = 0
+    finished: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    ticks: int = 0
+    batch_tokens: int = 0
+    preemptions: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+
+def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact
+    slots: Sequence[Slot],
+    queue_depth: int,
+    counters: Counters,
+    kv_cells_used: int,
+    kv_cells_total: int,
+    batch_strategy: str,
+    ram: RamTier | None,
+    uptime_s: float,
+) -> StatsSnapshot:
+    slot_views = tuple(
+        SlotSnapshot(
+            s.slot_id,
+            s.state,
+            s.request.request_id if s.request is not None else "",
+            s.num_kv_tokens,
+        )
+        for s in slots
+    )
+    c = counters
+    states = [s.state for s in slot_views]
+    return StatsSnapshot(
+        n_parallel=len(slot_views),
+        active_slots=sum(1 for st in states if st != "idle"),
+        idle_slots=states.count("idle"),
+        prefilling_slots=states.count("prefilling"),
+        generating_slots=states.count("generating"),
+        queue_depth=queue_depth,
+        kv_cells_used=min(kv_cells_total, kv_cells_used),
+        kv_cells_total=kv_cells_total,
+        requests_started=c.started,
+        requests_finished=c.finished,
+        requests_failed=c.failed,
+        requests_cancelled=c.cancelled,
+        requests_rejected=c.rejected,
+        prompt_tokens=c.prompt_tokens,
+        generated_tokens=c.generated_tokens,
+        cached_prompt_tokens=c.cached_prompt_tokens,
+        ticks=c.ticks,
+        avg_batch_size=c.batch_tokens / c.ticks if c.ticks else 0.0,
+        preemptions=c.preemptions,
+        uptime_s=uptime_s,
+        slots=slot_views,
+        batch_strategy=batch_strategy,
+        prefix_cache_hit_rate=c.cached_prompt_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+        ram_cache_entries=ram.num_entries if ram is not None else 0,
+        ram_cache_bytes=ram.num_bytes if ram is not None else 0,
+        ram_cache_hits=ram.hits if ram is not None else 0,
+        ram_cache_misses=ram.misses if ram is not None else 0,
+        ram_cache_evictions=ram.evictions if ram is not None else 0,
+    )
