@@ -12,7 +12,7 @@ ARGS ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install run serve test test-unit test-model test-e2e check lint format types proto proto-check \
-	proto-lint model bench bench-single bench-concurrency bench-strategies bench-prefix \
+	proto-lint check-min-deps model bench bench-single bench-concurrency bench-strategies bench-prefix \
 	bench-tokenize bench-telemetry bench-logprobs bench-peers clean
 
 install: $(STAMP)
@@ -69,7 +69,18 @@ format: $(STAMP)
 types: $(STAMP)
 	$(BIN)/mypy
 
-check: proto-check lint types test
+check: proto-check lint types check-min-deps test
+
+# The lowest client versions pyproject.toml declares (grpcio, protobuf, grpcio-status), exactly,
+# plus the client package without the [server] extra, in a throwaway venv outside the checkout:
+# the committed generated code must import and a Client must work with them.
+check-min-deps:
+	@set -e; venv=$$(mktemp -d "$${TMPDIR:-/tmp}/llama-grpc-min-deps.XXXXXX"); \
+	trap 'rm -rf "$$venv"' EXIT; pins="$$($(PYTHON) tools/min_deps.py pins)"; \
+	echo "check-min-deps: $$pins + the client package (no [server] extra) in $$venv"; \
+	$(PYTHON) -m venv "$$venv"; \
+	"$$venv/bin/python" -m pip install -q $$pins .; \
+	cd "$$venv" && bin/python -I $(CURDIR)/tools/min_deps.py smoke $$pins
 
 # Generated code is committed; imports are package-absolute because protoc runs with -Iproto.
 proto: $(STAMP)
