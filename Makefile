@@ -87,7 +87,8 @@ proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=$(GEN_DIR) --grpc_python_out=$(GEN_DIR) \
 		--mypy_out=$(GEN_DIR) --mypy_grpc_out=$(GEN_DIR) $(PROTO_SRC)
 
-proto-check: $(STAMP) proto-lint
+# Offline: protoc from grpcio-tools only. proto-lint (buf, fetched by npx) is its own target.
+proto-check: $(STAMP)
 	rm -rf .proto-check && mkdir -p .proto-check
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=.proto-check --grpc_python_out=.proto-check \
 		--mypy_out=.proto-check --mypy_grpc_out=.proto-check $(PROTO_SRC)
