@@ -13,7 +13,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install run serve test test-unit test-model test-e2e check lint format types proto proto-check \
 	proto-lint check-min-deps model bench bench-single bench-concurrency bench-strategies bench-prefix \
-	bench-tokenize bench-telemetry bench-logprobs bench-peers clean
+	bench-tokenize bench-telemetry bench-logprobs bench-peers bench-soak clean
 
 install: $(STAMP)
 
@@ -124,6 +124,11 @@ bench-telemetry: $(BENCH_STAMP)
 	$(PY) bench/telemetry_overhead.py
 bench-logprobs: $(BENCH_STAMP)
 	$(PY) bench/logprobs_cost.py $(ARGS)
+# Soak: 64 streams with cancels and deadlines against a `llama-grpc serve` subprocess, 10 minutes
+# by default (ARGS="--minutes 3" for less); not part of `make bench`. Fails if a check is missed.
+bench-soak: $(BENCH_STAMP)
+	$(PY) bench/soak.py $(ARGS)
+	$(PY) bench/summary.py
 bench-peers: $(BENCH_STAMP)
 	PYTHON=$(PYTHON) bench/setup_peers.sh
 	$(PY) bench/peers.py $(ARGS)
