@@ -12,8 +12,8 @@ ARGS ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install run serve test test-unit test-model test-e2e check lint format types proto proto-check \
-	proto-lint model bench bench-single bench-concurrency bench-strategies bench-prefix \
-	bench-tokenize bench-telemetry bench-logprobs bench-peers clean
+	proto-lint check-min-deps model bench bench-single bench-concurrency bench-strategies bench-prefix \
+	bench-tokenize bench-telemetry bench-logprobs bench-peers bench-soak clean
 
 install: $(STAMP)
 
@@ -69,14 +69,26 @@ format: $(STAMP)
 types: $(STAMP)
 	$(BIN)/mypy
 
-check: proto-check lint types test
+check: proto-check lint types check-min-deps test
+
+# The lowest client versions pyproject.toml declares (grpcio, protobuf, grpcio-status), exactly,
+# plus the client package without the [server] extra, in a throwaway venv outside the checkout:
+# the committed generated code must import and a Client must work with them.
+check-min-deps:
+	@set -e; venv=$$(mktemp -d "$${TMPDIR:-/tmp}/llama-grpc-min-deps.XXXXXX"); \
+	trap 'rm -rf "$$venv"' EXIT; pins="$$($(PYTHON) tools/min_deps.py pins)"; \
+	echo "check-min-deps: $$pins + the client package (no [server] extra) in $$venv"; \
+	$(PYTHON) -m venv "$$venv"; \
+	"$$venv/bin/python" -m pip install -q $$pins .; \
+	cd "$$venv" && bin/python -I $(CURDIR)/tools/min_deps.py smoke $$pins
 
 # Generated code is committed; imports are package-absolute because protoc runs with -Iproto.
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=$(GEN_DIR) --grpc_python_out=$(GEN_DIR) \
 		--mypy_out=$(GEN_DIR) --mypy_grpc_out=$(GEN_DIR) $(PROTO_SRC)
 
-proto-check: $(STAMP) proto-lint
+# Offline: protoc from grpcio-tools only. proto-lint (buf, fetched by npx) is its own target.
+proto-check: $(STAMP)
 	rm -rf .proto-check && mkdir -p .proto-check
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=.proto-check --grpc_python_out=.proto-check \
 		--mypy_out=.proto-check --mypy_grpc_out=.proto-check $(PROTO_SRC)
@@ -112,6 +124,11 @@ bench-telemetry: $(BENCH_STAMP)
 	$(PY) bench/telemetry_overhead.py
 bench-logprobs: $(BENCH_STAMP)
 	$(PY) bench/logprobs_cost.py $(ARGS)
+# Soak: 64 streams with cancels and deadlines against a `llama-grpc serve` subprocess, 10 minutes
+# by default (ARGS="--minutes 3" for less); not part of `make bench`. Fails if a check is missed.
+bench-soak: $(BENCH_STAMP)
+	$(PY) bench/soak.py $(ARGS)
+	$(PY) bench/summary.py
 bench-peers: $(BENCH_STAMP)
 	PYTHON=$(PYTHON) bench/setup_peers.sh
 	$(PY) bench/peers.py $(ARGS)

@@ -230,6 +230,55 @@ def peers(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def soak(data: dict[str, Any]) -> list[str]:
+    lines = header(data, "Soak", "soak.png")
+    w, st, v = data["workload"], data["settings"], data["verdict"]
+    pool = data["pool"]
+    lines += [
+        f"{w['streams']} concurrent streams for {st['minutes']} × {st['minute_s']:.0f} s against "
+        f"`{data['server_command']}`: prompts of {pool['prompt_tokens_min']}–"
+        f"{pool['prompt_tokens_max']} tokens (median {pool['prompt_tokens_median']}), "
+        f"{w['modes']}. Each minute ends with a pause (in-flight calls get {st['drain_s']:.0f} s, "
+        "then are cancelled) and idle readings of the server process.",
+        "",
+        "| minute | OK | cancelled (own / at pause) | deadline (own) | queue full, retried | "
+        "unexpected | tok/s | idle RSS MiB | fds | idle KV cells (cached prefix) | load 1 min |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    expected = set(w["expected_statuses"])
+    for r in data["minutes"]:
+        s_ = r["statuses"]
+        bad = sum(n for k, n in s_.items() if k not in expected)
+        kv = r["idle"]["kv"]
+        lines.append(
+            f"| {r['minute']} | {s_.get('OK', 0)} | {s_.get('CANCELLED', 0)} / "
+            f"{s_.get('CANCELLED_AT_PAUSE', 0)} | {s_.get('DEADLINE_EXCEEDED', 0)} | "
+            f"{s_.get('RESOURCE_EXHAUSTED', 0)} | {bad} | {r['tok_s']:.1f} | "
+            f"{r['idle']['rss_bytes'] / 2**20:.1f} | {r['idle']['fds']} | "
+            f"{kv['kv_cells_used']} ({kv['baseline_cached_prefix']}) | "
+            f"{r['load_average'][0]:.2f} |"
+        )
+    c = v["checks"]
+    probe = data["probe"]
+    lines += [
+        "",
+        f"Totals: {', '.join(f'{k} {n}' for k, n in v['statuses_total'].items())}.",
+        "",
+        f"- 0 unexpected statuses: {ok(c['no_unexpected_status'])} ({v['unexpected_total']}).",
+        f"- No hung call (every call ended, each bounded by a deadline): {ok(c['no_hung_call'])}.",
+        f"- Idle RSS at the end within ±5 % of minute 2: "
+        f"{ok(c['rss_end_within_5pct_of_minute_2'])} ({v['rss_minute_2_bytes'] / 2**20:.1f} → "
+        f"{v['rss_end_bytes'] / 2**20:.1f} MiB, {v['rss_change']:+.2%}); open fds "
+        f"{v['fds_minute_2']} → {v['fds_end']}.",
+        f"- Idle KV is the cached-prefix baseline at every pause: "
+        f"{ok(c['idle_kv_is_cached_prefix_baseline'])}; then a {probe['prompt_tokens']}-token "
+        f"prompt (n_ctx − {st['probe_margin']}) ran to completion: "
+        f"{ok(c['full_context_probe_ok'])} ({probe['seconds']:.0f} s).",
+        "",
+    ]
+    return lines
+
+
 def main() -> int:
     parts = ["# Benchmark summary", ""]
     first = None
@@ -240,6 +289,7 @@ def main() -> int:
         ("prefix_cache", prefix),
         ("tokenize_overhead", tokenize),
         ("peers", peers),
+        ("soak", soak),
     )
     body: list[str] = []
     for name, render in sections:

@@ -26,6 +26,7 @@ from llama_grpc.errors import (
     ModelNotFoundError,
     QueueFullError,
     RequestCancelledError,
+    RequestIdInFlightError,
     ResourceExhaustedError,
     UnavailableError,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "ModelNotFoundError",
     "QueueFullError",
     "RequestCancelledError",
+    "RequestIdInFlightError",
     "ResourceExhaustedError",
     "SlotStats",
     "Stats",

@@ -65,6 +65,14 @@ class ModelNotFoundError(LlamaGrpcError):
     default_code = "NOT_FOUND"
 
 
+class RequestIdInFlightError(LlamaGrpcError):
+    """Another call with the same x-request-id is still in flight; `.field` is "x-request-id".
+
+    Send a fresh id, or retry once the first call has ended."""
+
+    default_code = "ALREADY_EXISTS"
+
+
 class FailedPreconditionError(LlamaGrpcError):
     """The request needs something the server is not configured with."""
 
@@ -114,10 +122,12 @@ _BY_REASON: dict[str, type[LlamaGrpcError]] = {
     "CONTEXT_LENGTH_EXCEEDED": ContextLengthExceededError,
     "MODEL_NOT_FOUND": ModelNotFoundError,
     "FAILED_PRECONDITION": FailedPreconditionError,
+    "REQUEST_ID_IN_FLIGHT": RequestIdInFlightError,
     "QUEUE_FULL": QueueFullError,
     "KV_CACHE_FULL": KvCacheFullError,
     "DEADLINE_EXCEEDED": DeadlineExceededError,
     "SHUTTING_DOWN": UnavailableError,
+    "NOT_READY": UnavailableError,
     "ENGINE_ERROR": InternalError,
     "CANCELLED": RequestCancelledError,
     "INTERNAL": InternalError,
@@ -128,6 +138,7 @@ _BY_CODE: dict[str, type[LlamaGrpcError]] = {
     for cls in (
         InvalidArgumentError,
         ModelNotFoundError,
+        RequestIdInFlightError,
         FailedPreconditionError,
         ResourceExhaustedError,
         DeadlineExceededError,

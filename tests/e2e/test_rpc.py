@@ -17,6 +17,7 @@ from llama_grpc import (
     InvalidArgumentError,
     LlamaGrpcError,
     ModelNotFoundError,
+    RequestIdInFlightError,
 )
 from llama_grpc_server.rpc.server import RunningServer
 
@@ -189,9 +190,10 @@ async def test_reused_request_id_in_flight_is_already_exists(client: AsyncClient
     metadata = [("x-request-id", "dup-e2e-1")]
     first = client.stream(PROMPT, max_tokens=24, ignore_eos=True, metadata=metadata)
     events = [await first.__anext__()]
-    with pytest.raises(LlamaGrpcError) as dup:
+    with pytest.raises(RequestIdInFlightError) as dup:
         await client.generate(PROMPT, max_tokens=4, metadata=metadata)
-    assert dup.value.code == "ALREADY_EXISTS" and dup.value.field == "x-request-id"
+    assert dup.value.code == "ALREADY_EXISTS" and dup.value.reason == "REQUEST_ID_IN_FLIGHT"
+    assert dup.value.field == "x-request-id"
     events += [event async for event in first]
     assert isinstance(events[-1], Done) and events[-1].usage.completion_tokens == 24
     again = await client.generate(PROMPT, max_tokens=4, metadata=metadata)
