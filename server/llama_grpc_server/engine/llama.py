@@ -84,8 +84,7 @@ class LlamaModel:
         params.n_seq_max = n_seq_max
         params.kv_unified = True  # slots share all cells; seq_cp only tags cells
         params.swa_full = True  # partial prefix reuse stays correct on sliding-window models
-        params.n_threads = s.n_threads
-        params.n_threads_batch = s.n_threads_batch
+        params.n_threads, params.n_threads_batch = s.threads()
         params.no_perf = True
         # Measured on Gemma 3 270M (1,800-token prompt): a sequence's logits are bit-identical
         # when recomputed alone, but move by up to ~1.0 (mean ~0.2; argmax unchanged) with the
