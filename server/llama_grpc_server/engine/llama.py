@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -193,9 +192,6 @@ class LlamaModel:
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         return int(llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(data), seq_id)) > 0
 
-    def seq_pos_max(self, seq_id: int) -> int:
-        return int(llama_cpp.llama_memory_seq_pos_max(self.memory, seq_id))
-
     def close(self) -> None:
         if self.ctx:
             llama_cpp.llama_free(self.ctx)
@@ -209,7 +205,3 @@ def _gguf_chat_template(model: Any) -> str:
     """The Jinja chat template stored in the GGUF file ("" when it has none)."""
     template = llama_cpp.llama_model_chat_template(model, None)
     return template.decode("utf-8", errors="replace") if template else ""
-
-
-def default_threads() -> int:
-    return max(1, os.cpu_count() or 1)
