@@ -115,7 +115,8 @@ def smoke(pins: list[str]) -> None:
                 failure = error
     finally:
         server.stop(None)
-    assert isinstance(failure, InvalidArgumentError) and failure.message == "bad ids", failure
+    assert isinstance(failure, InvalidArgumentError), failure
+    assert failure.message == "bad ids", failure
     names = [pin.split("==")[0] for pin in pins]
     versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in names)
     print(f"min-deps smoke passed: {versions}, llama_grpc from {Path(llama_grpc.__file__).parent}")

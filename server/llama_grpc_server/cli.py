@@ -86,13 +86,21 @@ def _loads_strategy(v: Value) -> str | None:
     return None
 
 
+# Where each option's default comes from: the config dataclasses, so a default exists once.
+_DEFAULTS: dict[str, object] = {
+    "model": ModelSettings(),
+    "scheduler": SchedulerSettings(),
+    "server": ServerSettings(),
+    "sampling": SamplingParams(),
+}
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
     """One setting: flag --name-with-dashes, env LLAMA_GRPC_NAME, TOML key name."""
 
     name: str
     kind: type[str | int | float | bool]
-    default: Value
     target: str  # "section.field"; section "sampling" is scheduler.default_sampling
     help: str
     check: Check | None = None
@@ -102,62 +110,68 @@ class Option:
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
+    @property
+    def default(self) -> Value:
+        """The default of the config.py field this option sets."""
+        section, field = self.target.split(".")
+        value: Value = getattr(_DEFAULTS[section], field)
+        return value
+
 
 OPTIONS: tuple[Option, ...] = (
-    Option("model", str, "", "model.model_path", "GGUF file (default: embedded Gemma 3 270M)",
+    Option("model", str, "model.model_path", "GGUF file (default: embedded Gemma 3 270M)",
            _is_file, "PATH"),
-    Option("model_name", str, "", "model.model_name", "name shown to clients (default: file stem)",
+    Option("model_name", str, "model.model_name", "name shown to clients (default: file stem)",
            metavar="NAME"),
-    Option("host", str, "127.0.0.1", "server.host", "address to listen on", _non_empty, "HOST"),
-    Option("port", int, 50051, "server.port", "gRPC port (0 = any free port)", between(0, 65535)),
-    Option("n_ctx", int, 8192, "model.n_ctx", "KV cache tokens, shared by all slots", at_least(1)),
-    Option("n_parallel", int, 4, "scheduler.n_parallel", "slots decoded together",
+    Option("host", str, "server.host", "address to listen on", _non_empty, "HOST"),
+    Option("port", int, "server.port", "gRPC port (0 = any free port)", between(0, 65535)),
+    Option("n_ctx", int, "model.n_ctx", "KV cache tokens, shared by all slots", at_least(1)),
+    Option("n_parallel", int, "scheduler.n_parallel", "slots decoded together",
            between(1, 256)),
-    Option("n_batch", int, 2048, "model.n_batch", "tokens per forward pass (<= n_ctx)",
+    Option("n_batch", int, "model.n_batch", "tokens per forward pass (<= n_ctx)",
            at_least(1)),
-    Option("n_ubatch", int, 512, "model.n_ubatch", "physical micro-batch (<= n_batch)",
+    Option("n_ubatch", int, "model.n_ubatch", "physical micro-batch (<= n_batch)",
            at_least(1)),
-    Option("chunk_size", int, 512, "scheduler.chunk_size", "prompt tokens per slot per tick",
+    Option("chunk_size", int, "scheduler.chunk_size", "prompt tokens per slot per tick",
            at_least(1)),
-    Option("threads", int, None, "model.n_threads", "generation threads (default: CPUs)",
-           at_least(1)),
-    Option("threads_batch", int, None, "model.n_threads_batch",
-           "prompt threads (default: --threads)", at_least(1)),
-    Option("n_gpu_layers", int, 0, "model.n_gpu_layers", "layers offloaded to the GPU (-1 = all)",
+    Option("threads", int, "model.n_threads", "generation threads (0 = all CPUs)", at_least(0)),
+    Option("threads_batch", int, "model.n_threads_batch", "prompt threads (0 = --threads)",
+           at_least(0)),
+    Option("n_gpu_layers", int, "model.n_gpu_layers", "layers offloaded to the GPU (-1 = all)",
            at_least(-1)),
-    Option("chat_template", str, "", "model.chat_template",
+    Option("chat_template", str, "model.chat_template",
            "template for chat messages: " + " | ".join(BUILTIN_TEMPLATES)
            + " (default: the model's own, if it has one)", _chat_template, "NAME"),
-    Option("max_queue", int, 64, "scheduler.max_queue", "waiting requests (0 = unbounded)",
+    Option("max_queue", int, "scheduler.max_queue", "waiting requests (0 = unbounded)",
            at_least(0)),
-    Option("batch_strategy", str, "decode_maximal", "scheduler.batch_strategy",
+    Option("batch_strategy", str, "scheduler.batch_strategy",
            "decode_maximal | prefill_priority | balanced | module:attr", _loads_strategy, "NAME"),
-    Option("metrics_port", int, 0, "server.metrics_port", "Prometheus port (0 = off)",
+    Option("metrics_port", int, "server.metrics_port", "Prometheus port (0 = off)",
            between(0, 65535)),
-    Option("log_format", str, "json", "server.log_format", " | ".join(LOG_FORMATS),
+    Option("log_format", str, "server.log_format", " | ".join(LOG_FORMATS),
            one_of(*LOG_FORMATS), "FORMAT"),
-    Option("log_level", str, "info", "server.log_level", " | ".join(LOG_LEVELS),
+    Option("log_level", str, "server.log_level", " | ".join(LOG_LEVELS),
            one_of(*LOG_LEVELS), "LEVEL"),
-    Option("log_payloads", bool, False, "server.log_payloads",
+    Option("log_payloads", bool, "server.log_payloads",
            "log request and response messages (debugging: prompts and completions in logs)"),
-    Option("grace_s", float, 10.0, "server.grace_s", "seconds to finish requests on shutdown",
+    Option("grace_s", float, "server.grace_s", "seconds to finish requests on shutdown",
            at_least(0)),
-    Option("keep_alive_on_engine_error", bool, False, "server.keep_alive_on_engine_error",
+    Option("keep_alive_on_engine_error", bool, "server.keep_alive_on_engine_error",
            "if the engine thread dies, keep the process up (health NOT_SERVING) instead of "
            "exiting with code 70 after --grace-s"),
-    Option("cache_prompt", bool, True, "scheduler.cache_prompt", "reuse KV of a cached prefix"),
-    Option("prompt_cache_ram_mb", int, 0, "scheduler.prompt_cache_ram_mb",
+    Option("cache_prompt", bool, "scheduler.cache_prompt", "reuse KV of a cached prefix"),
+    Option("prompt_cache_ram_mb", int, "scheduler.prompt_cache_ram_mb",
            "RAM tier: MiB of saved slot caches kept after eviction (0 = off)", at_least(0)),
-    Option("default_max_tokens", int, 256, "scheduler.default_max_tokens",
+    Option("default_max_tokens", int, "scheduler.default_max_tokens",
            "max_tokens when a request sets none", at_least(1)),
-    Option("temperature", float, 0.8, "sampling.temperature", "default temperature (0 = greedy)",
+    Option("temperature", float, "sampling.temperature", "default temperature (0 = greedy)",
            at_least(0)),
-    Option("top_k", int, 40, "sampling.top_k", "default top-k (0 = off)", at_least(0)),
-    Option("top_p", float, 0.95, "sampling.top_p", "default top-p (1 = off)", between(0, 1)),
-    Option("min_p", float, 0.05, "sampling.min_p", "default min-p (0 = off)", between(0, 1)),
-    Option("repeat_penalty", float, 1.0, "sampling.repeat_penalty",
+    Option("top_k", int, "sampling.top_k", "default top-k (0 = off)", at_least(0)),
+    Option("top_p", float, "sampling.top_p", "default top-p (1 = off)", between(0, 1)),
+    Option("min_p", float, "sampling.min_p", "default min-p (0 = off)", between(0, 1)),
+    Option("repeat_penalty", float, "sampling.repeat_penalty",
            "default repetition penalty (1 = off)", between(0.01, 100)),
-    Option("seed", int, None, "sampling.seed", "default seed (unset or -1: random per request)",
+    Option("seed", int, "sampling.seed", "default seed (unset or -1: random per request)",
            between(-1, 2**32 - 1)),
 )  # fmt: skip
 BY_NAME: dict[str, Option] = {opt.name: opt for opt in OPTIONS}
@@ -371,7 +385,7 @@ def _check(values: Mapping[str, Resolved]) -> None:
         raise ConfigError(f"--metrics-port={metrics.value} ({metrics.source}): same as --port")
 
 
-def _build(values: Mapping[str, Resolved], cpus: int) -> Settings:
+def _build(values: Mapping[str, Resolved]) -> Settings:
     # Values are heterogeneous; the option table types them, so Any is confined to this dict.
     sections: dict[str, dict[str, Any]] = {
         "model": {},
@@ -382,12 +396,10 @@ def _build(values: Mapping[str, Resolved], cpus: int) -> Settings:
     for opt in OPTIONS:
         section, field = opt.target.split(".")
         sections[section][field] = values[opt.name].value
-    model, sampling = sections["model"], sections["sampling"]
-    model["n_threads"] = model["n_threads"] or cpus
-    model["n_threads_batch"] = model["n_threads_batch"] or model["n_threads"]
+    sampling = sections["sampling"]
     sampling["seed"] = None if sampling["seed"] == -1 else sampling["seed"]
     return Settings(
-        model=ModelSettings(**model),
+        model=ModelSettings(**sections["model"]),
         scheduler=SchedulerSettings(
             **sections["scheduler"], default_sampling=SamplingParams(**sampling)
         ),
@@ -395,16 +407,7 @@ def _build(values: Mapping[str, Resolved], cpus: int) -> Settings:
     )
 
 
-def num_cpus() -> int:
-    """CPUs this process may run on (respects affinity / container cpusets where the OS has it)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def load_settings(
-    argv: Sequence[str], environ: Mapping[str, str], *, cpus: int | None = None
-) -> Settings:
+def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     """Settings from defaults < config file < env < flags. Reads the config file and checks the
     model file exists; changes nothing. Raises ConfigError, or HelpRequested for -h/--help."""
     parser = build_parser()
@@ -419,7 +422,7 @@ def load_settings(
     values.update(_flag_layer(args))
     _fit_defaults(values)
     _check(values)
-    return _build(values, cpus if cpus is not None else num_cpus())
+    return _build(values)
 
 
 def run(settings: Settings) -> int:

@@ -1,7 +1,9 @@
-"""Frozen settings. cli.py builds them from argv, LLAMA_GRPC_* env and an optional TOML file."""
+"""Frozen settings. cli.py builds them from argv, LLAMA_GRPC_* env and an optional TOML file.
+The defaults here are the only ones: cli.py reads each option's default off the field it sets."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from llama_grpc_server.core.request import SamplingParams
@@ -16,11 +18,24 @@ class ModelSettings:
     n_ctx: int = 8192
     n_batch: int = 2048
     n_ubatch: int = 512
-    n_threads: int = 2
-    n_threads_batch: int = 2
+    n_threads: int = 0  # 0 = every CPU this process may run on (resolved when the model loads)
+    n_threads_batch: int = 0  # 0 = n_threads
     n_gpu_layers: int = 0
     flash_attn: bool = True
     chat_template: str = ""  # a built-in for messages ("gemma", "chatml"); "" = the model's own
+
+    def threads(self, cpus: int | None = None) -> tuple[int, int]:
+        """(generation, prompt) threads with the 0 defaults resolved; cpus defaults to
+        num_cpus()."""
+        generation = self.n_threads or (cpus if cpus is not None else num_cpus())
+        return generation, self.n_threads_batch or generation
+
+
+def num_cpus() -> int:
+    """CPUs this process may run on (respects affinity / container cpusets where the OS has it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,8 @@ from llama_grpc import (
     InvalidArgumentError,
 )
 
+from ..conftest import PERSON_SCHEMA, YES_NO, check_person
+
 PROMPT = "The three primary colors are"
 
 
@@ -85,28 +87,13 @@ async def test_bad_feature_values_name_the_field(
 
 # -- structured output ----------------------------------------------------------------------------
 
-YES_NO = 'root ::= "yes" | "no"'
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer"},
-        "member": {"type": "boolean"},
-    },
-    "required": ["name", "age", "member"],
-    "additionalProperties": False,
-}
-
 
 async def test_json_schema_output_parses_and_validates(client: AsyncClient) -> None:
     """A greedy request with a JSON schema returns JSON with exactly the schema's keys and types."""
     result = await client.generate(
         "Describe a person as JSON:", max_tokens=120, json_schema=PERSON_SCHEMA
     )
-    value = json.loads(result.text)
-    assert set(value) == {"name", "age", "member"}
-    assert isinstance(value["name"], str) and len(value["name"]) <= 20
-    assert type(value["age"]) is int and type(value["member"]) is bool
+    check_person(json.loads(result.text))
     assert result.finish_reason == "eos"
 
 

@@ -7,15 +7,12 @@ import asyncio
 import io
 import json
 import logging
-import socket
-import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest_asyncio
 import structlog
-from prometheus_client.parser import text_string_to_metric_families
 
 from llama_grpc import AsyncClient, Delta
 from llama_grpc_server.engine.build import build_engine
@@ -30,10 +27,10 @@ from llama_grpc_server.telemetry import (
     configure_logging,
 )
 
+from ..conftest import Samples, free_port, scrape, value
 from .conftest import settings
 
 PROMPT = "The history of the printing press begins"
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 class Recorder:
@@ -67,12 +64,6 @@ class Observed:
         return [json.loads(line) for line in self.log.getvalue().splitlines() if line]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
 async def observed() -> AsyncIterator[Observed]:
     """A real server with every telemetry output on: JSON logs into a buffer, Prometheus on a
@@ -100,20 +91,6 @@ async def observed() -> AsyncIterator[Observed]:
         structlog.reset_defaults()
         root.handlers[:] = handlers
         root.setLevel(level)
-
-
-def scrape(port: int) -> Samples:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(got: Samples, name: str, **labels: str) -> float:
-    return got[(name, tuple(sorted(labels.items())))]
 
 
 def total(got: Samples, name: str) -> float:

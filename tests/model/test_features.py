@@ -23,6 +23,7 @@ from llama_grpc_server.core.request import (
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.loop import EngineLoop
 
+from ..conftest import PERSON_SCHEMA, YES_NO, check_person
 from .conftest import request, run, run_all
 
 PROMPT = "The capital of France is"
@@ -124,26 +125,6 @@ async def test_bias_and_logprobs_do_not_leak_into_a_neighbour(engine: EngineLoop
 
 
 # -- grammar constraints --------------------------------------------------------------------------
-
-YES_NO = 'root ::= "yes" | "no"'
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer"},
-        "member": {"type": "boolean"},
-    },
-    "required": ["name", "age", "member"],
-    "additionalProperties": False,
-}
-
-
-def check_person(value: object) -> None:
-    """PERSON_SCHEMA by hand (no jsonschema dependency): exact keys, types, maxLength."""
-    assert isinstance(value, dict) and set(value) == {"name", "age", "member"}
-    assert isinstance(value["name"], str) and len(value["name"]) <= 20
-    assert isinstance(value["age"], int) and not isinstance(value["age"], bool)
-    assert isinstance(value["member"], bool)
 
 
 def constrained(req: GenerationRequest, gbnf: str, root: str = "root") -> GenerationRequest:

@@ -1,12 +1,19 @@
-"""Fixtures shared by the unit tests."""
+"""Fixtures shared by the unit tests. A test module provides its own `server` fixture (a real
+grpc.aio server on 127.0.0.1 around the FakeEngine `engine`); `channel` and `stub` connect to it."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
+import grpc
 import pytest
 import structlog
+
+from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
+from llama_grpc_server.rpc.server import RunningServer
+from llama_grpc_server.testing import FakeEngine
 
 
 @pytest.fixture
@@ -18,3 +25,19 @@ def restore_logging() -> Iterator[None]:
     structlog.reset_defaults()
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+async def channel(server: RunningServer) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield channel
+
+
+@pytest.fixture
+def stub(channel: grpc.aio.Channel) -> Any:
+    return pb_grpc.LlmServiceStub(channel)

@@ -1,11 +1,17 @@
-"""Architecture boundaries: core/ is pure, only engine/ imports llama_cpp."""
+"""Architecture boundaries: core/ is pure, only engine/ imports llama_cpp, only rpc/ speaks gRPC,
+and the client package stands alone."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
-SERVER = Path(__file__).resolve().parents[2] / "server" / "llama_grpc_server"
+ROOT = Path(__file__).resolve().parents[2]
+SERVER = ROOT / "server" / "llama_grpc_server"
+CLIENT = ROOT / "client" / "llama_grpc"
+GRPC = {"grpc", "grpc_health", "grpc_reflection", "grpc_status"}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -33,3 +39,37 @@ def test_only_engine_imports_llama_cpp() -> None:
         if "engine" in path.relative_to(SERVER).parts:
             continue
         assert "llama_cpp" not in imported_modules(path), path
+
+
+def test_only_rpc_imports_grpc_or_the_generated_stubs() -> None:
+    """Outside rpc/, no server module imports grpc (or its health, reflection and status
+    packages) or the generated llama_grpc.v1 messages; no entry module needs an exception."""
+    checked = 0
+    for path in SERVER.rglob("*.py"):
+        if "rpc" in path.relative_to(SERVER).parts:
+            continue
+        checked += 1
+        bad = imported_modules(path) & (GRPC | {"llama_grpc"})
+        assert not bad, f"{path.relative_to(SERVER)} imports {bad}"
+    assert checked > 20
+
+
+def test_client_never_imports_the_server_package() -> None:
+    """No module of the client package imports llama_grpc_server."""
+    files = [p for p in CLIENT.rglob("*.py") if "v1" not in p.relative_to(CLIENT).parts]
+    assert len(files) >= 5
+    for path in files:
+        assert "llama_grpc_server" not in imported_modules(path), path
+
+
+def test_importing_the_client_loads_no_server_code() -> None:
+    """`import llama_grpc` and its CLI in a fresh interpreter load no llama_grpc_server module
+    (the CLI imports llama_grpc_server.cli by name only when `serve` runs)."""
+    code = (
+        "import sys, llama_grpc, llama_grpc.cli, llama_grpc.client, llama_grpc.errors; "
+        "print(sorted(m for m in sys.modules if m.startswith('llama_grpc_server')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "[]"

@@ -16,12 +16,12 @@ import structlog
 
 from llama_grpc_server import cli
 from llama_grpc_server.cli import OPTIONS, ConfigError, HelpRequested, load_settings
-from llama_grpc_server.config import Settings
+from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSettings, Settings
 from llama_grpc_server.core.request import SamplingParams
 
 
 def settings(*argv: str, env: dict[str, str] | None = None) -> Settings:
-    return load_settings(list(argv), env or {}, cpus=6)
+    return load_settings(list(argv), env or {})
 
 
 def write_toml(tmp_path: Path, text: str) -> Path:
@@ -36,24 +36,61 @@ def target(s: Settings, dotted: str) -> object:
     return getattr(owner, field)
 
 
-def test_table_defaults_match_config_defaults() -> None:
-    """Each option's table default is the config.py default of the field it sets."""
-    plain = Settings()
+def field_default(dotted: str) -> object:
+    """The default declared on the config.py dataclass field (not read through an instance)."""
+    section, name = dotted.split(".")
+    owner = {
+        "model": ModelSettings,
+        "scheduler": SchedulerSettings,
+        "server": ServerSettings,
+        "sampling": SamplingParams,
+    }[section]
+    (found,) = [f for f in dataclasses.fields(owner) if f.name == name]
+    assert found.default is not dataclasses.MISSING, dotted
+    return found.default
+
+
+def test_every_option_default_is_its_config_field_default() -> None:
+    """Each option's default is the default declared on the config.py field it sets."""
     for opt in OPTIONS:
-        if opt.name in ("threads", "threads_batch"):
-            continue
-        assert target(plain, opt.target) == opt.default, opt.name
+        assert opt.default == field_default(opt.target), opt.name
+        assert type(opt.default) is type(field_default(opt.target)), opt.name
 
 
 def test_defaults_without_any_input() -> None:
-    """No flags, env or file: config defaults, threads = CPUs, threads_batch = threads."""
+    """No flags, env or file: exactly the config.py defaults (threads 0 = all CPUs)."""
     got = settings()
-    assert got.model.n_threads == 6
-    assert got.model.n_threads_batch == 6
-    assert got == dataclasses.replace(
-        Settings(),
-        model=dataclasses.replace(Settings().model, n_threads=6, n_threads_batch=6),
-    )
+    assert got == Settings()
+    assert (got.model.n_threads, got.model.n_threads_batch) == (0, 0)
+
+
+def test_help_shows_the_config_defaults() -> None:
+    """--help states each non-empty default as config.py declares it."""
+    with pytest.raises(HelpRequested) as caught:
+        settings("--help")
+    text = " ".join(caught.value.text.split())
+    assert "--n-ctx INT KV cache tokens, shared by all slots (default: 8192)" in text
+    assert "generation threads (0 = all CPUs) (default: 0)" in text
+    assert "(default: 0.8)" in text
+
+
+@pytest.mark.parametrize(
+    ("n_threads", "n_threads_batch", "expected"),
+    [(0, 0, (6, 6)), (3, 0, (3, 3)), (0, 2, (6, 2)), (3, 5, (3, 5))],
+)
+def test_thread_defaults_resolve_to_cpus(
+    n_threads: int, n_threads_batch: int, expected: tuple[int, int]
+) -> None:
+    """0 threads = every CPU; 0 prompt threads = the generation threads."""
+    model = ModelSettings(n_threads=n_threads, n_threads_batch=n_threads_batch)
+    assert model.threads(cpus=6) == expected
+
+
+def test_thread_flags_reach_the_model_settings() -> None:
+    """--threads alone leaves --threads-batch at 0, which then follows --threads."""
+    got = settings("--threads", "3")
+    assert (got.model.n_threads, got.model.n_threads_batch) == (3, 0)
+    assert got.model.threads(cpus=6) == (3, 3)
 
 
 def test_precedence_defaults_file_env_flag(tmp_path: Path) -> None:
@@ -191,7 +228,7 @@ def test_custom_batch_strategy_accepted() -> None:
         (["--top-p", "1.5"], {}, ["--top-p", "between"]),
         (["--max-queue", "-1"], {}, ["--max-queue", ">= 0"]),
         (["--grace-s", "soon"], {}, ["--grace-s", "number"]),
-        (["--threads", "0"], {}, ["--threads", ">= 1"]),
+        (["--threads", "-1"], {}, ["--threads", ">= 0"]),
         (["--seed", "-2"], {}, ["--seed", "command line"]),
         (["--metrics-port", "50051"], {}, ["--metrics-port", "same as --port"]),
         ([], {"LLAMA_GRPC_CACHE_PROMPT": "maybe"}, ["--cache-prompt", "true or false"]),

@@ -21,16 +21,16 @@ def finished(reason: FinishReason = FinishReason.EOS, **fields: object) -> Finis
     return Finished(reason=reason, usage=USAGE, timings=TIMINGS, seed=1234, **fields)  # type: ignore[arg-type]  # test helper passes optional fields through
 
 
-@pytest.mark.parametrize("reason", [r for r in FinishReason if r is not FinishReason.CANCELLED])
-def test_every_finish_reason_but_cancelled_has_a_wire_value(reason: FinishReason) -> None:
+@pytest.mark.parametrize("reason", list(FinishReason))
+def test_every_finish_reason_has_a_wire_value(reason: FinishReason) -> None:
     """Each core finish reason maps to the proto enum value of the same name."""
     assert pb.FinishReason.Name(convert.finish_reason(reason)) == f"FINISH_REASON_{reason.name}"
 
 
-def test_cancelled_never_reaches_the_wire() -> None:
-    """CANCELLED is a status, so converting it as a result is refused."""
-    with pytest.raises(ValueError, match="cancelled"):
-        convert.finish_reason(FinishReason.CANCELLED)
+def test_every_wire_finish_reason_is_produced() -> None:
+    """The proto has no finish reason the core never produces (besides UNSPECIFIED)."""
+    wire = set(pb.FinishReason.values()) - {pb.FINISH_REASON_UNSPECIFIED}
+    assert set(convert.FINISH_REASONS.values()) == wire
 
 
 def test_generate_response_joins_deltas() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any, cast
@@ -14,7 +15,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
 from llama_grpc.v1 import llm_service_pb2 as pb
-from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.config import ServerSettings, Settings
 from llama_grpc_server.core.request import GenerationRequest
 from llama_grpc_server.rpc import interceptors
@@ -41,11 +41,6 @@ class ListRecorder:
 
 
 @pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-@pytest.fixture
 def recorder() -> ListRecorder:
     return ListRecorder()
 
@@ -55,17 +50,6 @@ async def server(engine: FakeEngine, recorder: ListRecorder) -> AsyncIterator[Ru
     async with start_server(SETTINGS, lambda: engine, recorder=recorder) as running:
         assert await running.wait_loaded()
         yield running
-
-
-@pytest.fixture
-async def channel(server: RunningServer) -> AsyncIterator[grpc.aio.Channel]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        yield channel
-
-
-@pytest.fixture
-def stub(channel: grpc.aio.Channel) -> Any:
-    return pb_grpc.LlmServiceStub(channel)
 
 
 async def eventually(predicate: Callable[[], bool], timeout_s: float = 2.0) -> None:
@@ -84,17 +68,21 @@ def access_lines(logs: Sequence[Mapping[str, Any]], method: str) -> list[Mapping
     return [e for e in logs if e["event"] == "rpc" and e["method"] == method]
 
 
-async def test_unary_access_line(stub: Any) -> None:
-    """One 'rpc' line per unary call with method, OK, request id, one message, peer, duration."""
+async def test_unary_access_line(stub: Any, engine: FakeEngine) -> None:
+    """One 'rpc' line per unary call with method, OK, request id, one message, peer, and a
+    duration covering the two 10 ms tokens, within what the caller measured around the call."""
+    engine.token_delay_s = 0.01
     with capture_logs() as logs:
+        start = time.perf_counter()
         await stub.Generate(pb.GenerateRequest(prompt="ab"), metadata=(("x-request-id", "u-1"),))
+        caller_ms = (time.perf_counter() - start) * 1000
         await eventually(lambda: bool(access_lines(logs, GENERATE)))
     [line] = access_lines(logs, GENERATE)
     assert line["code"] == "OK"
     assert line["request_id"] == "u-1"
     assert line["messages_sent"] == 1
     assert line["peer"].startswith("ipv4:127.0.0.1")
-    assert line["duration_ms"] >= 0
+    assert 2 * 10 <= line["duration_ms"] <= caller_ms
     assert "first_message_ms" not in line
     assert line["log_level"] == "info"
 

@@ -282,19 +282,21 @@ def test_decode_error_fails_only_that_batch() -> None:
 
 
 def test_repeated_prompt_reuses_prefix() -> None:
-    """The same prompt again reuses all but the last token from the idle slot's cache."""
+    """The same prompt again reuses all but the last token from the idle slot's cache; a prompt
+    that differs from its first token reuses nothing."""
     s, runner = make(n_parallel=1), FakeRunner()
-    s.add(req("a", 50, 4))
+    first = req("a", 50, 4)
+    s.add(first)
     drive(s, runner)
-    s.add(req("a2", 50, 4))
-    # same prompt: req() derives tokens from len(rid), so build it explicitly
-    events = drive(s, runner)
-    done = finals(events)["a2"]
-    assert isinstance(done, Finished)
-    r = Request(GenerationRequest("c", tuple(runner.kv[0][:50]), GREEDY, StoppingParams(4)))
-    s.add(r)
-    done = finals(drive(s, runner))["c"]
-    assert isinstance(done, Finished) and done.usage.cached_prompt_tokens == 49
+    prompt = first.spec.prompt_tokens
+    s.add(Request(GenerationRequest("again", prompt, GREEDY, StoppingParams(4))))
+    again = finals(drive(s, runner))["again"]
+    assert isinstance(again, Finished) and again.usage.cached_prompt_tokens == 49
+    other = req("bb", 50, 4)  # req() derives the tokens from len(rid)
+    assert other.spec.prompt_tokens[0] != prompt[0]
+    s.add(other)
+    done = finals(drive(s, runner))["bb"]
+    assert isinstance(done, Finished) and done.usage.cached_prompt_tokens == 0
 
 
 def test_cross_slot_copy_uses_seq_cp() -> None:

@@ -15,7 +15,6 @@ from typing import Any
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
@@ -26,22 +25,7 @@ from llama_grpc_server.rpc.server import RunningServer, ServerStartError, start_
 from llama_grpc_server.telemetry import RequestEvent, TickEvent
 from llama_grpc_server.testing import FakeEngine
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def samples(text: str | bytes) -> Samples:
-    """Every sample of an exposition as {(name, sorted labels): value}."""
-    if isinstance(text, bytes):
-        text = text.decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(got: Samples, name: str, **labels: str) -> float:
-    return got[(name, tuple(sorted(labels.items())))]
+from ..conftest import free_port, samples, scrape, value
 
 
 def done_event(**overrides: Any) -> RequestEvent:
@@ -167,11 +151,6 @@ def test_two_registries_in_one_process() -> None:
     assert value(samples(second.render()), "llama_grpc:iteration_tokens_total_count") == 0
 
 
-def scrape(port: int) -> Samples:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        return samples(response.read())
-
-
 def test_serve_metrics_over_http() -> None:
     """serve_metrics on port 0 picks a free port and serves the exposition until closed."""
     metrics = Metrics()
@@ -183,12 +162,6 @@ def test_serve_metrics_over_http() -> None:
         served.close()
     with pytest.raises(urllib.error.URLError):
         scrape(served.port)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def server_settings(metrics_port: int) -> Settings:

@@ -312,8 +312,17 @@ def test_unset_time_limit_means_none() -> None:
 
 @pytest.mark.parametrize("model", ["", "fake", "/models/fake.gguf", "fake.gguf"])
 def test_model_accepts_name_path_and_file_name(model: str) -> None:
-    """The loaded model may be named by its name, its path or its file name (or not at all)."""
-    validation.check_model(model, INFO)
+    """The loaded model may be named by its name, its path or its file name (or not at all):
+    the request then parses exactly like one naming no model."""
+    assert text_request(model=model) == text_request()
+
+
+@pytest.mark.parametrize("model", ["Fake", "fake.gg", "models/fake.gguf", "/other/fake.gguf"])
+def test_model_near_misses_are_not_found(model: str) -> None:
+    """Names that are not exactly the loaded model's name, path or file name are NOT_FOUND."""
+    with pytest.raises(errors.ModelNotFound) as caught:
+        text_request(model=model)
+    assert caught.value.metadata == {"model": model, "loaded": "fake"}
 
 
 def test_tokens_request_keeps_prompt_ids() -> None:

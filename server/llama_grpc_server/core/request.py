@@ -4,7 +4,6 @@ a request emits. Pure Python: no llama_cpp, no grpc."""
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
 from llama_grpc_server.errors import ServiceError
@@ -17,7 +16,6 @@ class FinishReason(enum.Enum):
     MAX_TOKENS = "max_tokens"
     CONTEXT_LENGTH = "context_length"
     TIME_LIMIT = "time_limit"
-    CANCELLED = "cancelled"
 
 
 class RequestState(enum.Enum):
@@ -236,10 +234,6 @@ class Request:
     def is_decoding(self) -> bool:
         return self.num_pending == 1 and self.num_output > 0
 
-    @property
-    def output_tokens(self) -> list[int]:
-        return self.tokens[self.num_prompt :]
-
     def deadline_passed(self, now: float) -> bool:
         return self.spec.deadline is not None and now >= self.spec.deadline
 
@@ -262,7 +256,3 @@ class Request:
             decode_ms=_ms(first, now_ns),
             total_ms=_ms(self.arrival_ns, now_ns),
         )
-
-
-def is_finite_number(value: float) -> bool:
-    return not (math.isnan(value) or math.isinf(value))

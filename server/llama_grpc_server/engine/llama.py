@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -84,8 +83,7 @@ class LlamaModel:
         params.n_seq_max = n_seq_max
         params.kv_unified = True  # slots share all cells; seq_cp only tags cells
         params.swa_full = True  # partial prefix reuse stays correct on sliding-window models
-        params.n_threads = s.n_threads
-        params.n_threads_batch = s.n_threads_batch
+        params.n_threads, params.n_threads_batch = s.threads()
         params.no_perf = True
         # Measured on Gemma 3 270M (1,800-token prompt): a sequence's logits are bit-identical
         # when recomputed alone, but move by up to ~1.0 (mean ~0.2; argmax unchanged) with the
@@ -194,9 +192,6 @@ class LlamaModel:
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         return int(llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(data), seq_id)) > 0
 
-    def seq_pos_max(self, seq_id: int) -> int:
-        return int(llama_cpp.llama_memory_seq_pos_max(self.memory, seq_id))
-
     def close(self) -> None:
         if self.ctx:
             llama_cpp.llama_free(self.ctx)
@@ -210,7 +205,3 @@ def _gguf_chat_template(model: Any) -> str:
     """The Jinja chat template stored in the GGUF file ("" when it has none)."""
     template = llama_cpp.llama_model_chat_template(model, None)
     return template.decode("utf-8", errors="replace") if template else ""
-
-
-def default_threads() -> int:
-    return max(1, os.cpu_count() or 1)

@@ -21,6 +21,7 @@ _LEVELS = {
     3: logging.WARNING,
     4: logging.ERROR,
 }
+_CONT = 5  # GGML_LOG_LEVEL_CONT
 _log = structlog.get_logger("llama.cpp")
 _state: dict[str, Any] = {"buffer": "", "level": logging.DEBUG, "debug": False}
 _capture = threading.local()  # .lines: list[str] while captured_errors() runs on this thread
@@ -28,7 +29,7 @@ _capture = threading.local()  # .lines: list[str] while captured_errors() runs o
 
 @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]  # ctypes CFUNCTYPE is untyped
 def _callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
-    py_level = _LEVELS.get(level, logging.DEBUG) if level != 5 else _state["level"]
+    py_level = _LEVELS.get(level, logging.DEBUG) if level != _CONT else _state["level"]
     _state["level"] = py_level
     if py_level < logging.WARNING and not _state["debug"]:
         return

@@ -97,10 +97,6 @@ class RequestSampler:
             return
         self._chain = _chain(params, seed, n_vocab)
 
-    @property
-    def is_constrained(self) -> bool:
-        return self._grammar is not None
-
     def sample(self, ctx: Any, batch_index: int) -> int:
         """Sample from the logits of `batch_index`, which must be an output of the last decode.
         llama_sampler_sample accepts the token itself; never accept it again."""

@@ -1,7 +1,5 @@
 """core events and snapshots -> proto messages. Pure: no grpc, no engine calls.
-
-FinishReason.CANCELLED has no wire value: a cancelled request ends with a status, not a result.
-"""
+A cancelled request has no finish reason: it ends with a status (a Failed event), not a result."""
 
 from __future__ import annotations
 
@@ -23,11 +21,7 @@ FINISH_REASONS: dict[core.FinishReason, pb.FinishReason.ValueType] = {
 
 
 def finish_reason(reason: core.FinishReason) -> pb.FinishReason.ValueType:
-    """The wire enum; raises ValueError for CANCELLED, which is a status, never a result."""
-    try:
-        return FINISH_REASONS[reason]
-    except KeyError:
-        raise ValueError(f"finish reason {reason.value!r} has no wire value") from None
+    return FINISH_REASONS[reason]
 
 
 def usage(value: core.Usage) -> pb.Usage:

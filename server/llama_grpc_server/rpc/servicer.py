@@ -20,7 +20,6 @@ from llama_grpc_server.core.api import EngineApi
 from llama_grpc_server.core.request import (
     Failed,
     Finished,
-    FinishReason,
     GenerationRequest,
     TokenDelta,
 )
@@ -89,8 +88,6 @@ async def _run(
                 raise event.error
             if isinstance(event, Finished):
                 is_done = True
-                if event.reason is FinishReason.CANCELLED:  # a status, never a result
-                    raise errors.Cancelled("the request was cancelled")
                 yield event
                 return
             yield event
@@ -120,10 +117,6 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
     def attach(self, engine: EngineApi) -> None:
         """Start serving with a loaded engine."""
         self._engine = engine
-
-    @property
-    def is_ready(self) -> bool:
-        return self._engine is not None
 
     def _ready_engine(self) -> EngineApi:
         if self._engine is None:
