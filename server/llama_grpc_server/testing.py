@@ -1,8 +1,15 @@
-"""FakeEngine: an EngineApi without llama.cpp, for tests and embedders.
+"""Test doubles that run the real engine code without llama.cpp, for tests and embedders.
 
-Vocabulary: 0 = <pad>, 1 = <s> (BOS), 2 = </s> (EOS), and byte b is token b + 3 (259 tokens), so
-tokenize("hi") == [1, 107, 108]. A request "generates" its script one token per `token_delay_s`:
-by default the prompt's byte tokens reversed. Pure Python and asyncio; no llama_cpp, no grpc.
+FakeRunner: a StepRunner keeping per-sequence token lists like a KV cache, enforcing
+llama_decode's rules (contiguous positions, capacity, a sampler before sampling). It samples a
+request's script when it has one, else a deterministic function of the sequence's whole context
+(so a preempted-and-resumed request must produce the same tokens).
+
+FakeEngine: the real EngineLoop and Scheduler over a FakeRunner and a byte-level vocabulary:
+0 = <pad>, 1 = <s> (BOS), 2 = </s> (EOS), and byte b is token b + 3 (259 tokens), so
+tokenize("hi") == [1, 107, 108]. A request generates its script (by default the prompt's byte
+tokens reversed), then EOS; stop strings, max_tokens, deadlines, cancellation, queueing and
+stats are the real scheduler's. No llama_cpp, no grpc.
 """
 
 from __future__ import annotations
@@ -10,28 +17,22 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 
 from llama_grpc_server import errors
 from llama_grpc_server.core.api import ModelInfo, StatsSnapshot
 from llama_grpc_server.core.chat import ROLES, ChatMessage
-from llama_grpc_server.core.request import (
-    Event,
-    Failed,
-    Finished,
-    FinishReason,
-    GenerationRequest,
-    Timings,
-    TokenDelta,
-    Usage,
-)
+from llama_grpc_server.core.plan import DECODE_KV_FULL, SeqOpKind, StepPlan, StepResult
+from llama_grpc_server.core.request import Event, Failed, GenerationRequest, TokenDelta
+from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.loop import EngineLoop, EngineStream
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 BYTE_OFFSET = 3
 N_VOCAB = 256 + BYTE_OFFSET
 SPECIAL_PIECES = {PAD_ID: "<pad>", BOS_ID: "<s>", EOS_ID: "</s>"}
-FAKE_SEED = 42
+PIECES: tuple[bytes, ...] = (b"", b"", b"", *(bytes([b]) for b in range(256)))
 
 Script = Callable[[GenerationRequest], Sequence[int]]
 
@@ -66,95 +67,105 @@ def fake_model_info(n_ctx: int = 512, n_parallel: int = 4) -> ModelInfo:
     )
 
 
-@dataclass(slots=True)
-class _Counters:
-    started: int = 0
-    finished: int = 0
-    failed: int = 0
-    cancelled: int = 0
-    rejected: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
+class FakeRunner:
+    """A StepRunner without a model (see the module docstring)."""
 
+    def __init__(
+        self,
+        n_vocab: int = 97,
+        kv_cells: int = 1_000_000,
+        *,
+        refuse_partial_removal: bool = False,
+        eos_id: int | None = None,
+    ) -> None:
+        self.n_vocab = n_vocab
+        self.kv_cells = kv_cells
+        # Like recurrent memory: seq_rm(seq, p0 > 0) fails; the runner empties the sequence.
+        self.refuse_partial_removal = refuse_partial_removal
+        self.eos_id = eos_id  # sampled once a script is exhausted
+        self.delay_s = 0.0  # slept per forward pass, on the engine thread, like a decode
+        self.scripts: dict[str, list[int]] = {}  # request_id -> tokens to sample, in order
+        self.kv: dict[int, list[int]] = defaultdict(list)
+        self.samplers: set[str] = set()
+        self.plans: list[StepPlan] = []
+        self.fed: dict[str, int] = defaultdict(int)  # request_id -> tokens fed
+        self.num_sampled: dict[str, int] = defaultdict(int)
 
-class FakeStream:
-    """The events of one fake request; cancel() stops it at its next token."""
+    def next_token(self, context: list[int]) -> int:
+        return (sum(context) * 31 + len(context) * 7) % self.n_vocab
 
-    def __init__(self, engine: FakeEngine, request: GenerationRequest) -> None:
-        self.request = request
-        self.is_finished = False  # a Finished or Failed event was delivered
-        self.is_cancelled = False
-        self._engine = engine
+    def _sample(self, request_id: str, context: list[int]) -> int:
+        script = self.scripts.get(request_id)
+        if script is None:
+            return self.next_token(context)
+        n = self.num_sampled[request_id]
+        self.num_sampled[request_id] = n + 1
+        if n < len(script):
+            return script[n]
+        return self.eos_id if self.eos_id is not None else self.next_token(context)
 
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        try:
-            async for event in self._engine._events(self):
-                self.is_finished = isinstance(event, Finished | Failed)
-                yield event
-        finally:
-            self._engine.active.discard(self.request.request_id)
-
-    def cancel(self) -> None:
-        """Idempotent; a no-op once the request has finished."""
-        if not (self.is_finished or self.is_cancelled):
-            self.is_cancelled = True
-            self._engine._on_cancel(self.request.request_id)
-
-
-@dataclass
-class FakeEngine:
-    """Scripted EngineApi. Every knob is a plain attribute tests may change between requests.
-
-    script: the output tokens of a request (default: its prompt reversed), cut at max_tokens
-        (MAX_TOKENS), at a stop token (STOP_TOKEN) or at EOS (EOS); else `finish_reason`.
-    fail_with / fail_after: end with Failed(fail_with) after `fail_after` tokens.
-    submit_error: raised by submit() itself (as PromptTooLong or ShuttingDown would be).
-    max_queue: submit() raises Overloaded while this many requests are unfinished.
-    """
-
-    info: ModelInfo = field(default_factory=fake_model_info)
-    script: Script = reversed_prompt
-    token_delay_s: float = 0.0
-    finish_reason: FinishReason = FinishReason.EOS
-    fail_with: errors.ServiceError | None = None
-    fail_after: int = 0
-    submit_error: errors.ServiceError | None = None
-    max_queue: int | None = None
-    # What happened, for assertions:
-    submitted: list[GenerationRequest] = field(default_factory=list, init=False)
-    cancelled: list[str] = field(default_factory=list, init=False)
-    active: set[str] = field(default_factory=set, init=False)
-    is_closed: bool = field(default=False, init=False)
-    counters: _Counters = field(default_factory=_Counters, init=False)
-    started_at: float = field(default_factory=time.monotonic, init=False)
-    _cancel_seen: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
-    _failure_listeners: list[Callable[[str], None]] = field(
-        default_factory=list, init=False, repr=False
-    )
-
-    # -- EngineApi --------------------------------------------------------------------------------
-
-    @property
-    def model_info(self) -> ModelInfo:
-        return self.info
-
-    def submit(self, request: GenerationRequest) -> FakeStream:
-        if self.is_closed:
-            raise errors.ShuttingDown("server is shutting down")
-        if self.submit_error is not None:
-            self.counters.rejected += 1
-            raise self.submit_error
-        if self.max_queue is not None and len(self.active) >= self.max_queue:
-            self.counters.rejected += 1
-            raise errors.Overloaded(
-                f"queue is full ({len(self.active)} waiting, max_queue={self.max_queue})",
-                retry_after_s=1.0,
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        for request_id in plan.close_samplers:
+            self.samplers.discard(request_id)
+            self.scripts.pop(request_id, None)
+            self.num_sampled.pop(request_id, None)
+        for spec in plan.open_samplers:
+            assert spec.request_id not in self.samplers
+            self.samplers.add(spec.request_id)
+        saved: dict[int, bytes] = {}
+        restored: dict[int, bool] = {}
+        reset = self._edit_kv(plan, saved, restored)
+        used = sum(len(v) for v in self.kv.values())
+        if used + plan.num_tokens > self.kv_cells:
+            return StepResult(
+                status=DECODE_KV_FULL, saved=saved, restored=restored, reset=frozenset(reset)
             )
-        self.submitted.append(request)
-        self.active.add(request.request_id)
-        self.counters.started += 1
-        self.counters.prompt_tokens += len(request.prompt_tokens)
-        return FakeStream(self, request)
+        if plan.chunks and self.delay_s > 0:
+            time.sleep(self.delay_s)
+        sampled = {}
+        for chunk in plan.chunks:
+            if chunk.slot_id in reset:
+                continue
+            seq = self.kv[chunk.slot_id]
+            assert chunk.start_pos == len(seq), "positions must continue the sequence"
+            seq.extend(chunk.tokens)
+            self.fed[chunk.request_id] += len(chunk.tokens)
+            if chunk.wants_logits:
+                assert chunk.request_id in self.samplers, "sampling without a sampler"
+                sampled[chunk.slot_id] = self._sample(chunk.request_id, seq)
+        return StepResult(sampled=sampled, saved=saved, restored=restored, reset=frozenset(reset))
+
+    def _edit_kv(
+        self, plan: StepPlan, saved: dict[int, bytes], restored: dict[int, bool]
+    ) -> set[int]:
+        reset: set[int] = set()
+        for op in plan.seq_ops:
+            if op.seq_id in reset:
+                continue
+            if op.kind is SeqOpKind.REMOVE:
+                is_partial = 0 < op.p0 < len(self.kv[op.seq_id])
+                if is_partial and self.refuse_partial_removal:
+                    self.kv[op.seq_id].clear()
+                    reset.add(op.seq_id)
+                del self.kv[op.seq_id][op.p0 :]
+            elif op.kind is SeqOpKind.COPY and op.src_seq_id in reset:
+                self.kv[op.seq_id].clear()
+                reset.add(op.seq_id)
+            elif op.kind is SeqOpKind.COPY:
+                assert not self.kv[op.seq_id], "copy into a non-empty sequence"
+                self.kv[op.seq_id] = list(self.kv[op.src_seq_id][: op.p1])
+            elif op.kind is SeqOpKind.SAVE:
+                saved[op.seq_id] = ",".join(map(str, self.kv[op.seq_id])).encode()
+            else:
+                assert not self.kv[op.seq_id], "restore into a non-empty sequence"
+                self.kv[op.seq_id] = [int(t) for t in op.data.decode().split(",")]
+                restored[op.seq_id] = True
+        return reset
+
+
+class FakeVocabulary:
+    """The byte-level vocabulary with stand-in grammar and chat-template checks."""
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return ([BOS_ID] if add_special else []) + encode(text)
@@ -168,10 +179,10 @@ class FakeEngine:
                 out += SPECIAL_PIECES[token_id].encode()
         return out.decode("utf-8", errors="replace")
 
-    def token_piece(self, token_id: int) -> str:
+    def special_piece(self, token_id: int) -> bytes:
         if token_id < BYTE_OFFSET:
-            return SPECIAL_PIECES[token_id]
-        return bytes([token_id - BYTE_OFFSET]).decode("utf-8", errors="replace")
+            return SPECIAL_PIECES[token_id].encode()
+        return PIECES[token_id]
 
     def check_grammar(self, gbnf: str, root: str) -> None:
         """A stand-in parser: every line needs "::=" and the root rule must exist."""
@@ -180,12 +191,6 @@ class FakeEngine:
             raise ValueError("invalid grammar: expecting ::=")
         if root not in rules:
             raise ValueError(f"invalid grammar: grammar does not contain a '{root}' symbol")
-
-    def render_chat(self, messages: Sequence[ChatMessage], template: str) -> str:
-        """A stand-in template: "<role>content" per message, then "<assistant>"."""
-        if any(m.role not in ROLES for m in messages):
-            raise ValueError("unknown role")
-        return "".join(f"<{m.role}>{m.content}" for m in messages) + "<assistant>"
 
     def json_schema_to_grammar(self, schema: str) -> str:
         """Any JSON object schema becomes a grammar for "{}"; anything else is invalid."""
@@ -197,106 +202,171 @@ class FakeEngine:
             raise ValueError("the schema must be a JSON object")
         return 'root ::= "{}"'
 
+    def render_chat(self, messages: Sequence[ChatMessage], template: str) -> str:
+        """A stand-in template: "<role>content" per message, then "<assistant>"."""
+        if any(m.role not in ROLES for m in messages):
+            raise ValueError("unknown role")
+        return "".join(f"<{m.role}>{m.content}" for m in messages) + "<assistant>"
+
+
+class FakeStream:
+    """The engine's stream of one request, with the failure a test injected (fail_with after
+    fail_after deltas: the engine request is cancelled and the caller gets Failed)."""
+
+    def __init__(self, engine: FakeEngine, inner: EngineStream) -> None:
+        self._engine = engine
+        self._inner = inner
+        self._fail_with = engine.fail_with
+        self._fail_after = engine.fail_after
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        deltas = 0
+        async for event in self._inner:
+            if self._fail_with is not None and deltas >= self._fail_after:
+                self._inner.cancel()
+                yield Failed(self._fail_with)
+                return
+            deltas += isinstance(event, TokenDelta)
+            yield event
+
+    def cancel(self) -> None:
+        self._engine._on_cancel(self._inner.request_id)
+        self._inner.cancel()
+
+
+class FakeEngine:
+    """An EngineApi: EngineLoop + Scheduler + FakeRunner. Knobs are plain attributes tests may
+    change between requests:
+
+    script: the output tokens of a request (then EOS), computed at submit.
+    token_delay_s: sleep per forward pass (a "decode" time).
+    fail_with / fail_after: end a stream with Failed(fail_with) after `fail_after` deltas.
+    submit_error: raised by submit() itself (as PromptTooLong or ShuttingDown would be).
+    max_queue: submit() raises Overloaded while this many requests are unfinished.
+    """
+
+    def __init__(
+        self,
+        info: ModelInfo | None = None,
+        script: Script = reversed_prompt,
+        *,
+        token_delay_s: float = 0.0,
+    ) -> None:
+        self.info = info if info is not None else fake_model_info()
+        self.script = script
+        self.fail_with: errors.ServiceError | None = None
+        self.fail_after = 0
+        self.submit_error: errors.ServiceError | None = None
+        self.max_queue: int | None = None
+        # What happened, for assertions:
+        self.submitted: list[GenerationRequest] = []
+        self.cancelled: list[str] = []
+        self.is_closed = False
+        self.runner = FakeRunner(N_VOCAB, eos_id=EOS_ID)
+        self.runner.delay_s = token_delay_s
+        self._cancel_seen: asyncio.Event | None = None
+        self._loop: EngineLoop | None = None  # started on first use
+
+    @property
+    def token_delay_s(self) -> float:
+        return self.runner.delay_s
+
+    @token_delay_s.setter
+    def token_delay_s(self, value: float) -> None:
+        self.runner.delay_s = value
+
+    @property
+    def loop(self) -> EngineLoop:
+        if self._loop is None:
+            limits = SchedulerLimits(self.info.n_parallel, self.info.n_ctx, self.info.n_batch)
+            scheduler = Scheduler(limits, pieces=PIECES, eog_ids=frozenset(self.info.eog_token_ids))
+            self._loop = EngineLoop(
+                scheduler,
+                self.runner,
+                self.info,
+                tokenizer=FakeVocabulary(),
+                kv_cells_total=self.info.n_ctx,
+            )
+        return self._loop
+
+    # -- EngineApi --------------------------------------------------------------------------------
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.info
+
+    def submit(self, request: GenerationRequest) -> FakeStream:
+        if self.is_closed:
+            raise errors.ShuttingDown("server is shutting down")
+        if self.submit_error is not None:
+            raise self.submit_error
+        done = self.stats()
+        ended = done.requests_finished + done.requests_failed + done.requests_cancelled
+        unfinished = len(self.submitted) - ended
+        if self.max_queue is not None and unfinished >= self.max_queue:
+            raise errors.Overloaded(
+                f"queue is full ({unfinished} waiting, max_queue={self.max_queue})",
+                retry_after_s=1.0,
+            )
+        script = list(self.script(request))
+        self.runner.scripts[request.request_id] = script
+        inner = self.loop.submit(request)
+        self.submitted.append(request)
+        return FakeStream(self, inner)
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return FakeVocabulary().tokenize(text, add_special=add_special, parse_special=False)
+
+    def detokenize(self, token_ids: Sequence[int], *, render_special: bool) -> str:
+        return FakeVocabulary().detokenize(token_ids, render_special=render_special)
+
+    def token_piece(self, token_id: int) -> str:
+        return FakeVocabulary().special_piece(token_id).decode("utf-8", errors="replace")
+
+    def check_grammar(self, gbnf: str, root: str) -> None:
+        FakeVocabulary().check_grammar(gbnf, root)
+
+    def json_schema_to_grammar(self, schema: str) -> str:
+        return FakeVocabulary().json_schema_to_grammar(schema)
+
+    def render_chat(self, messages: Sequence[ChatMessage], template: str) -> str:
+        return FakeVocabulary().render_chat(messages, template)
+
     def stats(self) -> StatsSnapshot:
-        c, n_parallel = self.counters, self.info.n_parallel
-        active = min(len(self.active), n_parallel)
-        return StatsSnapshot(
-            n_parallel=n_parallel,
-            active_slots=active,
-            idle_slots=n_parallel - active,
-            prefilling_slots=0,
-            generating_slots=active,
-            queue_depth=max(0, len(self.active) - n_parallel),
-            kv_cells_used=0,
-            kv_cells_total=self.info.n_ctx,
-            requests_started=c.started,
-            requests_finished=c.finished,
-            requests_failed=c.failed,
-            requests_cancelled=c.cancelled,
-            requests_rejected=c.rejected,
-            prompt_tokens=c.prompt_tokens,
-            generated_tokens=c.generated_tokens,
-            cached_prompt_tokens=0,
-            ticks=c.generated_tokens,
-            avg_batch_size=1.0,
-            preemptions=0,
-            uptime_s=time.monotonic() - self.started_at,
-            slots=(),
-            batch_strategy="fake",
-            prefix_cache_hit_rate=0.0,
-        )
+        return self.loop.stats()
 
     def on_failure(self, listener: Callable[[str], None]) -> None:
-        self._failure_listeners.append(listener)
+        self.loop.on_failure(listener)
 
     def close(self) -> None:
         self.is_closed = True
+        if self._loop is not None:
+            self._loop.close()
 
     # -- helpers for tests ------------------------------------------------------------------------
 
     async def wait_for_cancel(self, timeout_s: float = 5.0) -> str:
         """The first cancelled request id, waiting for it up to `timeout_s`."""
-        await asyncio.wait_for(self._cancel_seen.wait(), timeout_s)
+        if self._cancel_seen is None:
+            self._cancel_seen = asyncio.Event()
+        if not self.cancelled:
+            await asyncio.wait_for(self._cancel_seen.wait(), timeout_s)
         return self.cancelled[0]
-
-    # -- internals --------------------------------------------------------------------------------
 
     def _on_cancel(self, request_id: str) -> None:
         self.cancelled.append(request_id)
-        self.counters.cancelled += 1
-        self.active.discard(request_id)
-        self._cancel_seen.set()
-
-    async def _events(self, stream: FakeStream) -> AsyncIterator[Event]:
-        request, start = stream.request, time.perf_counter()
-        tokens = list(self.script(request))
-        produced: list[int] = []
-        for token_id in tokens:
-            if len(produced) >= request.stopping.max_tokens:
-                break
-            if self.fail_with is not None and len(produced) >= self.fail_after:
-                break
-            stop_reason = _stop_reason(request, token_id)
-            if stop_reason is not None:
-                yield self._finished(request, produced, stop_reason, start, token_id)
-                return
-            await asyncio.sleep(self.token_delay_s)
-            if stream.is_cancelled:  # cancelled while "decoding"
-                return
-            produced.append(token_id)
-            self.counters.generated_tokens += 1
-            yield TokenDelta((token_id,), self.token_piece(token_id))
-        if self.fail_with is not None:
-            self.counters.failed += 1
-            yield Failed(self.fail_with)
-            return
-        is_cut = len(produced) >= request.stopping.max_tokens
-        reason = FinishReason.MAX_TOKENS if is_cut else self.finish_reason
-        yield self._finished(request, produced, reason, start, None)
-
-    def _finished(
-        self,
-        request: GenerationRequest,
-        produced: list[int],
-        reason: FinishReason,
-        start: float,
-        matched_token_id: int | None,
-    ) -> Finished:
-        self.counters.finished += 1
-        elapsed_ms = (time.perf_counter() - start) * 1000
-        seed = request.sampling.seed
-        return Finished(
-            reason=reason,
-            usage=Usage(len(request.prompt_tokens), len(produced), 0),
-            timings=Timings(0.0, elapsed_ms, 0.0, elapsed_ms, elapsed_ms),
-            seed=FAKE_SEED if seed is None else seed,
-            matched_token_id=matched_token_id,
-        )
+        if self._cancel_seen is not None:
+            self._cancel_seen.set()
 
 
-def _stop_reason(request: GenerationRequest, token_id: int) -> FinishReason | None:
-    if token_id in request.stopping.stop_token_ids:
-        return FinishReason.STOP_TOKEN
-    if token_id == EOS_ID and not request.stopping.ignore_eos:
-        return FinishReason.EOS
-    return None
+__all__ = [
+    "BOS_ID",
+    "EOS_ID",
+    "N_VOCAB",
+    "FakeEngine",
+    "FakeRunner",
+    "FakeVocabulary",
+    "encode",
+    "fake_model_info",
+    "reversed_prompt",
+]

@@ -32,9 +32,7 @@ from llama_grpc_server.core.request import (
 )
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.rpc import convert, validation
-from llama_grpc_server.testing import N_VOCAB, FakeEngine, fake_model_info
-
-from .fake_runner import FakeRunner
+from llama_grpc_server.testing import N_VOCAB, FakeEngine, FakeRunner, fake_model_info
 
 INFO = fake_model_info(n_ctx=64)
 LIMITS = SchedulerSettings(default_max_tokens=16)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from llama_grpc_server.core.kv_cells import CellMap
 from llama_grpc_server.core.request import Finished, GenerationRequest, Request, StoppingParams
+from llama_grpc_server.testing import FakeRunner
 
-from .fake_runner import FakeRunner
 from .test_scheduler import GREEDY, drive, finals, make, outputs
 
 

@@ -21,9 +21,8 @@ from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.core.strategies import Allocation, BatchView, DecodeMaximal
 from llama_grpc_server.loop import EngineLoop, EngineState
 from llama_grpc_server.telemetry import configure_logging
-from llama_grpc_server.testing import fake_model_info
+from llama_grpc_server.testing import FakeRunner, fake_model_info
 
-from .fake_runner import FakeRunner
 from .test_scheduler import PIECES, req
 
 SECRET = "the-secret-prompt-text"

@@ -22,8 +22,7 @@ from llama_grpc_server.core.request import (
 )
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.core.strategies import PrefillPriority
-
-from .fake_runner import FakeRunner
+from llama_grpc_server.testing import FakeRunner
 
 PIECES = [f"<{i}>".encode() for i in range(97)]
 GREEDY = SamplingParams(temperature=0.0)

@@ -80,7 +80,10 @@ async def test_unary_equals_concatenated_stream(stub: Any) -> None:
     assert unary.text == "".join(m.delta.text for m in deltas) == "olleh"
     assert list(unary.token_ids) == [t for m in deltas for t in m.delta.token_ids]
     assert unary.finish_reason == done.done.finish_reason == pb.FINISH_REASON_EOS
-    assert unary.usage == done.done.usage
+    usage = (unary.usage.prompt_tokens, unary.usage.completion_tokens)
+    assert usage == (done.done.usage.prompt_tokens, done.done.usage.completion_tokens) == (6, 5)
+    # the same prompt again reuses the first call's KV (the real scheduler's prefix cache)
+    assert (unary.usage.cached_prompt_tokens, done.done.usage.cached_prompt_tokens) == (0, 5)
     assert unary.usage.prompt_tokens == 6  # BOS + 5 bytes
 
 
@@ -90,6 +93,15 @@ async def test_max_tokens_cuts_the_output(stub: Any) -> None:
     response = await stub.Generate(pb.GenerateRequest(prompt="abcdef", params=params))
     assert response.text == "fe"
     assert response.finish_reason == pb.FINISH_REASON_MAX_TOKENS
+
+
+async def test_stop_string_cuts_the_text(stub: Any) -> None:
+    """The fake runs the real scheduler: a stop string ends generation and is not sent."""
+    params = pb.GenerationParams(stopping=pb.StoppingCriteria(stop=["ll"]))
+    unary = await stub.Generate(pb.GenerateRequest(prompt="hello", params=params))
+    assert unary.text == "o"
+    assert unary.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
+    assert unary.finish.matched_stop == "ll"
 
 
 async def test_stop_token_is_reported(stub: Any) -> None:

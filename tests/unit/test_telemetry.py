@@ -25,9 +25,8 @@ from llama_grpc_server.core.request import (
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.loop import EngineLoop
 from llama_grpc_server.telemetry import Bus, RequestEvent, Telemetry, TelemetryEvent, TickEvent
-from llama_grpc_server.testing import fake_model_info
+from llama_grpc_server.testing import FakeRunner, fake_model_info
 
-from .fake_runner import FakeRunner
 from .test_scheduler import PIECES, req
 
 MS = 1_000_000  # ns

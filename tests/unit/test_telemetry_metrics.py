@@ -26,6 +26,7 @@ from llama_grpc_server.telemetry import RequestEvent, TickEvent
 from llama_grpc_server.testing import FakeEngine
 
 from ..conftest import free_port, samples, scrape, value
+from .test_convert import make_snapshot
 
 
 def done_event(**overrides: Any) -> RequestEvent:
@@ -89,15 +90,11 @@ def test_tick_events_feed_batch_and_inter_token_series() -> None:
 
 def test_snapshot_series_equal_the_engine_stats() -> None:
     """Gauges and cumulative counters are read from engine.stats() at scrape time: the same
-    numbers GetStats returns."""
-    engine = FakeEngine()
-    engine.counters.started, engine.counters.finished = 5, 4
-    engine.counters.prompt_tokens, engine.counters.generated_tokens = 123, 45
-    engine.counters.cancelled, engine.counters.rejected = 1, 2
+    numbers GetStats returns (every field distinct, so a swapped series fails)."""
+    stats = replace(make_snapshot(), engine_state="running", engine_error="")
     metrics = Metrics()
     assert not any(name.startswith("llama_grpc:num_") for name, _ in samples(metrics.render()))
-    metrics.watch(engine.stats)
-    stats = engine.stats()
+    metrics.watch(lambda: stats)
     got = samples(metrics.render())
     expected = {
         "llama_grpc:requests_started_total": stats.requests_started,
@@ -114,14 +111,15 @@ def test_snapshot_series_equal_the_engine_stats() -> None:
         "llama_grpc:num_requests_waiting": stats.queue_depth,
     }
     assert {name: value(got, name) for name in expected} == expected
-    assert value(got, "llama_grpc:kv_cache_usage_perc") == 0.0
+    kv_use = stats.kv_cells_used / stats.kv_cells_total
+    assert value(got, "llama_grpc:kv_cache_usage_perc") == pytest.approx(kv_use)
     assert value(got, "llama_grpc:num_slots", state="idle") == stats.idle_slots
     assert value(got, "llama_grpc:engine_up") == 1
 
 
 def test_engine_up_is_zero_once_the_engine_failed() -> None:
     metrics = Metrics()
-    metrics.watch(lambda: replace(FakeEngine().stats(), engine_state="failed"))
+    metrics.watch(make_snapshot)  # engine_state "failed"
     assert value(samples(metrics.render()), "llama_grpc:engine_up") == 0
 
 
