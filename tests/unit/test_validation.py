@@ -175,7 +175,13 @@ BAD: dict[str, Case] = {
         lambda: text_request(**sampling(penalty_last_n=-2)),
         errors.InvalidRequest,
         "params.sampling.penalty_last_n",
-        ">= -1",
+        "in [-1, 64]",
+    ),
+    "penalty_last_n beyond the context (2**31 - 1 stalled the engine)": (
+        lambda: text_request(**sampling(penalty_last_n=N_CTX + 1)),
+        errors.InvalidRequest,
+        "params.sampling.penalty_last_n",
+        "in [-1, 64]",
     ),
     "too many stops": (
         lambda: text_request(**stopping(stop=["a", "b", "c"])),
@@ -269,11 +275,17 @@ def test_explicit_max_tokens_that_exactly_fits_is_kept() -> None:
 
 def test_sampling_overrides_field_by_field() -> None:
     """Set fields replace the defaults; unset ones keep them."""
-    request = text_request(**sampling(temperature=0.5, seed=7, penalty_last_n=-1))
+    request = text_request(**sampling(temperature=0.5, seed=7, penalty_last_n=32))
     expected = dataclasses.replace(
-        LIMITS.default_sampling, temperature=0.5, seed=7, penalty_last_n=-1
+        LIMITS.default_sampling, temperature=0.5, seed=7, penalty_last_n=32
     )
     assert request.sampling == expected
+
+
+def test_penalty_last_n_minus_one_is_the_whole_context() -> None:
+    """-1 is sent to llama.cpp as n_ctx (llama.cpp itself reads -1 as "no penalty")."""
+    assert text_request(**sampling(penalty_last_n=-1)).sampling.penalty_last_n == N_CTX
+    assert text_request(**sampling(penalty_last_n=N_CTX)).sampling.penalty_last_n == N_CTX
 
 
 def test_zero_values_that_mean_something_are_accepted() -> None:

@@ -1,7 +1,8 @@
 """Per-RPC plumbing for every method, unary or streaming: the request id (x-request-id in and out,
-a contextvar, structlog context), one access-log line, and RpcRecorder metric hooks.
-Imports grpc and structlog only; knows nothing of LlmService messages; logs payloads only when
-asked to (log_payloads, for debugging)."""
+a contextvar, structlog context), one access-log line, and RpcRecorder metric hooks; a request
+protobuf cannot parse is answered INVALID_ARGUMENT (rpc.decoding) rather than grpc's UNKNOWN.
+Knows nothing of LlmService messages; logs payloads only when asked to (log_payloads, for
+debugging)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ import grpc
 import structlog
 from google.protobuf import text_format
 from google.protobuf.message import Message
+
+from llama_grpc_server.rpc import decoding
+from llama_grpc_server.rpc.status import abort
 
 REQUEST_ID_KEY = "x-request-id"
 MAX_REQUEST_ID_LENGTH = 128
@@ -186,10 +190,17 @@ class _Rpc:
             pass
 
 
+async def _refuse_undecodable(request: Any, rpc: _Rpc) -> None:
+    """Abort the call when its request could not be parsed (see rpc.decoding)."""
+    if isinstance(request, decoding.Undecodable):
+        await abort(rpc.context, request.error, rpc.request_id)
+
+
 def _wrap_unary_response(behavior: Behavior, start: RpcFactory) -> Behavior:
     async def unary_response(request: Any, context: Context) -> Any:
         async with start(context, False, request) as rpc:
             await rpc.send_request_id()
+            await _refuse_undecodable(request, rpc)
             response = await behavior(request, context)
             rpc.on_message(response)
             return response
@@ -203,6 +214,7 @@ def _wrap_written_stream(behavior: Behavior, start: RpcFactory) -> Behavior:
     async def written_stream(request: Any, context: Context) -> None:
         async with start(context, True, request) as rpc:
             await rpc.send_request_id()
+            await _refuse_undecodable(request, rpc)
             await behavior(request, context)
 
     return written_stream
@@ -212,6 +224,7 @@ def _wrap_yielded_stream(behavior: Behavior, start: RpcFactory) -> Behavior:
     async def yielded_stream(request: Any, context: Context) -> AsyncIterator[Any]:
         async with start(context, True, request) as rpc:
             await rpc.send_request_id()
+            await _refuse_undecodable(request, rpc)
             async with aclosing(behavior(request, context)) as messages:
                 async for message in messages:
                     rpc.on_message(message)
@@ -230,9 +243,13 @@ _KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., Any]]] = {
 
 
 def _rebuild(handler: Handler, start: RpcFactory) -> Handler:
-    """The handler with its behaviour wrapped for its arity; sync behaviours stay as they are."""
+    """The handler with its behaviour wrapped for its arity; sync behaviours stay as they are.
+    A single request message is deserialized tolerantly (rpc.decoding)."""
     name, build = _KINDS[(handler.request_streaming, handler.response_streaming)]
     behavior: Behavior = getattr(handler, name)
+    deserializer = handler.request_deserializer
+    if not handler.request_streaming:
+        deserializer = decoding.tolerant(deserializer)
     if inspect.isasyncgenfunction(behavior):
         wrapped = _wrap_yielded_stream(behavior, start)
     elif not inspect.iscoroutinefunction(behavior):
@@ -241,7 +258,7 @@ def _rebuild(handler: Handler, start: RpcFactory) -> Handler:
         wrapped = _wrap_written_stream(behavior, start)
     else:
         wrapped = _wrap_unary_response(behavior, start)
-    rebuilt: Handler = build(wrapped, handler.request_deserializer, handler.response_serializer)
+    rebuilt: Handler = build(wrapped, deserializer, handler.response_serializer)
     return rebuilt
 
 

@@ -118,7 +118,7 @@ _SAMPLING_RANGES: dict[_SamplingField, _Range] = {
     "repeat_penalty": _Range(0.0, is_low_open=True),
     "frequency_penalty": _Range(-2.0, 2.0),
     "presence_penalty": _Range(-2.0, 2.0),
-    "penalty_last_n": _Range(-1.0),
+    "penalty_last_n": _Range(-1.0),  # at most n_ctx: see _sampling
 }
 
 
@@ -273,7 +273,7 @@ def _draft(
     _check_id_length("cache_scope", message.cache_scope)
     max_tokens = _max_tokens(params.stopping, info.n_ctx)
     return Draft(
-        sampling=_sampling(params.sampling, limits.default_sampling, info.n_vocab),
+        sampling=_sampling(params.sampling, limits.default_sampling, info),
         stopping=_stopping(params.stopping, info.n_vocab, limits),
         output=_output(params.output),
         constraint=_constraint(params, grammars),
@@ -327,16 +327,23 @@ def _check_id_length(name: str, value: str) -> None:
         raise _invalid(name, Message.ID_TOO_LONG, name=name, length=len(value), limit=MAX_ID_LENGTH)
 
 
-def _sampling(message: pb.SamplingParams, defaults: SamplingParams, n_vocab: int) -> SamplingParams:
-    """Server defaults, overridden field by field by what the request sets."""
+def _sampling(
+    message: pb.SamplingParams, defaults: SamplingParams, info: ModelInfo
+) -> SamplingParams:
+    """Server defaults, overridden field by field by what the request sets. penalty_last_n is
+    at most the context, and -1 (the whole context) becomes n_ctx: llama.cpp reads -1 as 0 (no
+    penalty) and allocates a history of penalty_last_n tokens (2**31 - 1 stalled the engine)."""
+    ranges = {**_SAMPLING_RANGES, "penalty_last_n": _Range(-1.0, info.n_ctx)}
     overrides: dict[str, Any] = {}
-    for name, bounds in _SAMPLING_RANGES.items():
+    for name, bounds in ranges.items():
         if message.HasField(name):
             overrides[name] = _checked_number(name, getattr(message, name), bounds)
+    if overrides.get("penalty_last_n") == -1:
+        overrides["penalty_last_n"] = info.n_ctx
     if message.HasField("seed"):
         overrides["seed"] = message.seed
     if message.logit_bias:
-        overrides["logit_bias"] = _logit_bias(message.logit_bias, n_vocab)
+        overrides["logit_bias"] = _logit_bias(message.logit_bias, info.n_vocab)
     return dataclasses.replace(defaults, **overrides)
 
 
