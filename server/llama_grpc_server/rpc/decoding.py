@@ -22,6 +22,7 @@ Deserializer = Callable[[bytes], Any]
 
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
 _FIXED_SIZES = {_FIXED64: 8, _FIXED32: 4}
+_MAX_VARINT_SHIFT = 63  # a varint has at most 10 bytes (64 bits)
 NOT_UTF8 = "is not valid UTF-8"
 CUT_SHORT = "is cut short or corrupt"
 
@@ -78,7 +79,7 @@ class _CutShort(Exception):
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
     value = shift = 0
     while True:
-        if pos >= len(data) or shift > 63:
+        if pos >= len(data) or shift > _MAX_VARINT_SHIFT:
             raise _CutShort
         byte = data[pos]
         value |= (byte & 0x7F) << shift
