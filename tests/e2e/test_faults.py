@@ -197,9 +197,9 @@ SHORT, LONG, GRACE_S = 32, 600, 6
 
 
 async def test_sigterm_with_16_streams_completes_or_unavailable_and_exits_zero() -> None:
-    """SIGTERM with 16 streams decoding in step: the short ones (8 tokens from their end) finish
-    within the grace period, the long ones (550+ tokens to go) are ended with UNAVAILABLE when
-    it runs out; no stream hangs; the process exits 0."""
+    """SIGTERM with 16 streams decoding in step: the short ones (a few tokens from their end)
+    finish within the grace period, the long ones (550+ tokens to go) are ended with UNAVAILABLE
+    when it runs out; no stream hangs; the process exits 0."""
     async with server_process(
         "--n-ctx", "12288", "--n-parallel", "16", "--grace-s", str(GRACE_S), "--temperature", "0",
     ) as server:  # fmt: skip
@@ -212,7 +212,19 @@ async def test_sigterm_with_16_streams_completes_or_unavailable_and_exits_zero()
                 )
             )
             shorts = [r.outcome for r, n in zip(streams, lengths, strict=True) if n == SHORT]
-            assert await until(lambda: all(len(o.token_ids) >= SHORT - 8 for o in shorts), 2400)
+
+            def progress() -> int:
+                return min(len(o.token_ids) for o in shorts)
+
+            # the machine may be shared: SIGTERM once the short ones have about a quarter of
+            # the grace period of decoding left, measured on their own progress
+            loop = asyncio.get_running_loop()
+            assert await until(lambda: progress() >= 4, 2400)
+            started, first = loop.time(), progress()
+            assert await until(lambda: progress() >= first + 4, 2400)
+            tick_s = (loop.time() - started) / (progress() - first)
+            left = max(1, min(8, int(GRACE_S / 4 / tick_s)))
+            assert await until(lambda: progress() >= SHORT - left, 2400)
             in_flight = sum(r.outcome.done is None and r.outcome.error is None for r in streams)
             server.proc.send_signal(signal.SIGTERM)
             outs = await gather_bounded(*(r.task for r in streams))
