@@ -21,6 +21,7 @@ from llama_grpc import (
 )
 
 from ..conftest import PERSON_SCHEMA, YES_NO, check_person
+from .fault_support import reference
 
 PROMPT = "The three primary colors are"
 
@@ -134,13 +135,16 @@ async def test_invalid_grammar_is_rejected_and_the_server_keeps_serving(
 
 async def test_grammar_next_to_free_text_in_one_batch(client: AsyncClient) -> None:
     """A grammar request and a free-text request running together do not leak into each other:
-    the free one equals its solo run, the constrained one obeys its grammar."""
-    solo = await client.generate(PROMPT, max_tokens=16, ignore_eos=True)
+    the free one equals its solo run (wherever the solo run's top-2 margin is wide enough that
+    batching numerics cannot flip the argmax), the constrained one obeys its grammar."""
+    prompt = "Counting by 1: 7, 8, 9, 10, 11, 12,"  # wide top-2 margins at every step
+    solo = await reference(client, prompt, 16)
+    assert solo.sound >= 8, solo
     free, digits = await asyncio.gather(
-        client.generate(PROMPT, max_tokens=16, ignore_eos=True),
-        client.generate(PROMPT, max_tokens=16, grammar="root ::= [0-9]+"),
+        client.generate(prompt, max_tokens=16, ignore_eos=True),
+        client.generate(prompt, max_tokens=16, grammar="root ::= [0-9]+"),
     )
-    assert free.token_ids == solo.token_ids
+    solo.check(list(free.token_ids))
     assert digits.text.isdigit()
 
 
