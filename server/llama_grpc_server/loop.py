@@ -181,6 +181,12 @@ class EngineLoop:
             self._inbox.append(("cancel", request_id))
             self._wake.notify()
 
+    def end_all(self, error: errors.ServiceError) -> None:
+        """End every queued and running request with `error` at the next tick."""
+        with self._wake:
+            self._inbox.append(("end_all", error))
+            self._wake.notify()
+
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return self._tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
 
@@ -273,6 +279,8 @@ class EngineLoop:
         for kind, item in inbox:
             if kind == "add":
                 events += self._add(item)
+            elif kind == "end_all":
+                events += self._scheduler.fail_all(item)
             else:
                 events += self._scheduler.cancel(item)
         if inbox:

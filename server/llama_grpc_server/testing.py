@@ -338,6 +338,9 @@ class FakeEngine:
     def on_failure(self, listener: Callable[[str], None]) -> None:
         self.loop.on_failure(listener)
 
+    def end_all(self, error: errors.ServiceError) -> None:
+        self.loop.end_all(error)
+
     def close(self) -> None:
         self.is_closed = True
         if self._loop is not None:

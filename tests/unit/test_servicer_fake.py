@@ -346,6 +346,30 @@ async def test_reflection_lists_the_services(channel: grpc.aio.Channel) -> None:
     assert "grpc.reflection.v1alpha.ServerReflection" in names
 
 
+async def test_stop_ends_what_outlasts_the_grace_period_with_a_reason(engine: FakeEngine) -> None:
+    """A stream still running when the grace period is about to end gets UNAVAILABLE with
+    reason SHUTTING_DOWN and its request id (not grpc's bare cut), before the server stops."""
+    engine.token_delay_s = 0.05  # 200 tokens: 10 s, far past the 1 s grace period
+    async with start_server(SETTINGS, lambda: engine) as running:
+        assert await running.wait_loaded()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub: Any = pb_grpc.LlmServiceStub(channel)
+            call = stub.StreamGenerate(
+                pb.StreamGenerateRequest(prompt="x" * 200), metadata=(("x-request-id", "late"),)
+            )
+            first = await call.read()
+            stopping = asyncio.create_task(running.stop(grace_s=1.0))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                _ = [m async for m in read_all(call)]
+            await stopping
+    assert first.WhichOneof("event") == "delta"
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    found = details(caught.value)
+    assert found["ErrorInfo"].reason == "SHUTTING_DOWN"
+    assert found["RequestInfo"].request_id == "late"
+    assert "grace period (1 s) is over" in caught.value.details()
+
+
 async def test_stop_lets_in_flight_streams_finish(engine: FakeEngine) -> None:
     """stop(grace) refuses new calls but an in-flight stream still ends with `done`."""
     engine.token_delay_s = 0.02

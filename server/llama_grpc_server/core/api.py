@@ -9,6 +9,7 @@ from typing import Protocol
 
 from llama_grpc_server.core.chat import ChatMessage
 from llama_grpc_server.core.request import Event, GenerationRequest
+from llama_grpc_server.errors import ServiceError
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +137,10 @@ class EngineApi(Protocol):
         ...
 
     def stats(self) -> StatsSnapshot: ...
+
+    def end_all(self, error: ServiceError) -> None:
+        """End every queued and running request with `error` (a drain's grace period is over)."""
+        ...
 
     def on_failure(self, listener: Callable[[str], None]) -> None:
         """Call `listener(cause)` once if the engine dies (from any thread); at once if it has."""

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
+from llama_grpc_server import errors
 from llama_grpc_server.config import Settings
 from llama_grpc_server.core.api import EngineApi
 from llama_grpc_server.metrics import Metrics, MetricsServer, serve_metrics
@@ -35,6 +36,10 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine thread died
+# Before the drain's grace period ends, requests still running are ended with ShuttingDown so that
+# each caller gets UNAVAILABLE with its reason and request id (grpc's own cut at the end of the
+# grace period sends a bare UNAVAILABLE "Cancelling all calls" and the access log says CANCELLED).
+END_MARGIN_S = 0.5
 
 log = structlog.get_logger("llama_grpc.server")
 
@@ -131,7 +136,14 @@ class RunningServer:
 
     async def _stop(self, grace_s: float) -> None:
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        stopping = asyncio.ensure_future(self.server.stop(grace_s))
+        loaded = self._loading.result() if self._loading.done() else None
+        if loaded is not None and grace_s > END_MARGIN_S:
+            done, _ = await asyncio.wait({stopping}, timeout=grace_s - END_MARGIN_S)
+            if not done:  # what is still running gets UNAVAILABLE with a reason, not a cut
+                reason = f"the server is shutting down and its grace period ({grace_s:g} s) is over"
+                loaded.end_all(errors.ShuttingDown(reason))
+        await stopping
         engine = await self._loading
         if engine is not None:
             await asyncio.to_thread(engine.close)
