@@ -30,7 +30,7 @@ ODD_TEXT = (
     "\r\n",
     "<bos>",
     "<start_of_turn>",
-    "x" * 5000,
+    "x" * 300,  # longer than the 256-character limits on ids and stop strings
 )
 FLOAT32_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
 ODD_FLOATS = (math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-45, -FLOAT32_MAX, FLOAT32_MAX)
