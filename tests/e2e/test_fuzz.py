@@ -60,7 +60,7 @@ DEFAULT_MAX_TOKENS = 4  # the fuzz server's default, for requests that set none
 MAX_MESSAGE_BYTES = 1 << 20
 CALL_TIMEOUT_S = 60.0  # a hang shows up as DEADLINE_EXCEEDED from this, and fails
 SHORT_TIMEOUTS_S = (0.001, 0.02, 0.2)  # deliberately short deadlines: DEADLINE_EXCEEDED is fine
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "0")) or 20  # per RPC, in each fuzz test
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "0")) or 25  # per RPC, in each fuzz test
 
 # pytest-timeout limits a whole test, every example of it: scale it (a hang in one call is caught
 # by CALL_TIMEOUT_S anyway).

@@ -39,7 +39,8 @@ EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine thread died
 # Before the drain's grace period ends, requests still running are ended with ShuttingDown so that
 # each caller gets UNAVAILABLE with its reason and request id (grpc's own cut at the end of the
 # grace period sends a bare UNAVAILABLE "Cancelling all calls" and the access log says CANCELLED).
-END_MARGIN_S = 0.5
+# The margin is a quarter of the grace period (at most 2 s): room for a slow tick to finish.
+MAX_END_MARGIN_S = 2.0
 
 log = structlog.get_logger("llama_grpc.server")
 
@@ -138,8 +139,9 @@ class RunningServer:
         await self.health.enter_graceful_shutdown()
         stopping = asyncio.ensure_future(self.server.stop(grace_s))
         loaded = self._loading.result() if self._loading.done() else None
-        if loaded is not None and grace_s > END_MARGIN_S:
-            done, _ = await asyncio.wait({stopping}, timeout=grace_s - END_MARGIN_S)
+        if loaded is not None and grace_s > 0:
+            margin = min(MAX_END_MARGIN_S, grace_s / 4)
+            done, _ = await asyncio.wait({stopping}, timeout=grace_s - margin)
             if not done:  # what is still running gets UNAVAILABLE with a reason, not a cut
                 reason = f"the server is shutting down and its grace period ({grace_s:g} s) is over"
                 loaded.end_all(errors.ShuttingDown(reason))
