@@ -132,7 +132,7 @@ class SamplingParams(_message.Message):
     frequency_penalty: _builtins.float
     presence_penalty: _builtins.float
     penalty_last_n: _builtins.int
-    """How many recent tokens the penalties look at (-1 = the whole context)."""
+    """How many recent tokens the penalties look at: at most n_ctx; -1 = the whole context."""
     @_builtins.property
     def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
         """Added to a token's logit before sampling, by token id; -inf bans the token."""
