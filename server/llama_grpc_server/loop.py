@@ -302,6 +302,7 @@ class EngineLoop:
             events += self._scheduler.update(plan, result)
             if self._on_tick is not None and plan.chunks:
                 self._on_tick(plan, result, self._scheduler)
+        if plan is not None or events:  # e.g. a queued request whose deadline passed
             self._publish()
         self._deliver(events)
 

@@ -5,9 +5,11 @@ by the engine thread."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -183,3 +185,16 @@ async def test_stats_never_read_the_scheduler_off_the_engine_thread() -> None:
     assert readers and set(readers) == {"llama-engine"}
     # published before delivery: once the caller holds Finished, stats already agree
     assert seen[-1].requests_finished == 1 and seen[-1].active_slots == 0
+
+
+async def test_stats_follow_a_request_that_expires_in_the_queue() -> None:
+    """A tick that plans nothing but expires a queued request still publishes the stats."""
+    engine = make_loop()
+    expired = dataclasses.replace(req("late", 20, 5).spec, deadline=time.monotonic() - 1)
+    try:
+        last = await asyncio.wait_for(final(engine, expired), 5)
+        stats = engine.stats()
+    finally:
+        await asyncio.to_thread(engine.close)
+    assert isinstance(last, Failed) and isinstance(last.error, errors.DeadlineExceeded)
+    assert (stats.queue_depth, stats.requests_failed) == (0, 1)
