@@ -257,11 +257,13 @@ class ServerProcess:
 
 
 @contextlib.asynccontextmanager
-async def server_process(*args: str) -> AsyncIterator[ServerProcess]:
+async def server_process(
+    *args: str, env: dict[str, str] | None = None
+) -> AsyncIterator[ServerProcess]:
     """Start the server on a free port; yield once it logs "ready"; kill it if still running."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "llama_grpc_server", "--port", "0", "--log-format", "json", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
     )  # fmt: skip
     assert proc.stdout is not None
     reader = proc.stdout

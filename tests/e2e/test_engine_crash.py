@@ -10,79 +10,42 @@ import asyncio
 import json
 import os
 import signal
-import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from llama_grpc import AsyncClient, Done, InternalError, UnavailableError
 
+from .fault_support import ServerProcess, server_process
+
 HERE = Path(__file__).parent
 SECRET = "zebra-violet-secret-marker"
 EXIT_ENGINE_FAILED = 70
 
 
-@dataclass
-class Proc:
-    process: asyncio.subprocess.Process
-    port: int
-    lines: list[str] = field(default_factory=list)
-
-    async def read_rest(self) -> None:
-        assert self.process.stdout is not None
-        async for line in self.process.stdout:
-            self.lines.append(line.decode())
-
-    def events(self) -> list[dict[str, object]]:
-        out = []
-        for line in self.lines:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-        return out
-
-
-async def start(*extra: str, crash_at: int) -> Proc:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-        "CRASH_AT_CALL": str(crash_at),
-    }
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "llama_grpc_server", "--port", "0", "--n-ctx", "2048",
-        "--n-parallel", "2", "--log-format", "json", "--temperature", "0",
-        "--batch-strategy", "crashing_strategy:from_env", *extra,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
-    )  # fmt: skip
-    assert process.stdout is not None
-    proc = Proc(process, 0)
-    while True:
-        line = await asyncio.wait_for(process.stdout.readline(), 120)
-        assert line, f"server exited early: {proc.lines}"
-        proc.lines.append(line.decode())
+def json_lines(proc: ServerProcess) -> list[dict[str, object]]:
+    out = []
+    for line in proc.lines:
         try:
-            entry = json.loads(line)
+            out.append(json.loads(line))
         except ValueError:
             continue
-        proc.port = int(entry.get("port", proc.port))
-        if entry.get("event") == "ready":
-            return proc
+    return out
 
 
 @pytest.fixture
-async def crashing_server(request: pytest.FixtureRequest) -> AsyncIterator[Proc]:
-    proc = await start(*request.param, crash_at=30)
-    reader = asyncio.ensure_future(proc.read_rest())
-    try:
+async def crashing_server(request: pytest.FixtureRequest) -> AsyncIterator[ServerProcess]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "CRASH_AT_CALL": "30",
+    }
+    async with server_process(
+        "--n-ctx", "2048", "--n-parallel", "2", "--temperature", "0",
+        "--batch-strategy", "crashing_strategy:from_env", *request.param, env=env,
+    ) as proc:  # fmt: skip
         yield proc
-    finally:
-        if proc.process.returncode is None:
-            proc.process.kill()
-        await proc.process.wait()
-        await asyncio.wait_for(reader, 10)
 
 
 async def run_stream(client: AsyncClient, i: int) -> BaseException | Done:
@@ -96,7 +59,7 @@ async def run_stream(client: AsyncClient, i: int) -> BaseException | Done:
     raise AssertionError("the stream ended without Done or an error")
 
 
-async def crash_with_four_streams(proc: Proc, client: AsyncClient) -> None:
+async def crash_with_four_streams(client: AsyncClient) -> None:
     """Two streams decode and two wait in the queue when the strategy raises (tick 30)."""
     results = await asyncio.wait_for(asyncio.gather(*(run_stream(client, i) for i in range(4))), 60)
     for result in results:
@@ -116,32 +79,36 @@ async def crash_with_four_streams(proc: Proc, client: AsyncClient) -> None:
         await client.generate("Hello", max_tokens=2)
 
 
-def check_logs(proc: Proc) -> None:
-    failures = [e for e in proc.events() if e.get("event") == "engine_failed"]
+def check_logs(proc: ServerProcess) -> None:
+    failures = [e for e in json_lines(proc) if e.get("event") == "engine_failed"]
     assert len(failures) == 1 and failures[0]["level"] == "error"
     assert "ZeroDivisionError" in str(failures[0]["traceback"])
     assert SECRET not in "".join(proc.lines), "prompt text reached the logs"
 
 
 @pytest.mark.parametrize("crashing_server", [("--grace-s", "1")], indirect=True)
-async def test_engine_crash_fails_every_caller_then_exits_70(crashing_server: Proc) -> None:
+async def test_engine_crash_fails_every_caller_then_exits_70(
+    crashing_server: ServerProcess,
+) -> None:
     proc = crashing_server
     async with AsyncClient(f"127.0.0.1:{proc.port}", timeout=60) as client:
-        await crash_with_four_streams(proc, client)
-    assert await asyncio.wait_for(proc.process.wait(), 30) == EXIT_ENGINE_FAILED
+        await crash_with_four_streams(client)
+    assert await proc.wait(30) == EXIT_ENGINE_FAILED
     check_logs(proc)
 
 
 @pytest.mark.parametrize(
     "crashing_server", [("--grace-s", "0.5", "--keep-alive-on-engine-error")], indirect=True
 )
-async def test_keep_alive_on_engine_error_stays_up_until_sigterm(crashing_server: Proc) -> None:
+async def test_keep_alive_on_engine_error_stays_up_until_sigterm(
+    crashing_server: ServerProcess,
+) -> None:
     proc = crashing_server
     async with AsyncClient(f"127.0.0.1:{proc.port}", timeout=60) as client:
-        await crash_with_four_streams(proc, client)
+        await crash_with_four_streams(client)
         await asyncio.sleep(1.5)  # past --grace-s: still up, still explaining itself
-        assert proc.process.returncode is None
+        assert proc.proc.returncode is None
         assert (await client.stats()).engine_state == "failed"
-    proc.process.send_signal(signal.SIGTERM)
-    assert await asyncio.wait_for(proc.process.wait(), 30) == EXIT_ENGINE_FAILED
+    proc.proc.send_signal(signal.SIGTERM)
+    assert await proc.wait(30) == EXIT_ENGINE_FAILED
     check_logs(proc)
