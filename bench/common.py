@@ -85,13 +85,28 @@ def free_port() -> int:
 @contextlib.contextmanager
 def llama_grpc_server(*args: str, timeout_s: float = 120.0) -> Iterator[str]:
     """Start `python -m llama_grpc_server` on a free loopback port; yield its target."""
+    with llama_grpc_process(*args, timeout_s=timeout_s) as (target, _):
+        yield target
+
+
+@contextlib.contextmanager
+def llama_grpc_process(
+    *args: str, timeout_s: float = 120.0, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """llama_grpc_server, yielding the process too (its pid, for CPU accounting); `env` is
+    added to this process's environment for the server alone."""
     port = free_port()
     cmd = [sys.executable, "-m", "llama_grpc_server", "--port", str(port), "--log-level", "warning"]
-    proc = subprocess.Popen([*cmd, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [*cmd, *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
     target = f"127.0.0.1:{port}"
     try:
         wait_serving(target, proc, timeout_s)
-        yield target
+        yield target, proc
     finally:
         proc.terminate()
         try:

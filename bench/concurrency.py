@@ -122,6 +122,9 @@ def main() -> int:
     parser.add_argument("--gen-tokens", type=int, default=GEN_TOKENS)
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     parser.add_argument("--n-ctx", type=int, default=8192)
+    parser.add_argument(
+        "--name", default="concurrency", help="results file name (concurrency_rerun: a rerun)"
+    )
     args = parser.parse_args()
     facts = machine_facts(args.threads)  # the load average before the run
     batches = [int(b) for b in args.batches.split(",")]
@@ -141,8 +144,8 @@ def main() -> int:
         "machine": facts,
         "rows": rows,
     }
-    write_json("concurrency", finish_facts(data))
-    plot(rows, args.gen_tokens)
+    write_json(args.name, finish_facts(data))
+    plot(rows, args.gen_tokens, args.name)
     for r in rows:
         print(
             f"B={r['batch']:>2}  raw {r['raw_tok_s']:7.1f} tok/s  llama-grpc "
@@ -151,7 +154,7 @@ def main() -> int:
     return 0
 
 
-def plot(rows: list[dict[str, Any]], gen: int) -> None:
+def plot(rows: list[dict[str, Any]], gen: int, name: str) -> None:
     plt = pyplot()
     xs = [r["batch"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -172,7 +175,7 @@ def plot(rows: list[dict[str, Any]], gen: int) -> None:
     ax.set_xticks(xs)
     ax.grid(alpha=0.3)
     ax.legend()
-    save_figure(fig, "concurrency")
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":

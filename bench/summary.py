@@ -63,8 +63,11 @@ def single(data: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-def concurrency(data: dict[str, Any]) -> list[str]:
-    lines = header(data, "Concurrency: llama-grpc vs the raw llama.cpp loop", "concurrency.png")
+def concurrency(data: dict[str, Any], name: str = "concurrency") -> list[str]:
+    title = "Concurrency: llama-grpc vs the raw llama.cpp loop"
+    if name != "concurrency":
+        title += " (the same command, run again)"
+    lines = header(data, title, f"{name}.png")
     w = data["workload"]
     lines += [
         f"{w['prompt_tokens']}-token prompts, {w['generated_tokens']} greedy tokens each.",
@@ -82,6 +85,56 @@ def concurrency(data: dict[str, Any]) -> list[str]:
     met = all(r["efficiency"] >= 0.95 for r in data["rows"])
     lines += ["", f"Target ≥ 0.95 of the raw limit at every B: {ok(met)}.", ""]
     return lines
+
+
+def concurrency_rerun(data: dict[str, Any]) -> list[str]:
+    return concurrency(data, "concurrency_rerun")
+
+
+def overhead(data: dict[str, Any]) -> list[str]:
+    lines = header(data, "Per-token overhead: CPU per streamed token", "overhead.png")
+    lines += [
+        "The concurrency workload again; for each llama-grpc run the server's CPU time per "
+        "thread: llama.cpp's helper threads and the engine thread's time inside llama_decode "
+        "are the forward passes, the rest is overhead: the engine thread outside llama_decode "
+        "(sampling included: the same argmax the raw loop does), the asyncio event loop "
+        "(servicer, interceptor, grpc's Python/Cython send path) and grpc's C-core threads. "
+        "µs per streamed token, medians (min–max) over the repetitions.",
+        "",
+        "| B | efficiency (median) | server outside decode | engine | event loop | grpc threads "
+        "| bench client | forward passes: server (raw) tokens/pass |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in data["rows"]:
+        us = r["us_per_token"]
+
+        def cell(key: str, us: dict[str, Any] = us) -> str:
+            v = us[key]
+            return f"{v['median']:.0f} ({v['min']:.0f}–{v['max']:.0f})"
+
+        lines.append(
+            f"| {r['batch']} | {r['efficiency']:.3f} | {cell('server_outside_decode')} | "
+            f"{cell('engine')} | {cell('event_loop')} | {cell('grpc_threads')} | "
+            f"{cell('client')} | {us['tokens_per_forward_pass']['median']:.1f} "
+            f"({r['batch']}) |"
+        )
+    b16 = [r for r in data["rows"] if r["batch"] == 16]
+    if b16:
+        got = b16[0]["us_per_token"]["server_outside_decode"]["median"]
+        lines += [
+            "",
+            f"Target: server CPU outside llama_decode ≤ 150 µs per token at B = 16: "
+            f"{ok(got <= 150)} ({got:.0f} µs).",
+        ]
+    spy = data.get("profile")
+    if spy:
+        lines += [
+            "",
+            f"py-spy profile at B = {spy['batch']}: "
+            + ", ".join(f"[{f}]({f})" for f in spy["files"])
+            + " (top costs in the notes below).",
+        ]
+    return [*lines, ""]
 
 
 def strategies(data: dict[str, Any]) -> list[str]:
@@ -285,6 +338,8 @@ def main() -> int:
     sections = (
         ("single", single),
         ("concurrency", concurrency),
+        ("concurrency_rerun", concurrency_rerun),
+        ("overhead", overhead),
         ("strategies", strategies),
         ("prefix_cache", prefix),
         ("tokenize_overhead", tokenize),

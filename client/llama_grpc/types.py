@@ -169,6 +169,9 @@ class Stats:
     # "starting", "running", "failed" (generation answers UNAVAILABLE) or "stopped".
     engine_state: str = ""
     engine_error: str = ""  # why the engine failed
+    # Wall time inside llama_decode since start, and the engine thread's CPU time in it.
+    decode_seconds: float = 0.0
+    decode_cpu_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

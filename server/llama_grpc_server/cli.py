@@ -144,6 +144,9 @@ OPTIONS: tuple[Option, ...] = (
            + " (default: the model's own, if it has one)", _chat_template, "NAME"),
     Option("max_queue", int, "scheduler.max_queue", "waiting requests (0 = unbounded)",
            at_least(0)),
+    Option("admission_window_ms", float, "scheduler.admission_window_ms",
+           "when idle, wait until arrivals pause this long (5x at most) so a burst starts as "
+           "one batch (0 = off)", between(0, 1000), "MS"),
     Option("batch_strategy", str, "scheduler.batch_strategy",
            "decode_maximal | prefill_priority | balanced | module:attr", _loads_strategy, "NAME"),
     Option("metrics_port", int, "server.metrics_port", "Prometheus port (0 = off)",

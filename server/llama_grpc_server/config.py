@@ -44,6 +44,9 @@ class SchedulerSettings:
     chunk_size: int = 512
     max_queue: int = 64
     batch_strategy: str = "decode_maximal"
+    # When the engine is idle, a request waits until arrivals pause this long (5x at most)
+    # before the first forward pass, so a burst starts as one batch (loop.EngineLoop).
+    admission_window_ms: float = 2.0
     cache_prompt: bool = True
     prompt_cache_ram_mb: int = 0
     default_max_tokens: int = 256

@@ -4,12 +4,15 @@ pressure, prefix reuse."""
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 
 import pytest
 
 from llama_grpc_server import errors
+from llama_grpc_server.config import num_cpus
 from llama_grpc_server.core.request import FinishReason
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.loop import DECODE_THREAD_NAME, ENGINE_THREAD_NAME, EngineLoop
 
 from .conftest import Failed, make_engine, request, run, run_all
 
@@ -100,3 +103,27 @@ async def test_submit_rejects_what_can_never_fit_and_counts_it(engine: EngineLoo
     with pytest.raises(errors.PromptTooLong, match=r"prompt \(101 tokens\)"):
         engine.submit(too_long)
     assert engine.stats().requests_rejected == before + 1
+
+
+async def test_time_in_llama_decode_is_counted(engine: EngineLoop) -> None:
+    """decode_cpu_seconds is the engine thread's own CPU time inside llama_decode: positive,
+    and never more than the wall time spent there (bench/overhead.py relies on both)."""
+    before = engine.stats()
+    await run(engine, request(engine, PROMPTS[0], max_tokens=8))
+    after = engine.stats()
+    wall = after.decode_seconds - before.decode_seconds
+    cpu = after.decode_cpu_seconds - before.decode_cpu_seconds
+    assert wall > 0 and cpu > 0
+    assert cpu <= wall + 0.002, (cpu, wall)  # one thread's CPU fits in the wall time
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names from /proc")
+async def test_engine_and_llama_threads_are_named(engine: EngineLoop) -> None:
+    """top -H, ps -L and py-spy tell the engine thread from llama.cpp's helpers (which the
+    warm-up decode creates and which inherit the name the engine thread had then)."""
+    await run(engine, request(engine, PROMPTS[1], max_tokens=2))
+    tasks = Path("/proc/self/task")
+    names = [(task / "comm").read_text().strip() for task in tasks.iterdir()]
+    assert ENGINE_THREAD_NAME in names  # other engines of this test session may be alive too
+    if num_cpus() > 1:  # the default --threads is every CPU: one helper per extra CPU
+        assert names.count(DECODE_THREAD_NAME) >= num_cpus() - 1, names

@@ -87,8 +87,10 @@ async def test_unary_access_line(stub: Any, engine: FakeEngine) -> None:
     assert line["log_level"] == "info"
 
 
-async def test_stream_access_line_has_ttft_and_count(stub: Any) -> None:
-    """A stream's line counts every message and reports the time to the first one."""
+async def test_stream_access_line_has_ttft_and_count(stub: Any, engine: FakeEngine) -> None:
+    """A stream's line counts every message and reports the time to the first one (tokens
+    50 ms apart: one delta each, none merged)."""
+    engine.token_delay_s = 0.05
     with capture_logs() as logs:
         messages = [m async for m in stub.StreamGenerate(pb.StreamGenerateRequest(prompt="abc"))]
         await eventually(lambda: bool(access_lines(logs, STREAM)))

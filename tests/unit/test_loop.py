@@ -18,7 +18,13 @@ import structlog
 from structlog.testing import capture_logs
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.request import Event, Failed, Finished, GenerationRequest
+from llama_grpc_server.core.request import (
+    Event,
+    Failed,
+    Finished,
+    GenerationRequest,
+    TokenDelta,
+)
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.core.strategies import Allocation, BatchView, DecodeMaximal
 from llama_grpc_server.loop import EngineLoop, EngineState
@@ -47,7 +53,12 @@ class CrashOnCall:
         return DecodeMaximal().allocate(view)
 
 
-def make_loop(strategy: Any = None, n_parallel: int = 2) -> EngineLoop:
+def make_loop(
+    strategy: Any = None,
+    n_parallel: int = 2,
+    runner: FakeRunner | None = None,
+    admission_window_s: float = 0.0,
+) -> EngineLoop:
     scheduler = Scheduler(
         SchedulerLimits(n_parallel, 512, 64, 16, 8),
         pieces=PIECES,
@@ -55,7 +66,12 @@ def make_loop(strategy: Any = None, n_parallel: int = 2) -> EngineLoop:
         strategy=strategy,
     )
     return EngineLoop(
-        scheduler, FakeRunner(), fake_model_info(), tokenizer=None, kv_cells_total=512
+        scheduler,
+        runner or FakeRunner(),
+        fake_model_info(),
+        tokenizer=None,
+        kv_cells_total=512,
+        admission_window_s=admission_window_s,
     )
 
 
@@ -198,3 +214,101 @@ async def test_stats_follow_a_request_that_expires_in_the_queue() -> None:
         await asyncio.to_thread(engine.close)
     assert isinstance(last, Failed) and isinstance(last.error, errors.DeadlineExceeded)
     assert (stats.queue_depth, stats.requests_failed) == (0, 1)
+
+
+# -- admission window ------------------------------------------------------------------------------
+
+
+async def first_plan_requests(window_s: float, gap_s: float) -> set[str]:
+    """Submit two requests gap_s apart to an idle engine whose passes take 50 ms; the request
+    ids in its first forward pass."""
+    runner = FakeRunner()
+    runner.delay_s = 0.05
+    engine = make_loop(n_parallel=2, runner=runner, admission_window_s=window_s)
+    try:
+        first = engine.submit(req("a", 4, 3).spec)
+        await asyncio.sleep(gap_s)
+        second = engine.submit(req("b", 4, 3).spec)
+        finals = await asyncio.wait_for(asyncio.gather(last_event(first), last_event(second)), 5)
+    finally:
+        await asyncio.to_thread(engine.close)
+    assert all(isinstance(f, Finished) for f in finals)
+    plans = [p for p in runner.plans if p.chunks]
+    return {chunk.request_id for chunk in plans[0].chunks}
+
+
+async def test_without_window_a_burst_straggles_into_a_later_pass() -> None:
+    assert await first_plan_requests(0.0, 0.01) == {"a"}
+
+
+async def test_admission_window_starts_a_burst_as_one_batch() -> None:
+    """The second request arrives 10 ms after the first, within the 200 ms window (it need
+    not wait out the window: the arrivals pause, and the pass starts)."""
+    assert await first_plan_requests(0.2, 0.01) == {"a", "b"}
+
+
+async def test_admission_window_never_holds_back_work_while_busy() -> None:
+    """A request arriving while another runs joins at the next pass: no window then (the
+    window is 100 ms, five 20 ms passes)."""
+    runner = FakeRunner()
+    runner.delay_s = 0.02
+    engine = make_loop(n_parallel=2, runner=runner, admission_window_s=0.1)
+    try:
+        first = engine.submit(req("a", 4, 40).spec)
+        while not runner.plans:
+            await asyncio.sleep(0.005)
+        submitted_at = len(runner.plans)
+        finals = await asyncio.wait_for(
+            asyncio.gather(last_event(first), last_event(engine.submit(req("b", 4, 2).spec))), 5
+        )
+    finally:
+        await asyncio.to_thread(engine.close)
+    assert all(isinstance(f, Finished) for f in finals)
+    joined_at = next(
+        i for i, p in enumerate(runner.plans) if any(c.request_id == "b" for c in p.chunks)
+    )
+    assert joined_at - submitted_at <= 2, (submitted_at, joined_at)
+
+
+# -- coalescing ------------------------------------------------------------------------------------
+
+
+async def read_all(stream: Any, *, after: asyncio.Event | None = None) -> list[Event]:
+    if after is not None:
+        await after.wait()
+    return [event async for event in stream]
+
+
+async def test_a_consumer_that_keeps_up_gets_one_delta_per_token() -> None:
+    runner = FakeRunner()
+    runner.delay_s = 0.05  # each pass leaves the consumer ample time
+    engine = make_loop(runner=runner)
+    try:
+        events = await asyncio.wait_for(read_all(engine.submit(req("a", 4, 5).spec)), 5)
+    finally:
+        await asyncio.to_thread(engine.close)
+    deltas = [e for e in events if isinstance(e, TokenDelta)]
+    assert [len(d.token_ids) for d in deltas] == [1] * 5
+    assert isinstance(events[-1], Finished)
+
+
+async def test_deltas_that_piled_up_go_out_as_one_and_lose_nothing() -> None:
+    """A consumer that reads only after the request finished (a stalled client) gets the five
+    tokens in one delta, then Finished: the same ids and text as one delta per token."""
+    runner = FakeRunner()
+    runner.delay_s = 0.05
+    engine = make_loop(runner=runner)
+    try:
+        fast = await asyncio.wait_for(read_all(engine.submit(req("a", 4, 5).spec)), 5)
+        stream = engine.submit(req("a", 4, 5).spec)
+        while engine.stats().requests_finished < 2:  # polls another thread
+            await asyncio.sleep(0.01)
+        slow = await asyncio.wait_for(read_all(stream), 5)
+    finally:
+        await asyncio.to_thread(engine.close)
+    fast_deltas = [e for e in fast if isinstance(e, TokenDelta)]
+    slow_deltas = [e for e in slow if isinstance(e, TokenDelta)]
+    assert len(slow_deltas) == 1 < len(fast_deltas)
+    assert slow_deltas[0].token_ids == tuple(t for d in fast_deltas for t in d.token_ids)
+    assert slow_deltas[0].text == "".join(d.text for d in fast_deltas)
+    assert isinstance(slow[-1], Finished) and len(slow) == 2

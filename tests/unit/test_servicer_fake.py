@@ -115,7 +115,9 @@ async def test_stop_token_is_reported(stub: Any) -> None:
 
 
 async def test_generate_tokens_streams_token_ids(stub: Any, engine: FakeEngine) -> None:
-    """GenerateTokens takes ids as the prompt (no BOS added) and streams ids and text."""
+    """GenerateTokens takes ids as the prompt (no BOS added) and streams ids and text, one
+    delta per token (50 ms apart: the client keeps up, nothing is merged)."""
+    engine.token_delay_s = 0.05
     messages = await collect(stub.GenerateTokens(pb.GenerateTokensRequest(token_ids=encode("ab"))))
     assert [list(m.delta.token_ids) for m in messages[:-1]] == [encode("b"), encode("a")]
     assert messages[-1].done.usage.prompt_tokens == 2
@@ -182,6 +184,7 @@ async def test_unary_deadline_cancels_the_engine_request(stub: Any, engine: Fake
 
 async def test_failed_event_mid_stream_becomes_status(stub: Any, engine: FakeEngine) -> None:
     """A Failed event after two deltas ends the stream with its status and details."""
+    engine.token_delay_s = 0.05  # one delta per token: none merged before the failure
     engine.fail_with = errors.KvCacheFull("no room", metadata={"n_ctx": "512"}, retry_after_s=2)
     engine.fail_after = 2
     call = stub.StreamGenerate(pb.StreamGenerateRequest(prompt="abcdef"))

@@ -1099,6 +1099,8 @@ class GetStatsResponse(_message.Message):
     RAM_CACHE_EVICTIONS_FIELD_NUMBER: _builtins.int
     ENGINE_STATE_FIELD_NUMBER: _builtins.int
     ENGINE_ERROR_FIELD_NUMBER: _builtins.int
+    DECODE_SECONDS_FIELD_NUMBER: _builtins.int
+    DECODE_CPU_SECONDS_FIELD_NUMBER: _builtins.int
     n_parallel: _builtins.int
     active_slots: _builtins.int
     idle_slots: _builtins.int
@@ -1134,6 +1136,12 @@ class GetStatsResponse(_message.Message):
     """
     engine_error: _builtins.str
     """Why the engine failed: the exception's type and message ("" unless engine_state is "failed")."""
+    decode_seconds: _builtins.float
+    """Wall time inside llama_decode since start, and the engine thread's own CPU time in it (its
+    helper threads not included): with the process CPU time they split the server's work into
+    the forward passes and everything else (bench/overhead.py).
+    """
+    decode_cpu_seconds: _builtins.float
     @_builtins.property
     def slots(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotStats]: ...
     def __init__(
@@ -1169,10 +1177,12 @@ class GetStatsResponse(_message.Message):
         ram_cache_evictions: _builtins.int = ...,
         engine_state: _builtins.str = ...,
         engine_error: _builtins.str = ...,
+        decode_seconds: _builtins.float = ...,
+        decode_cpu_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "n_parallel", b"n_parallel", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "slots", b"slots", "ticks", b"ticks", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "decode_cpu_seconds", b"decode_cpu_seconds", "decode_seconds", b"decode_seconds", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "n_parallel", b"n_parallel", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "slots", b"slots", "ticks", b"ticks", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -76,6 +76,8 @@ class StatsSnapshot:
     ram_cache_evictions: int = 0
     engine_state: str = "running"  # "starting" | "running" | "failed" | "stopped"
     engine_error: str = ""  # why the engine failed ("" unless engine_state is "failed")
+    decode_seconds: float = 0.0  # wall time inside llama_decode since start
+    decode_cpu_seconds: float = 0.0  # the engine thread's CPU time inside llama_decode
 
 
 class RequestStream(Protocol):

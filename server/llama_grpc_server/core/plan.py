@@ -120,6 +120,8 @@ class StepResult:
     restored: dict[int, bool] = field(default_factory=dict)  # seq_id -> ok (RESTORE ops)
     eval_ms: float = 0.0
     sample_ms: float = 0.0
+    # The engine thread's own CPU time inside llama_decode (its helper threads not included).
+    eval_cpu_ms: float = 0.0
     logprobs: dict[int, SampledLogprob] = field(default_factory=dict)  # slot_id -> (asked for)
     failed: dict[int, str] = field(default_factory=dict)  # slot_id -> why nothing was sampled
     # Sequences the runner emptied because a partial removal failed; their chunks were skipped.

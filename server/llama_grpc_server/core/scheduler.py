@@ -294,6 +294,8 @@ class Scheduler:
             self.costs.observe(num_decode, num_tokens - num_decode, result.eval_ms)
             self.counters.ticks += 1
             self.counters.batch_tokens += num_tokens
+            self.counters.decode_ms += result.eval_ms
+            self.counters.decode_cpu_ms += result.eval_cpu_ms
         out: Emitted = []
         for chunk in chunks:
             request = self.slots[chunk.slot_id].request

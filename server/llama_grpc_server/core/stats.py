@@ -26,6 +26,8 @@ class Counters:
     ticks: int = 0
     batch_tokens: int = 0
     preemptions: int = 0
+    decode_ms: float = 0.0  # wall time inside llama_decode
+    decode_cpu_ms: float = 0.0  # the engine thread's CPU time inside llama_decode
     finish_reasons: dict[str, int] = field(default_factory=dict)
 
 
@@ -70,6 +72,8 @@ def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact
         ticks=c.ticks,
         avg_batch_size=c.batch_tokens / c.ticks if c.ticks else 0.0,
         preemptions=c.preemptions,
+        decode_seconds=c.decode_ms / 1000,
+        decode_cpu_seconds=c.decode_cpu_ms / 1000,
         uptime_s=uptime_s,
         slots=slot_views,
         batch_strategy=batch_strategy,

@@ -78,4 +78,5 @@ def build_engine(
         # engine thread) makes libgomp see more threads than CPUs and throttle its barrier
         # spinning: measured here, every later decode 1.5-1.9x slower on 2 cores.
         on_start=lambda: warm_up(model, runner),
+        admission_window_s=sched.admission_window_ms / 1000,
     )

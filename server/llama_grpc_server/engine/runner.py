@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import llama_cpp
 
 from llama_grpc_server.core.plan import (
     DECODE_OK,
+    Chunk,
     SampledLogprob,
     SamplerSpec,
     SeqOpKind,
@@ -17,7 +19,7 @@ from llama_grpc_server.core.plan import (
 from llama_grpc_server.engine.batch import Batch
 from llama_grpc_server.engine.llama import LlamaModel
 from llama_grpc_server.engine.logprobs import LogprobComputer
-from llama_grpc_server.engine.sampler import NO_TOKEN, Candidates, RequestSampler
+from llama_grpc_server.engine.sampler import NO_TOKEN, Candidates, RequestSampler, logits_rows
 
 
 class Runner:
@@ -50,29 +52,21 @@ class Runner:
         if not chunks:
             return StepResult(saved=saved, restored=restored, reset=reset)
         outputs = self.batch.fill(chunks)
+        cpu0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
         t1 = time.perf_counter_ns()
+        eval_cpu_ms = (time.thread_time_ns() - cpu0) / 1e6
         if status != DECODE_OK:
             return StepResult(
-                status, saved=saved, restored=restored, eval_ms=(t1 - t0) / 1e6, reset=reset
+                status,
+                saved=saved,
+                restored=restored,
+                eval_ms=(t1 - t0) / 1e6,
+                reset=reset,
+                eval_cpu_ms=eval_cpu_ms,
             )
-        sampled: dict[int, int] = {}
-        logprobs: dict[int, SampledLogprob] = {}
-        failed: dict[int, str] = {}
-        ctx = self.model.ctx
-        for chunk, index in zip(chunks, outputs, strict=True):
-            if index < 0:
-                continue
-            sampler = self.samplers[chunk.request_id]
-            token = sampler.sample(ctx, index)
-            if token == NO_TOKEN:
-                failed[chunk.slot_id] = sampler.error
-                continue
-            sampled[chunk.slot_id] = token
-            k = self.top_logprobs.get(chunk.request_id)
-            if k is not None:
-                logprobs[chunk.slot_id] = self.logprobs.compute(ctx, index, token, k)
+        sampled, logprobs, failed = self._sample(chunks, outputs)
         t2 = time.perf_counter_ns()
         return StepResult(
             DECODE_OK,
@@ -84,7 +78,39 @@ class Runner:
             logprobs=logprobs,
             failed=failed,
             reset=reset,
+            eval_cpu_ms=eval_cpu_ms,
         )
+
+    def _sample(
+        self, chunks: Sequence[Chunk], outputs: Sequence[int]
+    ) -> tuple[dict[int, int], dict[int, SampledLogprob], dict[int, str]]:
+        """One token per chunk with an output: (sampled, logprobs, failed) by slot id."""
+        sampled: dict[int, int] = {}
+        logprobs: dict[int, SampledLogprob] = {}
+        failed: dict[int, str] = {}
+        ctx = self.model.ctx
+        rows = None  # every output's logits, viewed once if a plain greedy request needs them
+        n_outputs = sum(1 for index in outputs if index >= 0)
+        ordinal = -1
+        for chunk, index in zip(chunks, outputs, strict=True):
+            if index < 0:
+                continue
+            ordinal += 1
+            sampler = self.samplers[chunk.request_id]
+            if sampler.is_plain_greedy:
+                if rows is None:
+                    rows = logits_rows(ctx, n_outputs, self.model.n_vocab)
+                token = int(rows[ordinal].argmax())
+            else:
+                token = sampler.sample(ctx, index)
+            if token == NO_TOKEN:
+                failed[chunk.slot_id] = sampler.error
+                continue
+            sampled[chunk.slot_id] = token
+            k = self.top_logprobs.get(chunk.request_id)
+            if k is not None:
+                logprobs[chunk.slot_id] = self.logprobs.compute(ctx, index, token, k)
+        return sampled, logprobs, failed
 
     def _edit_kv(
         self, plan: StepPlan, saved: dict[int, bytes], restored: dict[int, bool]

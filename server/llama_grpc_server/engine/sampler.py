@@ -97,6 +97,11 @@ class RequestSampler:
             return
         self._chain = _chain(params, seed, n_vocab)
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """An argmax of the logits row, nothing else (the runner may do it on its own view)."""
+        return self._chain is None and self._grammar is None and not self.error
+
     def sample(self, ctx: Any, batch_index: int) -> int:
         """Sample from the logits of `batch_index`, which must be an output of the last decode.
         llama_sampler_sample accepts the token itself; never accept it again."""
@@ -137,6 +142,16 @@ class RequestSampler:
         if self._grammar is not None:
             llama_cpp.llama_sampler_free(self._grammar)
             self._grammar = None
+
+
+def logits_rows(ctx: Any, n_outputs: int, n_vocab: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """Every logits row of the last decode, one per output in batch order (llama_get_logits):
+    one view per tick instead of a llama_get_logits_ith call and a view per row."""
+    pointer = llama_cpp.llama_get_logits(ctx)
+    view: np.ndarray[Any, np.dtype[np.float32]] = np.ctypeslib.as_array(
+        pointer, shape=(n_outputs, n_vocab)
+    )
+    return view
 
 
 def _row(ctx: Any, batch_index: int, n_vocab: int) -> np.ndarray[Any, np.dtype[np.float32]]:
