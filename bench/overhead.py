@@ -242,6 +242,7 @@ def top_costs(collapsed: Path, limit: int = 25) -> dict[str, Any]:
     count" lines). A sample whose innermost frame is a wait (epoll_wait, a condition...) is idle."""
     threads: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     functions: collections.Counter[str] = collections.Counter()
+    modules: collections.Counter[str] = collections.Counter()
     for line in collapsed.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
@@ -254,12 +255,20 @@ def top_costs(collapsed: Path, limit: int = 25) -> dict[str, Any]:
             threads[thread]["in_llama_decode"] += n
             continue
         threads[thread]["busy_outside_llama_decode"] += n
+        modules[f"{thread}: {module_of(frames[-1])}"] += n
         for frame in set(frames[1:]):
             functions[frame] += n
     return {
         "samples_by_thread": {name: dict(c) for name, c in threads.items()},
+        "self_samples_outside_llama_decode_by_thread_and_module": modules.most_common(limit),
         "top_functions_outside_llama_decode": functions.most_common(limit),
     }
+
+
+def module_of(frame: str) -> str:
+    """'func (path/file.py:12)' -> 'path/file.py'; '0x7f.. (lib.so)' -> 'lib.so'."""
+    where = frame.rpartition(" (")[2].rstrip(")")
+    return where.rsplit(":", 1)[0] if where.endswith(tuple("0123456789")) else where
 
 
 # -- main ----------------------------------------------------------------------------------------
