@@ -312,3 +312,15 @@ async def test_deltas_that_piled_up_go_out_as_one_and_lose_nothing() -> None:
     assert slow_deltas[0].token_ids == tuple(t for d in fast_deltas for t in d.token_ids)
     assert slow_deltas[0].text == "".join(d.text for d in fast_deltas)
     assert isinstance(slow[-1], Finished) and len(slow) == 2
+
+
+async def test_close_during_the_admission_window_ends_the_waiting_request() -> None:
+    """Shutdown does not wait out the window: the request still in it ends at once (close()
+    cancels what is left, as it does without a window)."""
+    engine = make_loop(admission_window_s=30.0)
+    stream = engine.submit(req("a", 4, 3).spec)
+    await asyncio.sleep(0.05)  # the engine thread is inside the 30 s window now
+    await asyncio.wait_for(asyncio.to_thread(engine.close), 5)
+    event = await asyncio.wait_for(last_event(stream), 5)
+    assert isinstance(event, Failed), event
+    assert event.error.code == "CANCELLED", event.error
