@@ -90,19 +90,19 @@ class Runner:
         failed: dict[int, str] = {}
         ctx = self.model.ctx
         rows = None  # every output's logits, viewed once if a plain greedy request needs them
-        n_outputs = sum(1 for index in outputs if index >= 0)
         ordinal = -1
         for chunk, index in zip(chunks, outputs, strict=True):
             if index < 0:
                 continue
             ordinal += 1
             sampler = self.samplers[chunk.request_id]
+            row = None
             if sampler.is_plain_greedy:
                 if rows is None:
+                    n_outputs = sum(1 for i in outputs if i >= 0)
                     rows = logits_rows(ctx, n_outputs, self.model.n_vocab)
-                token = int(rows[ordinal].argmax())
-            else:
-                token = sampler.sample(ctx, index)
+                row = rows[ordinal]
+            token = sampler.sample(ctx, index, row)
             if token == NO_TOKEN:
                 failed[chunk.slot_id] = sampler.error
                 continue

@@ -99,18 +99,26 @@ class RequestSampler:
 
     @property
     def is_plain_greedy(self) -> bool:
-        """An argmax of the logits row, nothing else (the runner may do it on its own view)."""
+        """An argmax of the logits row, nothing else (the runner may hand in the row)."""
         return self._chain is None and self._grammar is None and not self.error
 
-    def sample(self, ctx: Any, batch_index: int) -> int:
-        """Sample from the logits of `batch_index`, which must be an output of the last decode.
+    def sample(
+        self,
+        ctx: Any,
+        batch_index: int,
+        row: np.ndarray[Any, np.dtype[np.float32]] | None = None,
+    ) -> int:
+        """Sample from the logits of `batch_index`, which must be an output of the last decode
+        (a plain greedy sampler takes its argmax from `row`, that output's logits, when given).
         llama_sampler_sample accepts the token itself; never accept it again."""
         if self.error:
             return NO_TOKEN
         if self._grammar is not None:
             return self._sample_constrained(ctx, batch_index)
         if self._chain is None:
-            return int(_row(ctx, batch_index, self._n_vocab).argmax())
+            if row is None:
+                row = _row(ctx, batch_index, self._n_vocab)
+            return int(row.argmax())
         return int(llama_cpp.llama_sampler_sample(self._chain, ctx, batch_index))
 
     def _sample_constrained(self, ctx: Any, batch_index: int) -> int:
