@@ -57,6 +57,28 @@ FINISH_REASON_TIME_LIMIT: FinishReason.ValueType  # 6
 """`stopping.time_limit_ms` elapsed."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _Priority:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PriorityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Priority.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PRIORITY_UNSPECIFIED: _Priority.ValueType  # 0
+    """The same as PRIORITY_NORMAL."""
+    PRIORITY_LOW: _Priority.ValueType  # 1
+    PRIORITY_NORMAL: _Priority.ValueType  # 2
+    PRIORITY_HIGH: _Priority.ValueType  # 3
+
+class Priority(_Priority, metaclass=_PriorityEnumTypeWrapper):
+    """Where a request goes in its tenant's queue."""
+
+PRIORITY_UNSPECIFIED: Priority.ValueType  # 0
+"""The same as PRIORITY_NORMAL."""
+PRIORITY_LOW: Priority.ValueType  # 1
+PRIORITY_NORMAL: Priority.ValueType  # 2
+PRIORITY_HIGH: Priority.ValueType  # 3
+Global___Priority: _TypeAlias = Priority  # noqa: Y015
+
 class _OverflowPolicy:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -256,10 +278,15 @@ class GenerationParams(_message.Message):
     GRAMMAR_FIELD_NUMBER: _builtins.int
     JSON_SCHEMA_FIELD_NUMBER: _builtins.int
     CONTEXT_OVERFLOW_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     cache_prompt: _builtins.bool
     """Reuse and keep KV cache for this request's prefix (server default: true)."""
     json_schema: _builtins.str
     """A JSON Schema, as JSON text: the output is JSON that validates against it."""
+    priority: Global___Priority.ValueType
+    """Queue order within the caller's tenant (default: normal). Waiting raises a request's
+    priority over time, so low-priority work is never starved.
+    """
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
     @_builtins.property
@@ -286,10 +313,11 @@ class GenerationParams(_message.Message):
         grammar: Global___Grammar | None = ...,
         json_schema: _builtins.str = ...,
         context_overflow: Global___ContextOverflow | None = ...,
+        priority: Global___Priority.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "cache_prompt", b"cache_prompt", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "cache_prompt", b"cache_prompt", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "cache_prompt", b"cache_prompt", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "priority", b"priority", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cache_prompt: _TypeAlias = _typing.Literal["cache_prompt"]  # noqa: Y015
     _WhichOneofArgType__cache_prompt: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt"]  # noqa: Y015

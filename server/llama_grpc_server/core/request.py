@@ -18,6 +18,14 @@ class FinishReason(enum.Enum):
     TIME_LIMIT = "time_limit"
 
 
+class Priority(enum.IntEnum):
+    """Queue order within a tenant; waiting raises it (aging), so LOW is never starved."""
+
+    LOW = 0
+    NORMAL = 1
+    HIGH = 2
+
+
 class RequestState(enum.Enum):
     QUEUED = "queued"
     PREFILLING = "prefilling"
@@ -102,6 +110,11 @@ class GenerationRequest:
     output: OutputParams = OutputParams()
     constraint: Constraint | None = None
     num_truncated: int = 0  # prompt tokens dropped to fit the context (truncate_left)
+    # Who asked ("" = anonymous: no authentication configured). Requests are keyed by
+    # (tenant, request_id), so tenants' x-request-ids never collide; cache_scope already
+    # carries the tenant (rpc layer), so tenants never share cache entries.
+    tenant: str = ""
+    priority: Priority = Priority.NORMAL
 
 
 @dataclass(frozen=True, slots=True)
