@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from llama_grpc_server import telemetry
+from llama_grpc_server.auth import AuthFileError, load_auth_file
 from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSettings, Settings
 from llama_grpc_server.core.api import EngineApi
 from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
 from llama_grpc_server.core.request import SamplingParams
 from llama_grpc_server.core.strategies import load_strategy
+from llama_grpc_server.core.tenants import TenantLimits
 from llama_grpc_server.telemetry import configure_logging
 
 PROG = "llama-grpc serve"
@@ -157,6 +159,16 @@ OPTIONS: tuple[Option, ...] = (
            one_of(*LOG_LEVELS), "LEVEL"),
     Option("log_payloads", bool, "server.log_payloads",
            "log request and response messages (debugging: prompts and completions in logs)"),
+    Option("tls_cert", str, "server.tls_cert", "PEM certificate chain: serve TLS (with --tls-key)",
+           _is_file, "PATH"),
+    Option("tls_key", str, "server.tls_key", "PEM private key of --tls-cert", _is_file, "PATH"),
+    Option("tls_client_ca", str, "server.tls_client_ca",
+           "PEM CA bundle: require client certificates signed by it (mTLS); the certificate's "
+           "URI SAN (e.g. a SPIFFE id) or CN is the caller's identity", _is_file, "PATH"),
+    Option("auth_tokens_file", str, "server.auth_tokens_file",
+           "TOML file of bearer tokens / certificate subjects, each with a tenant and a role "
+           "(user | admin), and per-tenant limits; reloaded on SIGHUP", _is_file, "PATH"),
+    Option("reflection", bool, "server.reflection", "serve gRPC reflection (for grpcurl)"),
     Option("grace_s", float, "server.grace_s", "seconds to finish requests on shutdown",
            at_least(0)),
     Option("keep_alive_on_engine_error", bool, "server.keep_alive_on_engine_error",
@@ -178,6 +190,7 @@ OPTIONS: tuple[Option, ...] = (
            between(-1, 2**32 - 1)),
 )  # fmt: skip
 BY_NAME: dict[str, Option] = {opt.name: opt for opt in OPTIONS}
+PATH_OPTIONS = ("model", "tls_cert", "tls_key", "tls_client_ca", "auth_tokens_file")
 
 EPILOG = f"""\
 precedence, lowest first: defaults < TOML config file (--config PATH or {CONFIG_ENV})
@@ -188,7 +201,7 @@ environment: each option --some-name is also {ENV_PREFIX}SOME_NAME, e.g. {ENV_PR
   any other {ENV_PREFIX}* variable is an error.
 
 config file: flat TOML keys named like the flags, with underscores (no [sections]); a relative
-  model path is relative to the file:
+  relative file paths (model, tls_*, auth_tokens_file) are relative to the file:
     model = "models/my-model.gguf"
     n_ctx = 4096
     n_parallel = 8
@@ -327,12 +340,13 @@ def _file_layer(path: Path, via: str) -> dict[str, Resolved]:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path} ({via}): invalid TOML: {exc}") from None
     layer = _read_layer(data, str, lambda key: f"config file {path}, key {key}", _from_toml)
-    model = layer.get("model")
-    if model is not None and model.value:
-        # Relative to the file, so a config file and its model can move together.
-        layer["model"] = Resolved(
-            str(path.parent / Path(str(model.value)).expanduser()), model.source
-        )
+    for name in PATH_OPTIONS:
+        given = layer.get(name)
+        if given is not None and given.value:
+            # Relative to the file, so a config file and its files can move together.
+            layer[name] = Resolved(
+                str(path.parent / Path(str(given.value)).expanduser()), given.source
+            )
     return layer
 
 
@@ -383,9 +397,27 @@ def _check(values: Mapping[str, Resolved]) -> None:
                 f"{BY_NAME[small].flag}={low.value} ({low.source}): must be <= "
                 f"{BY_NAME[large].flag}={high.value} ({high.source})"
             )
+    cert, key, client_ca = values["tls_cert"], values["tls_key"], values["tls_client_ca"]
+    if bool(cert.value) != bool(key.value):
+        given, missing = ("--tls-cert", "--tls-key") if cert.value else ("--tls-key", "--tls-cert")
+        raise ConfigError(f"{given} needs {missing} too")
+    if client_ca.value and not cert.value:
+        raise ConfigError(f"--tls-client-ca ({client_ca.source}) needs --tls-cert and --tls-key")
     port, metrics = values["port"], values["metrics_port"]
     if metrics.value and metrics.value == port.value:
         raise ConfigError(f"--metrics-port={metrics.value} ({metrics.source}): same as --port")
+
+
+def _tenant_limits(values: Mapping[str, Resolved]) -> Mapping[str, TenantLimits]:
+    """Read the tokens file now, so a broken one stops the server at start (exit code 2); its
+    tenants' limits go to the scheduler (tokens are read again by the server, and on SIGHUP)."""
+    given = values["auth_tokens_file"]
+    if not given.value:
+        return {}
+    try:
+        return load_auth_file(Path(str(given.value))).limits
+    except AuthFileError as exc:
+        raise ConfigError(f"--auth-tokens-file ({given.source}): {exc}") from None
 
 
 def _build(values: Mapping[str, Resolved]) -> Settings:
@@ -404,7 +436,9 @@ def _build(values: Mapping[str, Resolved]) -> Settings:
     return Settings(
         model=ModelSettings(**sections["model"]),
         scheduler=SchedulerSettings(
-            **sections["scheduler"], default_sampling=SamplingParams(**sampling)
+            **sections["scheduler"],
+            default_sampling=SamplingParams(**sampling),
+            tenant_limits=_tenant_limits(values),
         ),
         server=ServerSettings(**sections["server"]),
     )

@@ -4,9 +4,11 @@ The defaults here are the only ones: cli.py reads each option's default off the 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from llama_grpc_server.core.request import SamplingParams
+from llama_grpc_server.core.tenants import TenantLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,7 @@ class SchedulerSettings:
     max_stop_strings: int = 16
     max_stop_length: int = 256
     default_sampling: SamplingParams = field(default_factory=SamplingParams)
+    tenant_limits: Mapping[str, TenantLimits] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,11 @@ class ServerSettings:
     grace_s: float = 10.0
     keep_alive_on_engine_error: bool = False  # else exit EXIT_ENGINE_FAILED after grace_s
     max_message_bytes: int = 16 * 1024 * 1024
+    tls_cert: str = ""  # PEM certificate chain: serve TLS (with tls_key)
+    tls_key: str = ""
+    tls_client_ca: str = ""  # PEM CA: clients must present a certificate it signed (mTLS)
+    auth_tokens_file: str = ""  # TOML of tokens/identities -> tenant + role (see auth.py)
+    reflection: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,20 @@ class DuplicateRequest(ServiceError):
     reason = "REQUEST_ID_IN_FLIGHT"
 
 
+class Unauthenticated(ServiceError):
+    """No credentials, or credentials the server does not know."""
+
+    code = "UNAUTHENTICATED"
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDenied(ServiceError):
+    """The caller is known but its role may not do this."""
+
+    code = "PERMISSION_DENIED"
+    reason = "PERMISSION_DENIED"
+
+
 class Overloaded(ServiceError):
     """The queue is full; retry later."""
 

@@ -106,18 +106,21 @@ class Metrics:
             PREFIX + "sample_seconds", "Time sampling after llama_decode.", registry=reg
         )
         self.rpc_started_total = Counter(
-            "grpc_server_started", "RPCs started.", ["grpc_service", "grpc_method"], registry=reg
+            "grpc_server_started",
+            "RPCs started.",
+            ["grpc_service", "grpc_method", "tenant"],
+            registry=reg,
         )
         self.rpc_handled_total = Counter(
             "grpc_server_handled",
             "RPCs completed, by status code.",
-            ["grpc_service", "grpc_method", "grpc_code"],
+            ["grpc_service", "grpc_method", "grpc_code", "tenant"],
             registry=reg,
         )
         self.rpc_seconds = Histogram(
             "grpc_server_handling_seconds",
             "RPC handling time, to the last message.",
-            ["grpc_service", "grpc_method"],
+            ["grpc_service", "grpc_method", "tenant"],
             buckets=RPC_BUCKETS,
             registry=reg,
         )
@@ -163,13 +166,13 @@ class Metrics:
 
     # -- RpcRecorder (event loop) -----------------------------------------------------------------
 
-    def rpc_started(self, method: str) -> None:
-        self.rpc_started_total.labels(*split_method(method)).inc()
+    def rpc_started(self, method: str, tenant: str) -> None:
+        self.rpc_started_total.labels(*split_method(method), tenant).inc()
 
-    def rpc_handled(self, method: str, code: str, seconds: float) -> None:
+    def rpc_handled(self, method: str, code: str, seconds: float, tenant: str) -> None:
         service, name = split_method(method)
-        self.rpc_handled_total.labels(service, name, code).inc()
-        self.rpc_seconds.labels(service, name).observe(seconds)
+        self.rpc_handled_total.labels(service, name, code, tenant).inc()
+        self.rpc_seconds.labels(service, name, tenant).observe(seconds)
 
 
 class _SnapshotCollector:

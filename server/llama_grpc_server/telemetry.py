@@ -69,6 +69,7 @@ class RequestEvent:
     finish_reason: str  # "eos", "max_tokens", ...; "" for a failed request
     error_reason: str = ""  # the ErrorInfo reason of a failed request ("CANCELLED", ...)
     preemptions: int = 0
+    tenant: str = ""  # who asked ("" without authentication)
 
     @property
     def is_failed(self) -> bool:
@@ -187,6 +188,7 @@ def request_event(request: Request, event: Finished | Failed, now_ns: int) -> Re
         finish_reason=reason,
         error_reason=error,
         preemptions=request.num_preemptions,
+        tenant=request.spec.tenant,
     )
 
 

@@ -139,7 +139,11 @@ async def test_metrics_after_real_requests(observed: Observed) -> None:
     assert 0 < value(got, "llama_grpc:iteration_tokens_total_count") <= stats.ticks
     assert value(got, "llama_grpc:eval_seconds_total") > 0
 
-    labels = {"grpc_service": "llama_grpc.v1.LlmService", "grpc_method": "StreamGenerate"}
+    labels = {
+        "grpc_service": "llama_grpc.v1.LlmService",
+        "grpc_method": "StreamGenerate",
+        "tenant": "",  # no authentication: the anonymous caller
+    }
     assert value(got, "grpc_server_handled_total", grpc_code="OK", **labels) >= 3
     assert value(got, "grpc_server_started_total", **labels) >= 3
     assert value(got, "grpc_server_handling_seconds_count", **labels) >= 3

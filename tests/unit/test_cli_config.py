@@ -379,3 +379,49 @@ def test_python_m_bad_flag_exits_2_without_traceback() -> None:
         "llama-grpc serve: error: --n-batch=9999 (command line): must be <= --n-ctx=512 "
         "(command line)"
     ]
+
+
+# -- security options ------------------------------------------------------------------------------
+
+
+def test_tls_and_auth_files_reach_the_server_settings(tmp_path: Path) -> None:
+    """Paths in a config file are relative to it; the tokens file's tenant limits reach the
+    scheduler."""
+    for name in ("cert.pem", "key.pem", "ca.pem"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "tokens.toml").write_text(
+        "[tenants.a]\nmax_queued = 2\n[[tokens]]\ntenant = 'a'\ntoken = 'a-token-0123456789'\n"
+    )
+    path = write_toml(
+        tmp_path,
+        'tls_cert = "cert.pem"\ntls_key = "key.pem"\ntls_client_ca = "ca.pem"\n'
+        'auth_tokens_file = "tokens.toml"\n',
+    )
+    got = settings("--config", str(path), "--no-reflection")
+    assert got.server.tls_cert == str(tmp_path / "cert.pem")
+    assert got.server.tls_client_ca == str(tmp_path / "ca.pem")
+    assert got.server.auth_tokens_file == str(tmp_path / "tokens.toml")
+    assert got.server.reflection is False
+    assert got.scheduler.tenant_limits["a"].max_queued == 2
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        (["--tls-cert", "cert.pem"], "--tls-cert needs --tls-key"),
+        (["--tls-key", "key.pem"], "--tls-key needs --tls-cert"),
+        (["--tls-client-ca", "ca.pem"], "--tls-client-ca (command line) needs --tls-cert"),
+        (["--tls-cert", "absent.pem", "--tls-key", "key.pem"], "--tls-cert"),
+        (["--auth-tokens-file", "bad.toml"], "--auth-tokens-file (command line)"),
+    ],
+)
+def test_bad_security_options_name_the_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: list[str], expected: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for name in ("cert.pem", "key.pem", "ca.pem"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "bad.toml").write_text("[[tokens]]\ntenant = 'a'\ntoken = 'short'\n")
+    with pytest.raises(ConfigError) as caught:
+        settings(*given)
+    assert expected in str(caught.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from types import SimpleNamespace
@@ -15,9 +16,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
 from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc_server.auth import ANONYMOUS, AuthTable, Principal, Role
 from llama_grpc_server.config import ServerSettings, Settings
 from llama_grpc_server.core.request import GenerationRequest
 from llama_grpc_server.rpc import interceptors
+from llama_grpc_server.rpc.access import AccessControl
 from llama_grpc_server.rpc.server import RunningServer, start_server
 from llama_grpc_server.testing import FakeEngine, reversed_prompt
 
@@ -32,12 +35,14 @@ class ListRecorder:
     def __init__(self) -> None:
         self.started: list[str] = []
         self.handled: list[tuple[str, str, float]] = []
+        self.tenants: list[str] = []
 
-    def rpc_started(self, method: str) -> None:
+    def rpc_started(self, method: str, tenant: str) -> None:
         self.started.append(method)
 
-    def rpc_handled(self, method: str, code: str, seconds: float) -> None:
+    def rpc_handled(self, method: str, code: str, seconds: float, tenant: str) -> None:
         self.handled.append((method, code, seconds))
+        self.tenants.append(tenant)
 
 
 @pytest.fixture
@@ -101,8 +106,11 @@ async def test_stream_access_line_has_ttft_and_count(stub: Any, engine: FakeEngi
 
 async def test_error_code_is_logged(stub: Any) -> None:
     """An aborted call logs the status it ended with."""
-    with capture_logs() as logs, pytest.raises(grpc.aio.AioRpcError):
-        await stub.Generate(pb.GenerateRequest(prompt=""))
+    with capture_logs() as logs:
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.Generate(pb.GenerateRequest(prompt=""))
+        # the status can reach the client before the server's handler has logged its line
+        await eventually(lambda: bool(access_lines(logs, GENERATE)))
     [line] = access_lines(logs, GENERATE)
     assert line["code"] == "INVALID_ARGUMENT"
     assert line["messages_sent"] == 0
@@ -260,7 +268,7 @@ class FakeContext:
     async def send_initial_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self.sent_metadata.append(metadata)
 
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+    async def abort(self, code: grpc.StatusCode, details: str, *trailing: Any) -> None:
         self._code = code
         raise grpc.aio.AbortError()
 
@@ -272,6 +280,9 @@ class FakeContext:
 
     def peer(self) -> str:
         return "ipv4:127.0.0.1:5555"
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {"transport_security_type": [b"insecure"]}
 
 
 async def intercepted(
@@ -433,3 +444,46 @@ def test_payload_text_is_bounded() -> None:
     """A huge message is cut for the log."""
     text = interceptors.payload_text(pb.TokenizeRequest(text="x" * 10_000))
     assert len(text) == interceptors.MAX_PAYLOAD_LOG_CHARS
+
+
+async def test_unknown_caller_is_refused_before_the_handler(recorder: ListRecorder) -> None:
+    """With a tokens file, a call without a known token ends UNAUTHENTICATED without running
+    its handler; a known one runs with its principal bound, its tenant logged and recorded."""
+    table = AuthTable(
+        tokens=((hashlib.sha256(b"t" * 16).digest(), Principal("a", Role.USER, "token")),)
+    )
+    seen: list[str] = []
+
+    async def behavior(request: str, context: Any) -> str:
+        seen.append(interceptors.current_principal().tenant)
+        return request
+
+    access = AccessControl(table)
+    handler = await intercepted(
+        grpc.unary_unary_rpc_method_handler(behavior), recorder, access=access
+    )
+    context = FakeContext()
+    with capture_logs() as logs, pytest.raises(grpc.aio.AbortError):
+        await handler.unary_unary("hi", context)
+    assert context.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert seen == []
+    assert access_lines(logs, GENERATE)[0]["code"] == "UNAUTHENTICATED"
+
+    details = cast(
+        grpc.HandlerCallDetails,
+        SimpleNamespace(
+            method=GENERATE, invocation_metadata=(("authorization", "Bearer " + "t" * 16),)
+        ),
+    )
+
+    async def continuation(_: grpc.HandlerCallDetails) -> Any:
+        return grpc.unary_unary_rpc_method_handler(behavior)
+
+    interceptor = interceptors.RequestInterceptor(recorder, access=access)
+    handler = await interceptor.intercept_service(continuation, details)
+    with capture_logs() as logs:
+        assert await handler.unary_unary("hi", FakeContext()) == "hi"
+    assert seen == ["a"]
+    assert access_lines(logs, GENERATE)[0]["tenant"] == "a"
+    assert recorder.tenants == ["", "a"]  # the refused call had no tenant yet
+    assert interceptors.current_principal() is ANONYMOUS

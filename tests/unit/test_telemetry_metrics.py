@@ -125,12 +125,16 @@ def test_engine_up_is_zero_once_the_engine_failed() -> None:
 
 def test_rpc_series_use_grpc_prometheus_names() -> None:
     """grpc_server_started/handled totals and the handling-seconds histogram, labelled by
-    service, method and code."""
+    service, method and code, plus the tenant."""
     metrics = Metrics()
-    metrics.rpc_started("/llama_grpc.v1.LlmService/Generate")
-    metrics.rpc_handled("/llama_grpc.v1.LlmService/Generate", "INVALID_ARGUMENT", 0.002)
+    metrics.rpc_started("/llama_grpc.v1.LlmService/Generate", "team-a")
+    metrics.rpc_handled("/llama_grpc.v1.LlmService/Generate", "INVALID_ARGUMENT", 0.002, "team-a")
     got = samples(metrics.render())
-    labels = {"grpc_service": "llama_grpc.v1.LlmService", "grpc_method": "Generate"}
+    labels = {
+        "grpc_service": "llama_grpc.v1.LlmService",
+        "grpc_method": "Generate",
+        "tenant": "team-a",
+    }
     assert value(got, "grpc_server_started_total", **labels) == 1
     assert value(got, "grpc_server_handled_total", grpc_code="INVALID_ARGUMENT", **labels) == 1
     assert value(got, "grpc_server_handling_seconds_count", **labels) == 1
@@ -191,7 +195,7 @@ async def test_server_serves_rpc_and_engine_series(
             await stub.Generate(pb.GenerateRequest(prompt=""))
         stats = await stub.GetStats(pb.GetStatsRequest())
     got = await asyncio.to_thread(scrape, running.metrics_port)
-    labels = {"grpc_service": "llama_grpc.v1.LlmService", "grpc_method": "Generate"}
+    labels = {"grpc_service": "llama_grpc.v1.LlmService", "grpc_method": "Generate", "tenant": ""}
     assert value(got, "grpc_server_started_total", **labels) == 2
     assert value(got, "grpc_server_handled_total", grpc_code="OK", **labels) == 1
     assert value(got, "grpc_server_handled_total", grpc_code="INVALID_ARGUMENT", **labels) == 1

@@ -1,5 +1,7 @@
 """Per-RPC plumbing for every method, unary or streaming: the request id (x-request-id in and out,
-a contextvar, structlog context), one access-log line, and RpcRecorder metric hooks; a request
+a contextvar, structlog context), the caller (rpc.access: refused with UNAUTHENTICATED or
+PERMISSION_DENIED before the handler runs; its tenant in a contextvar, the access log and the
+metric labels), one access-log line, and RpcRecorder metric hooks; a request
 protobuf cannot parse is answered INVALID_ARGUMENT (rpc.decoding) rather than grpc's UNKNOWN.
 Knows nothing of LlmService messages; logs payloads only when asked to (log_payloads, for
 debugging)."""
@@ -21,7 +23,10 @@ import structlog
 from google.protobuf import text_format
 from google.protobuf.message import Message
 
+from llama_grpc_server import errors
+from llama_grpc_server.auth import ANONYMOUS, Principal
 from llama_grpc_server.rpc import decoding
+from llama_grpc_server.rpc.access import AccessControl
 from llama_grpc_server.rpc.status import abort
 
 REQUEST_ID_KEY = "x-request-id"
@@ -31,6 +36,9 @@ MAX_PAYLOAD_LOG_CHARS = 4096
 log = structlog.get_logger("llama_grpc.rpc")
 
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+_principal: contextvars.ContextVar[Principal] = contextvars.ContextVar(
+    "principal", default=ANONYMOUS
+)
 
 Behavior = Callable[..., Any]
 
@@ -50,6 +58,11 @@ def current_request_id() -> str:
     return _request_id.get()
 
 
+def current_principal() -> Principal:
+    """The caller of the RPC being handled; ANONYMOUS outside one."""
+    return _principal.get()
+
+
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -64,20 +77,21 @@ def _incoming_request_id(metadata: Any) -> str:
 
 
 class RpcRecorder(Protocol):
-    """Where per-RPC metrics go; telemetry plugs Prometheus in here. `code` is a status name."""
+    """Where per-RPC metrics go; telemetry plugs Prometheus in here. `code` is a status name;
+    `tenant` is one of the tokens file's tenants or "" (a bounded label)."""
 
-    def rpc_started(self, method: str) -> None: ...
+    def rpc_started(self, method: str, tenant: str) -> None: ...
 
-    def rpc_handled(self, method: str, code: str, seconds: float) -> None: ...
+    def rpc_handled(self, method: str, code: str, seconds: float, tenant: str) -> None: ...
 
 
 class NullRecorder:
     """Records nothing."""
 
-    def rpc_started(self, method: str) -> None:
+    def rpc_started(self, method: str, tenant: str) -> None:
         pass
 
-    def rpc_handled(self, method: str, code: str, seconds: float) -> None:
+    def rpc_handled(self, method: str, code: str, seconds: float, tenant: str) -> None:
         pass
 
 
@@ -112,7 +126,7 @@ class _Rpc:
         method: str,
         metadata: Any,
         context: Context,
-        recorder: RpcRecorder,
+        server: RequestInterceptor,
         is_stream: bool,
         request: Any = None,
     ) -> None:
@@ -122,19 +136,33 @@ class _Rpc:
         # Read the peer while the call is alive: context.peer() on a call that grpc has already
         # torn down (a cancelled stream's access line) segfaulted once in a full test run.
         self.peer = context.peer()
-        self.recorder = recorder
+        self.recorder = server.recorder
         self.is_stream = is_stream
         self.request = request
         self.num_messages = 0
         self.start_ns = time.perf_counter_ns()
         self.first_message_ns = 0
-        self._tokens: tuple[contextvars.Token[str], Mapping[str, Any]] | None = None
+        self.refusal: errors.ServiceError | None = None
+        self.principal = ANONYMOUS
+        try:
+            self.principal = server.access.principal(method, metadata, context.auth_context())
+        except (errors.Unauthenticated, errors.PermissionDenied) as exc:
+            self.refusal = exc
+        self.tenant_label = server.access.metric_label(self.principal)
+        self._tokens: (
+            tuple[contextvars.Token[str], contextvars.Token[Principal], Mapping[str, Any]] | None
+        ) = None
 
     async def __aenter__(self) -> _Rpc:
-        self.recorder.rpc_started(self.method)
+        self.recorder.rpc_started(self.method, self.tenant_label)
         bound = structlog.contextvars.bind_contextvars(request_id=self.request_id)
-        self._tokens = (_request_id.set(self.request_id), bound)
+        self._tokens = (_request_id.set(self.request_id), _principal.set(self.principal), bound)
         return self
+
+    async def check_access(self) -> None:
+        """Refuse the call (before its handler runs) when its caller may not make it."""
+        if self.refusal is not None:
+            await abort(self.context, self.refusal, self.request_id)
 
     async def __aexit__(
         self,
@@ -145,7 +173,7 @@ class _Rpc:
         code = status_name(self.context, exc)
         seconds = (time.perf_counter_ns() - self.start_ns) / 1e9
         self._log(code, seconds)
-        self.recorder.rpc_handled(self.method, code, seconds)
+        self.recorder.rpc_handled(self.method, code, seconds, self.tenant_label)
         self._reset()
 
     async def send_request_id(self) -> None:
@@ -169,6 +197,9 @@ class _Rpc:
             "peer": self.peer,
             "request_id": self.request_id,
         }
+        if self.principal is not ANONYMOUS:
+            fields["tenant"] = self.principal.tenant
+            fields["auth"] = self.principal.via
         if self.is_stream and self.first_message_ns:
             fields["first_message_ms"] = round((self.first_message_ns - self.start_ns) / 1e6, 3)
         if self.request is not None:
@@ -181,17 +212,20 @@ class _Rpc:
     def _reset(self) -> None:
         if self._tokens is None:
             return
-        token, bound = self._tokens
+        token, principal, bound = self._tokens
         self._tokens = None
         try:
             _request_id.reset(token)
+            _principal.reset(principal)
             structlog.contextvars.reset_contextvars(**bound)
         except ValueError:  # finalized from another context (a GC'd stream): nothing to undo
             pass
 
 
 async def _refuse_undecodable(request: Any, rpc: _Rpc) -> None:
-    """Abort the call when its request could not be parsed (see rpc.decoding)."""
+    """Abort the call when its caller may not make it, or when its request could not be parsed
+    (see rpc.decoding)."""
+    await rpc.check_access()
     if isinstance(request, decoding.Undecodable):
         await abort(rpc.context, request.error, rpc.request_id)
 
@@ -266,8 +300,15 @@ class RequestInterceptor(_ServerInterceptor):
     """Request id + access log + metric hooks around every RPC of the server. With
     `log_payloads` the access line carries the request and each sent message gets a line."""
 
-    def __init__(self, recorder: RpcRecorder | None = None, *, log_payloads: bool = False) -> None:
-        self._recorder: RpcRecorder = recorder or NullRecorder()
+    def __init__(
+        self,
+        recorder: RpcRecorder | None = None,
+        *,
+        log_payloads: bool = False,
+        access: AccessControl | None = None,
+    ) -> None:
+        self.recorder: RpcRecorder = recorder or NullRecorder()
+        self.access = access if access is not None else AccessControl()
         self._log_payloads = log_payloads
 
     async def intercept_service(
@@ -285,6 +326,6 @@ class RequestInterceptor(_ServerInterceptor):
 
         def start(context: Context, is_stream: bool, request: Any) -> _Rpc:
             logged = request if log_payloads else None
-            return _Rpc(method, metadata, context, self._recorder, is_stream, logged)
+            return _Rpc(method, metadata, context, self, is_stream, logged)
 
         return _rebuild(handler, start)

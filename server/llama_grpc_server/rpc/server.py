@@ -1,4 +1,6 @@
-"""The grpc.aio server: LlmService, grpc.health.v1 and reflection behind the request interceptor.
+"""The grpc.aio server: LlmService, grpc.health.v1 and reflection behind the request interceptor,
+in plaintext or TLS (rpc.tls), callers identified by rpc.access. SIGHUP reloads the TLS files and
+the tokens file without cutting a stream.
 
 The port opens at once; the engine loads in a thread meanwhile (health NOT_SERVING, RPCs answer
 NOT_READY). SIGTERM/SIGINT drain gracefully. If the engine thread dies, health turns NOT_SERVING
@@ -10,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,9 +27,12 @@ from grpc_reflection.v1alpha import reflection
 
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import errors
-from llama_grpc_server.config import Settings
+from llama_grpc_server.auth import AuthFileError, AuthTable, load_auth_file
+from llama_grpc_server.config import ServerSettings, Settings
 from llama_grpc_server.core.api import EngineApi
 from llama_grpc_server.metrics import Metrics, MetricsServer, serve_metrics
+from llama_grpc_server.rpc import tls
+from llama_grpc_server.rpc.access import AccessControl
 from llama_grpc_server.rpc.interceptors import RequestInterceptor, RpcRecorder
 from llama_grpc_server.rpc.servicer import SERVICE_NAME, LlmServicer
 
@@ -35,6 +42,7 @@ HEALTH_NAMES = ("", SERVICE_NAME)  # "" = the server as a whole
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+RELOAD_SIGNAL = signal.SIGHUP
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine thread died
 # Before the drain's grace period ends, requests still running are ended with ShuttingDown so that
 # each caller gets UNAVAILABLE with its reason and request id (grpc's own cut at the end of the
@@ -66,9 +74,27 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _try_command(host: str, port: int) -> str:
+def _try_command(server: ServerSettings, port: int) -> str:
+    host = server.host
     target = _address("127.0.0.1" if host in ("0.0.0.0", "::", "") else host, port)
-    return f'grpcurl -plaintext -d \'{{"prompt":"Hello"}}\' {target} {SERVICE_NAME}/StreamGenerate'
+    flags = ["-plaintext"]
+    if server.tls_cert:
+        flags = ["-cacert CA.pem"]
+        if server.tls_client_ca:
+            flags += ["-cert CLIENT.pem", "-key CLIENT.key"]
+    if server.auth_tokens_file:
+        flags.append("-H 'authorization: Bearer TOKEN'")
+    request = """-d '{"prompt":"Hello"}'"""
+    return f"grpcurl {' '.join(flags)} {request} {target} {SERVICE_NAME}/StreamGenerate"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(eq=False)
@@ -116,7 +142,25 @@ class RunningServer:
     _loading: asyncio.Task[EngineApi | None]
     engine_watch: EngineWatch
     metrics_server: MetricsServer | None = None
+    access: AccessControl = field(default_factory=AccessControl)
+    credentials: tls.ReloadingCredentials | None = None
+    tokens_file: str = ""
     _stopping: asyncio.Task[None] | None = field(default=None, init=False)
+
+    def reload(self, why: str) -> bool:
+        """Read the TLS files (new connections use them) and the tokens file (the next call
+        does) again. Broken files are logged and the old ones kept; returns False then."""
+        is_ok = True
+        if self.credentials is not None:
+            is_ok = self.credentials.reload(why)
+        if self.tokens_file:
+            try:
+                self.access.table = load_auth_file(Path(self.tokens_file))
+                log.info("auth_reloaded", why=why, file=self.tokens_file)
+            except AuthFileError as exc:
+                log.error("auth_reload_failed", why=why, error=str(exc))
+                is_ok = False
+        return is_ok
 
     @property
     def metrics_port(self) -> int | None:
@@ -190,14 +234,53 @@ def _start_metrics(settings: Settings, metrics: Metrics | None) -> MetricsServer
     return served
 
 
+def _auth_table(server: ServerSettings) -> AuthTable | None:
+    if not server.auth_tokens_file:
+        return None
+    try:
+        return load_auth_file(Path(server.auth_tokens_file))
+    except AuthFileError as exc:
+        raise ServerStartError(f"--auth-tokens-file: {exc}") from None
+
+
+def _credentials(server: ServerSettings) -> tls.ReloadingCredentials | None:
+    if not server.tls_cert:
+        return None
+    files = tls.TlsFiles(
+        Path(server.tls_cert),
+        Path(server.tls_key),
+        Path(server.tls_client_ca) if server.tls_client_ca else None,
+    )
+    try:
+        return tls.ReloadingCredentials(files)
+    except tls.TlsFileError as exc:
+        raise ServerStartError(str(exc)) from None
+
+
+def _listen(
+    server: grpc.aio.Server, settings: ServerSettings, credentials: tls.ReloadingCredentials | None
+) -> int:
+    address = _address(settings.host, settings.port)
+    try:
+        if credentials is not None:
+            return server.add_secure_port(address, credentials.server_credentials())
+        return server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ServerStartError(f"cannot listen on {address}") from exc
+
+
 async def _started(
     settings: Settings,
     engine_factory: EngineFactory,
     recorder: RpcRecorder | None,
     metrics: Metrics | None,
 ) -> RunningServer:
+    access = AccessControl(_auth_table(settings.server))
+    credentials = _credentials(settings.server)
     interceptor = RequestInterceptor(
-        recorder if recorder is not None else metrics, log_payloads=settings.server.log_payloads
+        recorder if recorder is not None else metrics,
+        log_payloads=settings.server.log_payloads,
+        access=access,
     )
     server = grpc.aio.server(interceptors=[interceptor], options=server_options(settings))
     servicer = LlmServicer(settings)
@@ -206,24 +289,43 @@ async def _started(
     for name in HEALTH_NAMES:
         await health_servicer.set(name, NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
+    if settings.server.reflection:
+        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
     host = settings.server.host
-    try:
-        port = server.add_insecure_port(_address(host, settings.server.port))
-    except RuntimeError as exc:
-        raise ServerStartError(f"cannot listen on {_address(host, settings.server.port)}") from exc
+    port = _listen(server, settings.server, credentials)
     metrics_server = _start_metrics(settings, metrics)
     await server.start()
-    log.info("listening", address=_address(host, port), port=port)
-    log.info("try", command=_try_command(host, port))
+    security = "plaintext" if credentials is None else "tls"
+    if credentials is not None and credentials.requires_client_certificate:
+        security = "mtls"
+    log.info("listening", address=_address(host, port), port=port, transport=security,
+             auth="tokens" if access.table is not None else "none")  # fmt: skip
+    if credentials is None and not _is_loopback(host):
+        log.warning(
+            "plaintext_on_network",
+            address=_address(host, port),
+            hint="anyone who reaches this port can call it unencrypted; use --tls-cert/--tls-key "
+            "(and --auth-tokens-file)",
+        )
+    log.info("try", command=_try_command(settings.server, port))
     watch = EngineWatch()
     loading = asyncio.create_task(
         _load_engine(engine_factory, servicer, health_servicer, metrics, watch)
     )
     grace_s = settings.server.grace_s
     return RunningServer(
-        port, server, servicer, health_servicer, grace_s, loading, watch, metrics_server
+        port,
+        server,
+        servicer,
+        health_servicer,
+        grace_s,
+        loading,
+        watch,
+        metrics_server,
+        access,
+        credentials,
+        settings.server.auth_tokens_file,
     )
 
 
@@ -246,9 +348,9 @@ async def start_server(
 
 
 @contextlib.contextmanager
-def _stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
-    """SIGTERM/SIGINT set `stop` while inside; signal handlers can only live in the main thread.
-    Once outside, a second signal gets the default behaviour (a forced exit)."""
+def _handle_signals(stop: asyncio.Event, running: RunningServer) -> Iterator[None]:
+    """SIGTERM/SIGINT set `stop` and SIGHUP reloads while inside; signal handlers can only live
+    in the main thread. Once outside, a second signal gets the default behaviour (an exit)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -260,10 +362,11 @@ def _stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
+    loop.add_signal_handler(RELOAD_SIGNAL, running.reload, RELOAD_SIGNAL.name)
     try:
         yield
     finally:
-        for sig in STOP_SIGNALS:
+        for sig in (*STOP_SIGNALS, RELOAD_SIGNAL):
             loop.remove_signal_handler(sig)
 
 
@@ -317,7 +420,7 @@ async def serve(
             settings, engine_factory, recorder=recorder, metrics=metrics
         ) as running:
             stop = asyncio.Event()
-            with _stop_on_signals(stop):
+            with _handle_signals(stop, running):
                 is_loaded = await _loaded_unless_stopped(running, stop)
                 if is_loaded is False:
                     return 1

@@ -5,6 +5,7 @@ Never touches the scheduler thread directly; never imports llama_cpp."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -16,7 +17,7 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import errors
 from llama_grpc_server.config import Settings
-from llama_grpc_server.core.api import EngineApi
+from llama_grpc_server.core.api import EngineApi, StatsSnapshot
 from llama_grpc_server.core.request import (
     Failed,
     Finished,
@@ -24,7 +25,11 @@ from llama_grpc_server.core.request import (
     TokenDelta,
 )
 from llama_grpc_server.rpc import convert, validation
-from llama_grpc_server.rpc.interceptors import current_request_id, new_request_id
+from llama_grpc_server.rpc.interceptors import (
+    current_principal,
+    current_request_id,
+    new_request_id,
+)
 from llama_grpc_server.rpc.status import ErrorsToStatus
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["LlmService"].full_name
@@ -68,6 +73,15 @@ async def _chat_tokens(engine: EngineApi, draft: validation.Draft, *, add_bos: b
 def _request_id() -> str:
     """The interceptor's id; a fresh one when the servicer runs without it."""
     return current_request_id() or new_request_id()
+
+
+def _seen_by(snapshot: StatsSnapshot, tenant: str) -> StatsSnapshot:
+    """The snapshot as a user of `tenant` may see it: other tenants' request ids are blanked
+    (their slots' states and sizes stay: capacity is every tenant's business)."""
+    slots = tuple(
+        s if s.tenant == tenant else dataclasses.replace(s, request_id="") for s in snapshot.slots
+    )
+    return dataclasses.replace(snapshot, slots=slots)
 
 
 def _deadline(context: Context) -> float | None:
@@ -137,7 +151,11 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
                 engine, message.prompt, add_special=add_special, parse_special=False
             )
         return validation.complete_request(
-            draft, tokens, request_id=request_id, deadline=_deadline(context)
+            draft,
+            tokens,
+            request_id=request_id,
+            deadline=_deadline(context),
+            tenant=current_principal().tenant,
         )
 
     # -- generation -------------------------------------------------------------------------------
@@ -172,7 +190,11 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
                 request, engine.model_info, limits, grammars=engine
             )
             spec = validation.complete_request(
-                draft, draft.prompt_tokens, request_id=request_id, deadline=_deadline(context)
+                draft,
+                draft.prompt_tokens,
+                request_id=request_id,
+                deadline=_deadline(context),
+                tenant=current_principal().tenant,
             )
             async with aclosing(_run(engine, spec)) as events:
                 async for event in events:
@@ -205,7 +227,11 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
 
     async def GetStats(self, request: pb.GetStatsRequest, context: Context) -> pb.GetStatsResponse:
         async with ErrorsToStatus(context, _request_id()):
-            return convert.stats_response(self._ready_engine().stats())
+            snapshot = self._ready_engine().stats()
+            caller = current_principal()
+            if not caller.is_admin:  # a user sees its own requests' ids only
+                snapshot = _seen_by(snapshot, caller.tenant)
+            return convert.stats_response(snapshot)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: Context

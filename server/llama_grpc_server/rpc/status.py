@@ -33,6 +33,8 @@ STATUS_CODES: dict[str, grpc.StatusCode] = {
     "RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "DEADLINE_EXCEEDED": grpc.StatusCode.DEADLINE_EXCEEDED,
     "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
+    "UNAUTHENTICATED": grpc.StatusCode.UNAUTHENTICATED,
+    "PERMISSION_DENIED": grpc.StatusCode.PERMISSION_DENIED,
     "CANCELLED": grpc.StatusCode.CANCELLED,
     "INTERNAL": grpc.StatusCode.INTERNAL,
 }

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
+from llama_grpc_server.auth import scoped_cache_scope
 from llama_grpc_server.config import SchedulerSettings
 from llama_grpc_server.core import context_fit
 from llama_grpc_server.core.api import GrammarCompiler, ModelInfo
@@ -25,6 +26,7 @@ from llama_grpc_server.core.request import (
     Constraint,
     GenerationRequest,
     OutputParams,
+    Priority,
     SamplingParams,
     StoppingParams,
 )
@@ -75,6 +77,15 @@ class Message(enum.StrEnum):
     NO_GGUF_TEMPLATE = "the model file has no chat template of its own; use one of {builtins}"
     UNKNOWN_POLICY = "unknown context overflow policy {value}"
     N_KEEP_WITHOUT_TRUNCATION = "n_keep only applies with OVERFLOW_POLICY_TRUNCATE_LEFT"
+    UNKNOWN_PRIORITY = "unknown priority {value}"
+
+
+_PRIORITIES = {
+    pb.PRIORITY_UNSPECIFIED: Priority.NORMAL,
+    pb.PRIORITY_LOW: Priority.LOW,
+    pb.PRIORITY_NORMAL: Priority.NORMAL,
+    pb.PRIORITY_HIGH: Priority.HIGH,
+}
 
 
 def _invalid(field: str, message: Message, **values: Any) -> errors.InvalidRequest:
@@ -143,6 +154,7 @@ class Draft:
     prompt_tokens: tuple[int, ...] = ()  # set for token requests only
     messages: tuple[ChatMessage, ...] = ()  # a chat request: render these with chat_template
     chat_template: str = ""
+    priority: Priority = Priority.NORMAL
 
 
 # -- public entry points ---------------------------------------------------------------------------
@@ -229,9 +241,15 @@ def chat_prompt_tokens(tokens: Sequence[int], info: ModelInfo) -> list[int]:
 
 
 def complete_request(
-    draft: Draft, prompt_tokens: Iterable[int], *, request_id: str, deadline: float | None
+    draft: Draft,
+    prompt_tokens: Iterable[int],
+    *,
+    request_id: str,
+    deadline: float | None,
+    tenant: str = "",
 ) -> GenerationRequest:
-    """Apply the context checks and the default max_tokens; the result is ready to submit."""
+    """Apply the context checks and the default max_tokens; the result is ready to submit.
+    The tenant's name prefixes its cache scope: tenants never share cached prefixes."""
     tokens, num_truncated = _truncate_left(draft, tuple(prompt_tokens))
     max_tokens = _fit_max_tokens(draft, len(tokens))
     stopping = dataclasses.replace(
@@ -246,9 +264,11 @@ def complete_request(
         constraint=draft.constraint,
         num_truncated=num_truncated,
         session_id=draft.session_id,
-        cache_scope=draft.cache_scope,
+        cache_scope=scoped_cache_scope(tenant, draft.cache_scope),
         cache_prompt=draft.cache_prompt,
         deadline=deadline,
+        tenant=tenant,
+        priority=draft.priority,
     )
 
 
@@ -278,6 +298,7 @@ def _draft(
         output=_output(params.output),
         constraint=_constraint(params, grammars),
         n_keep=_n_keep(params.context_overflow),
+        priority=_priority(params.priority),
         bos_token_id=info.bos_token_id,
         max_tokens=max_tokens,
         session_id=message.session_id,
@@ -500,6 +521,13 @@ def _n_keep(message: pb.ContextOverflow) -> int | None:
     if message.n_keep:
         raise _invalid("params.context_overflow.n_keep", Message.N_KEEP_WITHOUT_TRUNCATION)
     return None
+
+
+def _priority(value: pb.Priority.ValueType) -> Priority:
+    found = _PRIORITIES.get(value)
+    if found is None:
+        raise _invalid("params.priority", Message.UNKNOWN_PRIORITY, value=value)
+    return found
 
 
 def _truncate_left(draft: Draft, tokens: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
