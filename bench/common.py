@@ -91,10 +91,13 @@ def llama_grpc_server(*args: str, timeout_s: float = 120.0) -> Iterator[str]:
 
 @contextlib.contextmanager
 def llama_grpc_process(
-    *args: str, timeout_s: float = 120.0, env: dict[str, str] | None = None
+    *args: str,
+    timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """llama_grpc_server, yielding the process too (its pid, for CPU accounting); `env` is
-    added to this process's environment for the server alone."""
+    added to this process's environment for the server alone; `credentials` reach a TLS one."""
     port = free_port()
     cmd = [sys.executable, "-m", "llama_grpc_server", "--port", str(port), "--log-level", "warning"]
     proc = subprocess.Popen(
@@ -105,7 +108,7 @@ def llama_grpc_process(
     )
     target = f"127.0.0.1:{port}"
     try:
-        wait_serving(target, proc, timeout_s)
+        wait_serving(target, proc, timeout_s, credentials)
         yield target, proc
     finally:
         proc.terminate()
@@ -115,11 +118,20 @@ def llama_grpc_process(
             proc.kill()
 
 
-def wait_serving(target: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+def wait_serving(
+    target: str,
+    proc: subprocess.Popen[bytes],
+    timeout_s: float,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
+    if credentials is None:
+        channel = grpc.insecure_channel(target)
+    else:
+        channel = grpc.secure_channel(target, credentials)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -242,6 +254,7 @@ async def stream_tokens(
     params: Any,
     session_id: str = "",
     timeout: float = 600.0,
+    metadata: Sequence[tuple[str, str]] = (),
 ) -> StreamRecord:
     """One GenerateTokens (ids) or StreamGenerate (text) call, timed per delta on arrival."""
     from llama_grpc.v1 import llm_service_pb2 as pb
@@ -251,11 +264,13 @@ async def stream_tokens(
         call = stub.GenerateTokens(
             pb.GenerateTokensRequest(token_ids=token_ids, params=params, session_id=session_id),
             timeout=timeout,
+            metadata=metadata or None,
         )
     else:
         call = stub.StreamGenerate(
             pb.StreamGenerateRequest(prompt=text, params=params, session_id=session_id),
             timeout=timeout,
+            metadata=metadata or None,
         )
     async for msg in call:
         now = time.perf_counter()
