@@ -21,7 +21,7 @@ from structlog.testing import capture_logs
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
-from llama_grpc_server.auth import token_digest
+from llama_grpc_server.auth import load_auth_file, token_digest
 from llama_grpc_server.config import ServerSettings, Settings
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.server import RunningServer, ServerStartError, start_server
@@ -43,6 +43,9 @@ def write_tokens(path: Path, pki: Pki, *, with_b: bool = True) -> Path:
     b = f'[[tokens]]\ntenant = "team-b"\ntoken = "{USER_B}"\n' if with_b else ""
     path.write_text(
         f"""
+[tenants.team-a]
+max_queued = 8
+
 [[tokens]]
 tenant = "team-a"
 sha256 = "{token_digest(USER_A)}"
@@ -67,13 +70,15 @@ def client_subject(pki: Pki) -> str:
 
 
 def server_settings(pki: Pki, directory: Path, **server: Any) -> Settings:
-    conf = settings(n_parallel=2, max_queue=16)
+    """TLS and the tokens file; its tenant limits reach the scheduler as cli.py passes them."""
+    tokens = write_tokens(directory / "tokens.toml", pki)
+    conf = settings(n_parallel=2, max_queue=16, tenant_limits=load_auth_file(tokens).limits)
     tls = ServerSettings(
         port=0,
         grace_s=1.0,
         tls_cert=str(pki.server_cert),
         tls_key=str(pki.server_key),
-        auth_tokens_file=str(write_tokens(directory / "tokens.toml", pki)),
+        auth_tokens_file=str(tokens),
     )
     return replace(conf, server=replace(tls, **server))
 
@@ -176,7 +181,7 @@ async def test_tls_needs_the_ca(tls_server: RunningServer, pki: Pki) -> None:
 
 async def test_a_key_that_does_not_match_fails_at_start(pki: Pki, tmp_path: Path) -> None:
     conf = server_settings(pki, tmp_path, tls_key=str(pki.client_key))
-    with pytest.raises(ServerStartError, match="--tls-cert .* --tls-key .*matching private key"):
+    with pytest.raises(ServerStartError, match=r"--tls-cert .* --tls-key .*matching private key"):
         async with start_server(conf, lambda: build_engine(conf)):
             pass
 
@@ -248,9 +253,7 @@ async def test_stats_hide_other_tenants_request_ids(stub: pb_grpc.LlmServiceStub
         params=pb.GenerationParams(stopping=pb.StoppingCriteria(max_tokens=200, ignore_eos=True)),
     )
     secret = "request-of-a-secret"
-    stream = stub.StreamGenerate(
-        request, metadata=(*bearer(USER_A), ("x-request-id", secret))
-    )
+    stream = stub.StreamGenerate(request, metadata=(*bearer(USER_A), ("x-request-id", secret)))
     async for _ in stream:  # running once its first delta arrived
         break
 
@@ -342,7 +345,8 @@ async def test_reload_rotates_certificate_and_tokens_without_cutting_a_stream(
             assert running.reload("test")
             async with channel(running.port, rotated) as new:
                 stub = pb_grpc.LlmServiceStub(new)
-                assert (await stub.Tokenize(pb.TokenizeRequest(text="a"), metadata=bearer(USER_A))).token_ids
+                ok = await stub.Tokenize(pb.TokenizeRequest(text="a"), metadata=bearer(USER_A))
+                assert ok.token_ids
                 with pytest.raises(grpc.aio.AioRpcError) as raised:
                     await stub.Tokenize(pb.TokenizeRequest(text="a"), metadata=bearer(USER_B))
                 assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -365,3 +369,44 @@ async def test_a_broken_reload_keeps_the_old_files(pki: Pki, tmp_path: Path) -> 
             stub = pb_grpc.LlmServiceStub(ch)
             info = await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=bearer(USER_A))
             assert info.n_ctx > 0
+
+
+# -- fair share ------------------------------------------------------------------------------------
+
+
+async def test_a_flooding_tenant_cannot_starve_another(stub: pb_grpc.LlmServiceStub) -> None:
+    """Tenant A fills both slots and its whole queue allowance (max_queued = 8: a ninth waiting
+    request is refused, naming the limit); B's one request is admitted at the first slot
+    turnover, ahead of A's six other waiting requests, not after them as FIFO would."""
+    params = pb.GenerationParams(
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingCriteria(max_tokens=16, ignore_eos=True),
+    )
+    loop = asyncio.get_running_loop()
+    first_token: dict[str, float] = {}
+
+    async def run(name: str, token: str) -> None:
+        call = stub.StreamGenerate(
+            pb.StreamGenerateRequest(prompt=f"Request {name}: count", params=params),
+            metadata=bearer(token),
+        )
+        async for _ in call:
+            first_token.setdefault(name, loop.time())
+
+    floods = [asyncio.create_task(run(f"a{i}", USER_A)) for i in range(10)]
+
+    async def queued() -> int:
+        return (await stub.GetStats(pb.GetStatsRequest(), metadata=bearer(ADMIN))).queue_depth
+
+    for _ in range(200):
+        if await queued() == 8:
+            break
+        await asyncio.sleep(0.05)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await run("a-extra", USER_A)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_queued=8" in (refused.value.details() or "")
+    await run("b", USER_B)
+    await asyncio.gather(*floods)
+    a_starts = sorted(first_token[f"a{i}"] for i in range(10))
+    assert first_token["b"] < a_starts[4], "B waited behind more than one turnover of A"
