@@ -35,6 +35,7 @@ from llama_grpc_server.core.request import (
     Request,
     RequestState,
     TokenDelta,
+    request_key,
 )
 from llama_grpc_server.core.slot import Slot
 from llama_grpc_server.core.strategies import (
@@ -123,15 +124,16 @@ class Scheduler:
         request.seed = seed if seed is not None else random.getrandbits(32)
         self.queue.append(request)
 
-    def cancel(self, request_id: str) -> Emitted:
-        """Drop a request now: a queued one leaves the queue, an active one frees its slot (its
-        computed KV stays as prefix cache) and its sampler is closed in the next plan."""
+    def cancel(self, request_id: str, tenant: str = "") -> Emitted:
+        """Drop a tenant's request now: a queued one leaves the queue, an active one frees its
+        slot (its computed KV stays as prefix cache) and its sampler is closed in the next plan."""
+        key = request_key(tenant, request_id)
         for request in self.queue:
-            if request.request_id == request_id:
+            if request.key == key:
                 self.queue.remove(request)
                 return self._end_failed(request, errors.Cancelled("cancelled"), cancelled=True)
         for slot in self.slots:
-            if slot.request is not None and slot.request.request_id == request_id:
+            if slot.request is not None and slot.request.key == key:
                 return self._end_failed(slot.request, errors.Cancelled("cancelled"), cancelled=True)
         return []
 
@@ -224,9 +226,7 @@ class Scheduler:
             request.admitted_ns = self._clock_ns()
             self.outputs.open(request)
             self._samplers_to_open.append(
-                SamplerSpec(
-                    request.request_id, spec.sampling, request.seed, spec.output, spec.constraint
-                )
+                SamplerSpec(request.key, spec.sampling, request.seed, spec.output, spec.constraint)
             )
             self.counters.started += 1
             self.counters.prompt_tokens += request.num_prompt
@@ -269,7 +269,7 @@ class Scheduler:
             chunks.append(
                 Chunk(
                     slot_id=request.slot_id,
-                    request_id=request.request_id,
+                    request_id=request.key,
                     start_pos=start,
                     tokens=tuple(request.tokens[start:end]),
                     wants_logits=end == len(request.tokens),
@@ -299,7 +299,7 @@ class Scheduler:
         out: Emitted = []
         for chunk in chunks:
             request = self.slots[chunk.slot_id].request
-            if request is None or request.request_id != chunk.request_id:
+            if request is None or request.key != chunk.request_id:
                 continue
             self.kv.computed(chunk)
             request.num_computed += len(chunk.tokens)
@@ -355,8 +355,8 @@ class Scheduler:
                 else:
                     slot.idle_cache = []
                     self.kv.clear(slot)
-        if self.outputs.close(request.request_id):
-            self._samplers_to_close.append(request.request_id)
+        if self.outputs.close(request.key):
+            self._samplers_to_close.append(request.key)
         request.state = RequestState.FINISHED
         self._is_admission_paused = False
 
@@ -370,7 +370,7 @@ class Scheduler:
     ) -> Emitted:
         out: Emitted = []
         if reason is not FinishReason.STOP_SEQUENCE:
-            tail = self.outputs.flush(request.request_id)
+            tail = self.outputs.flush(request.key)
             if tail:
                 out.append((request, TokenDelta((), tail)))
         slot_id = request.slot_id
