@@ -4,9 +4,11 @@ The defaults here are the only ones: cli.py reads each option's default off the 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from llama_grpc_server.core.request import SamplingParams
+from llama_grpc_server.core.tenants import TenantLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,7 @@ class SchedulerSettings:
     max_stop_strings: int = 16
     max_stop_length: int = 256
     default_sampling: SamplingParams = field(default_factory=SamplingParams)
+    tenant_limits: Mapping[str, TenantLimits] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
