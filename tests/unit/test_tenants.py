@@ -310,3 +310,11 @@ def test_a_tenant_of_long_requests_holds_no_more_than_its_share_of_slots() -> No
 
     drive(s, runner, between=watch)
     assert held == {2}
+
+
+def test_stats_name_the_tenant_of_each_slot() -> None:
+    s = make_fair(n_parallel=2)
+    s.add(tenant_req("a", "a0"))
+    s.schedule()
+    slots = s.snapshot(512).slots
+    assert [(v.request_id, v.tenant) for v in slots] == [("a0", "a"), ("", "")]
