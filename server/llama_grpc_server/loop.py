@@ -118,7 +118,7 @@ class EngineStream:
     def cancel(self) -> None:
         if not self._is_done:
             self._is_done = True
-            self._engine.cancel(self.request_id)
+            self._engine.cancel(self.request_id, self.request.spec.tenant)
 
 
 class EngineLoop:
@@ -151,7 +151,7 @@ class EngineLoop:
         self._inbox: list[tuple[str, Any]] = []
         self._num_rejected_at_submit = 0
         self._wake = threading.Condition()  # guards inbox, streams, state, error, listeners
-        self._streams: dict[str, EngineStream] = {}
+        self._streams: dict[str, EngineStream] = {}  # by request key: (tenant, request id)
         self._is_stopping = False
         self._state = EngineState.STARTING
         self._error = ""
@@ -184,14 +184,15 @@ class EngineLoop:
         stream = EngineStream(self, live, asyncio.get_running_loop())
         with self._wake:
             self._check_accepting()  # again: the engine may have died meanwhile
-            if request.request_id in self._streams:
-                # a caller reusing x-request-id on concurrent calls: the id keys the sampler,
-                # the detokenizer and the stream, so a second one in flight cannot be accepted
+            if request.key in self._streams:
+                # a caller reusing x-request-id on concurrent calls: with the tenant it keys the
+                # sampler, the detokenizer and the stream, so a second one in flight cannot be
+                # accepted (another tenant's request with the same id can)
                 raise errors.DuplicateRequest(
                     f"request id {request.request_id!r} is already in flight",
                     field="x-request-id",
                 )
-            self._streams[request.request_id] = stream
+            self._streams[request.key] = stream
             self._inbox.append(("add", stream))
             self._wake.notify()
         return stream
@@ -216,9 +217,9 @@ class EngineLoop:
             cause = self._error
         listener(cause)
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str, tenant: str = "") -> None:
         with self._wake:
-            self._inbox.append(("cancel", request_id))
+            self._inbox.append(("cancel", (request_id, tenant)))
             self._wake.notify()
 
     def end_all(self, error: errors.ServiceError) -> None:
@@ -321,7 +322,10 @@ class EngineLoop:
                 self._gather_burst()
             inbox, self._inbox = self._inbox, []
             if self._is_stopping:
-                inbox += [("cancel", rid) for rid in list(self._streams)]
+                inbox += [
+                    ("cancel", (s.request_id, s.request.spec.tenant))
+                    for s in self._streams.values()
+                ]
         events: Emitted = []
         for kind, item in inbox:
             if kind == "add":
@@ -329,7 +333,7 @@ class EngineLoop:
             elif kind == "end_all":
                 events += self._scheduler.fail_all(item)
             else:
-                events += self._scheduler.cancel(item)
+                events += self._scheduler.cancel(*item)
         if inbox:
             self._publish()
         self._deliver(events)
@@ -385,11 +389,11 @@ class EngineLoop:
         ended: list[tuple[Request, Event]] = []
         with self._wake:
             for request, event in events:
-                stream = self._streams.get(request.request_id)
+                stream = self._streams.get(request.key)
                 if stream is None:
                     continue
                 if isinstance(event, Finished | Failed):
-                    del self._streams[request.request_id]
+                    del self._streams[request.key]
                     ended.append((request, event))
                 by_loop[stream.loop].append((stream, event))
         for request, event in ended:

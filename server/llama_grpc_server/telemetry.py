@@ -240,7 +240,7 @@ class Telemetry:
         self.bus = bus if bus is not None else BUS
         self.sink = sink
         self._clock_ns = clock_ns
-        self._last_token_ns: dict[str, int] = {}  # request_id -> when its last token was sampled
+        self._last_token_ns: dict[str, int] = {}  # request key -> when its last token was sampled
 
     @property
     def is_listened(self) -> bool:
@@ -259,7 +259,7 @@ class Telemetry:
         """EngineLoop's done hook: request_done for Finished, request_failed for Failed. Never
         raises."""
         if self._last_token_ns:
-            self._last_token_ns.pop(request.request_id, None)
+            self._last_token_ns.pop(request.key, None)
         if not isinstance(event, Finished | Failed):
             return
         name = REQUEST_DONE if isinstance(event, Finished) else REQUEST_FAILED

@@ -84,11 +84,11 @@ class FakeRunner:
         self.refuse_partial_removal = refuse_partial_removal
         self.eos_id = eos_id  # sampled once a script is exhausted
         self.delay_s = 0.0  # slept per forward pass, on the engine thread, like a decode
-        self.scripts: dict[str, list[int]] = {}  # request_id -> tokens to sample, in order
+        self.scripts: dict[str, list[int]] = {}  # request key -> tokens to sample, in order
         self.kv: dict[int, list[int]] = defaultdict(list)
         self.samplers: set[str] = set()
         self.plans: list[StepPlan] = []
-        self.fed: dict[str, int] = defaultdict(int)  # request_id -> tokens fed
+        self.fed: dict[str, int] = defaultdict(int)  # request key -> tokens fed
         self.num_sampled: dict[str, int] = defaultdict(int)
 
     def next_token(self, context: list[int]) -> int:
@@ -309,7 +309,7 @@ class FakeEngine:
                 retry_after_s=1.0,
             )
         script = list(self.script(request))
-        self.runner.scripts[request.request_id] = script
+        self.runner.scripts[request.key] = script
         inner = self.loop.submit(request)
         self.submitted.append(request)
         return FakeStream(self, inner)

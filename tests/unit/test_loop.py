@@ -324,3 +324,31 @@ async def test_close_during_the_admission_window_ends_the_waiting_request() -> N
     event = await asyncio.wait_for(last_event(stream), 5)
     assert isinstance(event, Failed), event
     assert event.error.code == "CANCELLED", event.error
+
+
+# -- tenants ---------------------------------------------------------------------------------------
+
+
+async def test_two_tenants_run_the_same_request_id_and_cancel_only_their_own() -> None:
+    """x-request-id is the caller's own: another tenant's request with the same id runs beside
+    it (its own sampler and stream) and cancelling one leaves the other running; within a
+    tenant a second one in flight is still refused."""
+    runner = FakeRunner()
+    runner.delay_s = 0.002
+    engine = make_loop(n_parallel=2, runner=runner)
+    spec = req("same", 20, 40).spec
+    try:
+        a = engine.submit(dataclasses.replace(spec, tenant="a"))
+        b = engine.submit(dataclasses.replace(spec, tenant="b"))
+        with pytest.raises(errors.DuplicateRequest):
+            engine.submit(dataclasses.replace(spec, tenant="a"))
+        b_events = b.__aiter__()
+        firsts = await asyncio.wait_for(asyncio.gather(anext(a.__aiter__()), anext(b_events)), 5)
+        a.cancel()
+        rest = await asyncio.wait_for(read_all(b_events), 5)
+        stats = engine.stats()
+    finally:
+        await asyncio.to_thread(engine.close)
+    assert all(isinstance(e, TokenDelta) for e in firsts)  # both were running
+    assert isinstance(rest[-1], Finished) and rest[-1].usage.completion_tokens == 40
+    assert (stats.requests_cancelled, stats.requests_finished) == (1, 1)

@@ -40,6 +40,7 @@ class SlotSnapshot:
     state: str  # "idle" | "prefilling" | "generating"
     request_id: str
     cached_tokens: int
+    tenant: str = ""  # of the request in the slot: the rpc layer hides other tenants' ids
 
 
 @dataclass(frozen=True, slots=True)

@@ -150,7 +150,7 @@ class KvCacheManager:
             self.clear(slot)
             request.num_computed = 0
         request.wait_slot_id = best_slot.slot_id
-        request.wait_request_id = best_slot.request.request_id
+        request.wait_key = best_slot.request.key
         request.wait_tokens = best_n
         return True
 
@@ -162,7 +162,7 @@ class KvCacheManager:
             if request is None or not request.is_waiting:
                 continue
             donor = self.slots[request.wait_slot_id]
-            if donor.request is not None and donor.request.request_id == request.wait_request_id:
+            if donor.request is not None and donor.request.key == request.wait_key:
                 if donor.request.num_computed < request.wait_tokens:
                     continue
                 src, n = donor.slot_id, request.wait_tokens

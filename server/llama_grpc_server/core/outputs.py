@@ -39,15 +39,16 @@ class Outputs:
         self._texts: dict[str, TextAssembler] = {}
 
     def open(self, request: Request) -> None:
-        self._texts[request.request_id] = TextAssembler(self._pieces, request.spec.stopping.stop)
+        self._texts[request.key] = TextAssembler(self._pieces, request.spec.stopping.stop)
 
-    def close(self, request_id: str) -> bool:
-        """Forget a request's text state; False if it had none (never opened or closed)."""
-        return self._texts.pop(request_id, None) is not None
+    def close(self, key: str) -> bool:
+        """Forget a request's text state (by its key); False if it had none (never opened or
+        closed)."""
+        return self._texts.pop(key, None) is not None
 
-    def flush(self, request_id: str) -> str:
+    def flush(self, key: str) -> str:
         """Text held back for a possible stop string that never completed."""
-        text = self._texts.get(request_id)
+        text = self._texts.get(key)
         return text.flush() if text is not None else ""
 
     def judge(self, request: Request, token: int, logprob: SampledLogprob | None) -> Verdict:
@@ -58,7 +59,7 @@ class Outputs:
         if token in stopping.stop_token_ids:
             return Verdict(reason=FinishReason.STOP_TOKEN, matched_token_id=token)
         request.tokens.append(token)
-        text, matched = self._texts[request.request_id].push(token)
+        text, matched = self._texts[request.key].push(token)
         logprobs = () if logprob is None else (self._token_logprob(token, logprob),)
         delta = TokenDelta((token,), text, logprobs)
         if matched:

@@ -33,7 +33,7 @@ class SeqOp:
 class SamplerSpec:
     """A sampler to create for a request before its first sample."""
 
-    request_id: str
+    request_id: str  # the request's key (GenerationRequest.key), unique across tenants
     params: SamplingParams
     seed: int
     output: OutputParams = field(default_factory=OutputParams)
@@ -45,7 +45,7 @@ class Chunk:
     """Tokens of one slot fed in this tick at positions start_pos.. ; logits only for the last."""
 
     slot_id: int
-    request_id: str
+    request_id: str  # the request's key, as in SamplerSpec
     start_pos: int
     tokens: tuple[int, ...]
     wants_logits: bool
@@ -63,7 +63,7 @@ class StepPlan:
     chunks: tuple[Chunk, ...] = ()
     seq_ops: tuple[SeqOp, ...] = ()
     open_samplers: tuple[SamplerSpec, ...] = ()
-    close_samplers: tuple[str, ...] = ()
+    close_samplers: tuple[str, ...] = ()  # request keys
 
     @property
     def num_decode(self) -> int:

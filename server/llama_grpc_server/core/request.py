@@ -116,6 +116,18 @@ class GenerationRequest:
     tenant: str = ""
     priority: Priority = Priority.NORMAL
 
+    @property
+    def key(self) -> str:
+        return request_key(self.tenant, self.request_id)
+
+
+def request_key(tenant: str, request_id: str) -> str:
+    """The engine's id of a request, unique among those in flight (a tenant's own request ids
+    are): samplers, text state and streams are keyed by it, so two tenants' requests sharing an
+    x-request-id never mix. The request id itself for the anonymous tenant. NUL never occurs in
+    a request id (the rpc layer takes printable ones only), so no two pairs share a key."""
+    return f"{tenant}\0{request_id}" if tenant else request_id
+
 
 @dataclass(frozen=True, slots=True)
 class Usage:
@@ -213,7 +225,7 @@ class Request:
     num_preemptions: int = 0
     # Waiting for a busy slot to finish computing a shared prefix, then copying it (seq_cp).
     wait_slot_id: int = -1
-    wait_request_id: str = ""
+    wait_key: str = ""  # the donor request's key
     wait_tokens: int = 0
     restoring_tokens: int = 0  # > 0 while a RAM-tier restore of this many tokens is in flight
 
@@ -224,6 +236,10 @@ class Request:
     @property
     def request_id(self) -> str:
         return self.spec.request_id
+
+    @property
+    def key(self) -> str:
+        return self.spec.key
 
     @property
     def is_waiting(self) -> bool:

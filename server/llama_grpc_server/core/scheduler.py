@@ -1,16 +1,16 @@
 """Scheduler: the queue, the slots and the per-tick decisions. schedule() turns them into a
 StepPlan, update() applies the runner's StepResult and returns the events to deliver. KV edits
 belong to the KvCacheManager, counters and snapshots to core.stats, the token budget split to
-the batch strategy. Only the engine thread calls it. Pure Python: no llama_cpp, no grpc, no
-clock of its own."""
+the batch strategy, which queued request goes next to core.tenants. Only the engine thread
+calls it. Pure Python: no llama_cpp, no grpc, no clock of its own."""
 
 from __future__ import annotations
 
 import random
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from llama_grpc_server import errors
 from llama_grpc_server.core import context_fit, prefix_cache, stats
@@ -35,6 +35,7 @@ from llama_grpc_server.core.request import (
     Request,
     RequestState,
     TokenDelta,
+    request_key,
 )
 from llama_grpc_server.core.slot import Slot
 from llama_grpc_server.core.strategies import (
@@ -44,6 +45,7 @@ from llama_grpc_server.core.strategies import (
     SlotView,
     TickCosts,
 )
+from llama_grpc_server.core.tenants import FairShare, TenantLimits
 
 Emitted = list[tuple[Request, Event]]
 
@@ -61,6 +63,7 @@ class SchedulerLimits:
     supports_partial_removal: bool = True
     ram_cache_bytes: int = 0  # 0 = no RAM tier
     ram_min_tokens: int = 64  # smaller caches are not worth saving
+    tenants: Mapping[str, TenantLimits] = field(default_factory=dict)  # others: TenantLimits()
 
 
 class Scheduler:
@@ -79,7 +82,8 @@ class Scheduler:
         self.limits = limits
         self.strategy: BatchStrategy = strategy if strategy is not None else DecodeMaximal()
         self.slots = [Slot(i) for i in range(limits.n_parallel)]
-        self.queue: deque[Request] = deque()
+        self.queue: deque[Request] = deque()  # in arrival order; fair_share picks from it
+        self.fair_share = FairShare(limits.tenants, limits.n_parallel, clock_ns)
         self.counters = stats.Counters()
         self.costs = TickCosts()
         self.kv = KvCacheManager(
@@ -105,7 +109,8 @@ class Scheduler:
         context_fit.check_fits(len(spec.prompt_tokens), spec.stopping.max_tokens, self.limits.n_ctx)
 
     def add(self, request: Request) -> None:
-        """Queue a request (FIFO). Raises PromptTooLong or Overloaded without queueing it."""
+        """Queue a request. Raises PromptTooLong, or Overloaded when the queue or the tenant's
+        part of it is full, without queueing it."""
         try:
             self.check_fits(request.spec)
             waiting = len(self.queue) - sum(1 for s in self.slots if s.is_idle)
@@ -114,6 +119,7 @@ class Scheduler:
                     f"queue is full ({waiting} waiting, max_queue={self.limits.max_queue})",
                     retry_after_s=1.0,
                 )
+            self._check_tenant_queue(request.spec.tenant)
         except errors.ServiceError:
             self.counters.rejected += 1
             raise
@@ -123,15 +129,30 @@ class Scheduler:
         request.seed = seed if seed is not None else random.getrandbits(32)
         self.queue.append(request)
 
-    def cancel(self, request_id: str) -> Emitted:
-        """Drop a request now: a queued one leaves the queue, an active one frees its slot (its
-        computed KV stays as prefix cache) and its sampler is closed in the next plan."""
+    def _check_tenant_queue(self, tenant: str) -> None:
+        limits = self.fair_share.limits(tenant)
+        if limits.max_queued <= 0:
+            return
+        queued = sum(1 for r in self.queue if r.spec.tenant == tenant)
+        idle = sum(1 for s in self.slots if s.is_idle)
+        waiting = limits.num_waiting(queued, self._running()[tenant], idle)
+        if waiting >= limits.max_queued:
+            raise errors.Overloaded(
+                f"tenant {tenant!r} has {waiting} requests waiting "
+                f"(max_queued={limits.max_queued})",
+                retry_after_s=1.0,
+            )
+
+    def cancel(self, request_id: str, tenant: str = "") -> Emitted:
+        """Drop a tenant's request now: a queued one leaves the queue, an active one frees its
+        slot (its computed KV stays as prefix cache) and its sampler is closed in the next plan."""
+        key = request_key(tenant, request_id)
         for request in self.queue:
-            if request.request_id == request_id:
+            if request.key == key:
                 self.queue.remove(request)
                 return self._end_failed(request, errors.Cancelled("cancelled"), cancelled=True)
         for slot in self.slots:
-            if slot.request is not None and slot.request.request_id == request_id:
+            if slot.request is not None and slot.request.key == key:
                 return self._end_failed(slot.request, errors.Cancelled("cancelled"), cancelled=True)
         return []
 
@@ -194,19 +215,25 @@ class Scheduler:
             return
         self._is_admission_paused = False
         while self.queue and any(s.is_idle for s in self.slots):
-            self._place(self._next_queued())
+            request = self._next_queued()
+            if request is None:
+                return  # every tenant with queued requests is at its max_concurrent
+            self._place(request)
 
-    def _next_queued(self) -> Request:
-        """FIFO, except that a request whose session's slot is idle goes first: it reuses its
-        conversation's cache at once instead of another request evicting it. A preempted
-        request at the head keeps its place."""
+    def _next_queued(self) -> Request | None:
+        """A preempted request at the head keeps its place (it was admitted fairly once, and
+        its tenant's count dropped when it left its slot); else the fair share picks."""
+        if self.queue[0].num_preemptions:
+            return self.queue.popleft()
         sessions = {s.session_id for s in self.slots if s.is_idle and s.session_id}
-        if sessions and not self.queue[0].num_preemptions:
-            for request in self.queue:
-                if request.spec.session_id in sessions:
-                    self.queue.remove(request)
-                    return request
-        return self.queue.popleft()
+        request = self.fair_share.pick(self.queue, self._running(), sessions)
+        if request is not None:
+            self.queue.remove(request)
+        return request
+
+    def _running(self) -> Counter[str]:
+        """Requests in slots, by tenant."""
+        return Counter(s.request.spec.tenant for s in self.slots if s.request is not None)
 
     def _place(self, request: Request) -> None:
         spec = request.spec
@@ -224,9 +251,7 @@ class Scheduler:
             request.admitted_ns = self._clock_ns()
             self.outputs.open(request)
             self._samplers_to_open.append(
-                SamplerSpec(
-                    request.request_id, spec.sampling, request.seed, spec.output, spec.constraint
-                )
+                SamplerSpec(request.key, spec.sampling, request.seed, spec.output, spec.constraint)
             )
             self.counters.started += 1
             self.counters.prompt_tokens += request.num_prompt
@@ -269,7 +294,7 @@ class Scheduler:
             chunks.append(
                 Chunk(
                     slot_id=request.slot_id,
-                    request_id=request.request_id,
+                    request_id=request.key,
                     start_pos=start,
                     tokens=tuple(request.tokens[start:end]),
                     wants_logits=end == len(request.tokens),
@@ -299,7 +324,7 @@ class Scheduler:
         out: Emitted = []
         for chunk in chunks:
             request = self.slots[chunk.slot_id].request
-            if request is None or request.request_id != chunk.request_id:
+            if request is None or request.key != chunk.request_id:
                 continue
             self.kv.computed(chunk)
             request.num_computed += len(chunk.tokens)
@@ -355,8 +380,8 @@ class Scheduler:
                 else:
                     slot.idle_cache = []
                     self.kv.clear(slot)
-        if self.outputs.close(request.request_id):
-            self._samplers_to_close.append(request.request_id)
+        if self.outputs.close(request.key):
+            self._samplers_to_close.append(request.key)
         request.state = RequestState.FINISHED
         self._is_admission_paused = False
 
@@ -370,7 +395,7 @@ class Scheduler:
     ) -> Emitted:
         out: Emitted = []
         if reason is not FinishReason.STOP_SEQUENCE:
-            tail = self.outputs.flush(request.request_id)
+            tail = self.outputs.flush(request.key)
             if tail:
                 out.append((request, TokenDelta((), tail)))
         slot_id = request.slot_id

@@ -47,6 +47,7 @@ def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact
             s.state,
             s.request.request_id if s.request is not None else "",
             s.num_kv_tokens,
+            s.request.spec.tenant if s.request is not None else "",
         )
         for s in slots
     )

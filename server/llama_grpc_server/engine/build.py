@@ -54,6 +54,7 @@ def build_engine(
             max_queue=sched.max_queue,
             supports_partial_removal=model.supports_partial_removal,
             ram_cache_bytes=sched.prompt_cache_ram_mb * 1024 * 1024,
+            tenants=sched.tenant_limits,
         ),
         pieces=model.pieces,
         eog_ids=model.eog_ids,
