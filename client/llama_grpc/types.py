@@ -130,8 +130,9 @@ class SlotStats:
 
     slot_id: int
     state: str
-    request_id: str
+    request_id: str  # empty when idle or when the request is another tenant's
     cached_tokens: int
+    tenant: str = ""  # the request's tenant (empty: idle, no authentication, another tenant)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1069,12 +1069,18 @@ class SlotStats(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
     slot_id: _builtins.int
     state: _builtins.str
     """"idle", "prefilling" or "generating"."""
     request_id: _builtins.str
+    """The running request's id; empty when idle, and for a user of another tenant."""
     cached_tokens: _builtins.int
     """Tokens whose KV this slot holds."""
+    tenant: _builtins.str
+    """The running request's tenant; empty when idle, without authentication, and for a user of
+    another tenant.
+    """
     def __init__(
         self,
         *,
@@ -1082,10 +1088,11 @@ class SlotStats(_message.Message):
         state: _builtins.str = ...,
         request_id: _builtins.str = ...,
         cached_tokens: _builtins.int = ...,
+        tenant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "request_id", b"request_id", "slot_id", b"slot_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "request_id", b"request_id", "slot_id", b"slot_id", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -79,7 +79,8 @@ def _seen_by(snapshot: StatsSnapshot, tenant: str) -> StatsSnapshot:
     """The snapshot as a user of `tenant` may see it: other tenants' request ids are blanked
     (their slots' states and sizes stay: capacity is every tenant's business)."""
     slots = tuple(
-        s if s.tenant == tenant else dataclasses.replace(s, request_id="") for s in snapshot.slots
+        s if s.tenant == tenant else dataclasses.replace(s, request_id="", tenant="")
+        for s in snapshot.slots
     )
     return dataclasses.replace(snapshot, slots=slots)
 
