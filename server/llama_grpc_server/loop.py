@@ -11,6 +11,7 @@ UNAVAILABLE, stats() reports engine_state "failed" with the cause, and the failu
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
@@ -25,7 +26,7 @@ from typing import Any
 import structlog
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.api import ModelInfo, StatsSnapshot, Vocabulary
+from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot, Vocabulary
 from llama_grpc_server.core.chat import ChatMessage
 from llama_grpc_server.core.plan import StepPlan, StepResult, StepRunner
 from llama_grpc_server.core.request import (
@@ -222,6 +223,16 @@ class EngineLoop:
             self._inbox.append(("cancel", (request_id, tenant)))
             self._wake.notify()
 
+    async def clear_cache(self) -> CacheCleared:
+        """Clear between two ticks on the engine thread; the answer comes back as a future
+        (a concurrent one: the engine thread may also fail it, see _fail)."""
+        done: concurrent.futures.Future[CacheCleared] = concurrent.futures.Future()
+        with self._wake:
+            self._check_accepting()
+            self._inbox.append(("clear_cache", done))
+            self._wake.notify()
+        return await asyncio.wrap_future(done)
+
     def end_all(self, error: errors.ServiceError) -> None:
         """End every queued and running request with `error` at the next tick."""
         with self._wake:
@@ -299,13 +310,16 @@ class EngineLoop:
             self._error = cause
             streams = list(self._streams.values())
             self._streams.clear()
-            self._inbox.clear()
+            inbox, self._inbox = self._inbox, []
             listeners, self._failure_listeners = self._failure_listeners, []
         for listener in listeners:  # first: health is NOT_SERVING before callers hear why
             try:
                 listener(cause)
             except Exception:
                 log.exception("engine_failure_listener_failed")
+        for kind, item in inbox:
+            if kind == "clear_cache" and not item.done():
+                item.set_exception(errors.EngineUnavailable(f"the engine has failed: {cause}"))
         failed = Failed(errors.EngineFailed(f"the engine failed: {cause}"))
         by_loop: Deliveries = defaultdict(list)
         for stream in streams:
@@ -332,12 +346,21 @@ class EngineLoop:
                 events += self._add(item)
             elif kind == "end_all":
                 events += self._scheduler.fail_all(item)
+            elif kind == "clear_cache":
+                self._clear_cache(item)
             else:
                 events += self._scheduler.cancel(*item)
         if inbox:
             self._publish()
         self._deliver(events)
         return not self._is_stopping
+
+    def _clear_cache(self, done: concurrent.futures.Future[CacheCleared]) -> None:
+        try:
+            done.set_result(self._scheduler.clear_cache())
+        except BaseException as exc:  # the caller hears why, then the engine fails as usual
+            done.set_exception(errors.EngineFailed(f"clearing the cache failed: {describe(exc)}"))
+            raise
 
     def _gather_burst(self) -> None:
         """The engine was idle and something arrived: wait (with _wake held) until arrivals

@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.api import ModelInfo, StatsSnapshot
+from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot
 from llama_grpc_server.core.chat import ROLES, ChatMessage
 from llama_grpc_server.core.plan import DECODE_KV_FULL, SeqOpKind, StepPlan, StepResult
 from llama_grpc_server.core.request import Event, Failed, GenerationRequest, TokenDelta
@@ -340,6 +340,9 @@ class FakeEngine:
 
     def end_all(self, error: errors.ServiceError) -> None:
         self.loop.end_all(error)
+
+    async def clear_cache(self) -> CacheCleared:
+        return await self.loop.clear_cache()
 
     def close(self) -> None:
         self.is_closed = True

@@ -147,6 +147,7 @@ async def call_every_rpc(
         ),
         "GetStats": lambda: stub.GetStats(pb.GetStatsRequest(), metadata=metadata),
         "GetModelInfo": lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata),
+        "ClearCache": lambda: stub.ClearCache(pb.ClearCacheRequest(), metadata=metadata),
     }
     assert set(calls) == set(SERVICE.methods_by_name), "a new RPC needs a case here"
     codes: dict[str, grpc.StatusCode] = {}
@@ -195,7 +196,8 @@ async def test_every_rpc_needs_a_known_token(stub: pb_grpc.LlmServiceStub) -> No
     assert await call_every_rpc(stub, bearer("not-a-token-0123456789")) == unauthenticated
     assert await call_every_rpc(stub, (("authorization", f"Basic {USER_A}"),)) == unauthenticated
     ok = dict.fromkeys(SERVICE.methods_by_name, grpc.StatusCode.OK)
-    assert await call_every_rpc(stub, bearer(USER_A)) == ok
+    user_ok = {**ok, "ClearCache": grpc.StatusCode.PERMISSION_DENIED}  # the one admin RPC
+    assert await call_every_rpc(stub, bearer(USER_A)) == user_ok
     assert await call_every_rpc(stub, bearer(ADMIN)) == ok
 
 
@@ -410,3 +412,24 @@ async def test_a_flooding_tenant_cannot_starve_another(stub: pb_grpc.LlmServiceS
     await asyncio.gather(*floods)
     a_starts = sorted(first_token[f"a{i}"] for i in range(10))
     assert first_token["b"] < a_starts[4], "B waited behind more than one turnover of A"
+
+
+async def test_clear_cache_is_for_admins_and_forgets_cached_prefixes(
+    stub: pb_grpc.LlmServiceStub,
+) -> None:
+    prompt = PROMPT + " (clear)"
+    await stub.Generate(generate(prompt), metadata=bearer(USER_A))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.ClearCache(pb.ClearCacheRequest(), metadata=bearer(USER_A))
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "admin role" in (refused.value.details() or "")
+    warm = await stub.Generate(generate(prompt), metadata=bearer(USER_A))
+    assert warm.usage.cached_prompt_tokens > 0  # the refusal cleared nothing
+    cleared = await stub.ClearCache(pb.ClearCacheRequest(), metadata=bearer(ADMIN))
+    assert cleared.cleared_slots >= 1
+    assert cleared.freed_kv_cells > 0
+    stats = await stub.GetStats(pb.GetStatsRequest(), metadata=bearer(ADMIN))
+    assert stats.kv_cells_used == 0  # nothing runs, so nothing is held
+    cold = await stub.Generate(generate(prompt), metadata=bearer(USER_A))
+    assert cold.usage.cached_prompt_tokens == 0
+    assert cold.text == warm.text

@@ -416,3 +416,32 @@ def test_queued_request_of_idle_session_goes_first() -> None:
     assert order.index("s2") < order.index("unrelated")
     s2 = next(r for r, _ in events if r.request_id == "s2")
     assert s2.num_cached_prompt == len(first.tokens) - 1  # its last token was never fed
+
+
+def test_clear_cache_forgets_idle_caches_and_the_ram_tier_but_not_running_work() -> None:
+    """ClearCache: the idle slot's cells and the RAM tier go; a request running meanwhile keeps
+    its KV and finishes exactly as alone; the cleared prompt is then computed from scratch."""
+    s, runner = make(n_parallel=2, ram_cache_bytes=1 << 20), FakeRunner()
+    s.add(req("first", 100, 4))
+    s.add(req("evicts-into-ram", 90, 4))  # one slot each; nothing is saved yet
+    drive(s, runner)
+    s.add(req("longer-running", 30, 40))
+    plan, _ = s.schedule()  # the running request takes an idle slot: its cache goes to RAM
+    assert plan is not None
+    s.update(plan, runner.execute(plan))
+    assert s.ram is not None
+    ram_entries, ram_bytes = s.ram.num_entries, s.ram.num_bytes
+    assert ram_entries == 1
+    used = s.kv.num_used_cells()
+    cleared = s.clear_cache()
+    assert cleared.cleared_slots == 1
+    assert cleared.freed_kv_cells > 0
+    assert s.kv.num_used_cells() == used - cleared.freed_kv_cells
+    assert (cleared.freed_ram_entries, cleared.freed_ram_bytes) == (ram_entries, ram_bytes)
+    assert s.ram.num_entries == 0
+    got = outputs(drive(s, runner))
+    assert got["longer-running"] == alone(30, 40, "longer-running")
+    again = req("first", 100, 4)
+    s.add(again)
+    drive(s, runner)
+    assert again.num_cached_prompt == 0

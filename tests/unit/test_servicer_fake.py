@@ -307,6 +307,20 @@ async def test_stats_and_model_info(stub: Any) -> None:
     assert (info.model_name, info.n_vocab, info.n_ctx) == ("fake", 259, 512)
 
 
+async def test_clear_cache_without_authentication(stub: Any) -> None:
+    """Anyone may clear when no tokens file is set; it reports the idle slot it emptied; an
+    unknown model is NOT_FOUND."""
+    answer = await stub.Generate(pb.GenerateRequest(prompt="abcdef"))
+    cleared = await stub.ClearCache(pb.ClearCacheRequest())
+    held = answer.usage.prompt_tokens + len(answer.token_ids) - 1  # the last token was not fed
+    assert (cleared.cleared_slots, cleared.freed_kv_cells) == (1, held)
+    again = await stub.ClearCache(pb.ClearCacheRequest())
+    assert (again.cleared_slots, again.freed_kv_cells) == (0, 0)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.ClearCache(pb.ClearCacheRequest(model="other"))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 # -- loading, health, reflection, shutdown ---------------------------------------------------------
 
 

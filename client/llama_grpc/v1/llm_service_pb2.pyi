@@ -108,6 +108,61 @@ server's default_max_tokens); a leading BOS and the first n_keep tokens after it
 Global___OverflowPolicy: _TypeAlias = OverflowPolicy  # noqa: Y015
 
 @_typing.final
+class ClearCacheRequest(_message.Message):
+    """Input of ClearCache."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The model whose caches to clear; empty means the loaded one."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClearCacheRequest: _TypeAlias = ClearCacheRequest  # noqa: Y015
+
+@_typing.final
+class ClearCacheResponse(_message.Message):
+    """What ClearCache freed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLEARED_SLOTS_FIELD_NUMBER: _builtins.int
+    FREED_KV_CELLS_FIELD_NUMBER: _builtins.int
+    FREED_RAM_ENTRIES_FIELD_NUMBER: _builtins.int
+    FREED_RAM_BYTES_FIELD_NUMBER: _builtins.int
+    cleared_slots: _builtins.int
+    """Idle slots whose prefix cache was dropped."""
+    freed_kv_cells: _builtins.int
+    """KV cells given back (cells shared with a running request through a copied prefix stay)."""
+    freed_ram_entries: _builtins.int
+    """Saved caches dropped from the RAM tier, and their bytes."""
+    freed_ram_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        cleared_slots: _builtins.int = ...,
+        freed_kv_cells: _builtins.int = ...,
+        freed_ram_entries: _builtins.int = ...,
+        freed_ram_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared_slots", b"cleared_slots", "freed_kv_cells", b"freed_kv_cells", "freed_ram_bytes", b"freed_ram_bytes", "freed_ram_entries", b"freed_ram_entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClearCacheResponse: _TypeAlias = ClearCacheResponse  # noqa: Y015
+
+@_typing.final
 class SamplingParams(_message.Message):
     """Sampling. Unset fields take the server's defaults; temperature 0 means greedy."""
 

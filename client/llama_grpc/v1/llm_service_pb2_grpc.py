@@ -72,6 +72,11 @@ class LlmServiceStub:
                 request_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.ClearCache = channel.unary_unary(
+                '/llama_grpc.v1.LlmService/ClearCache',
+                request_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.ClearCacheRequest.SerializeToString,
+                response_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.ClearCacheResponse.FromString,
+                _registered_method=True)
 
 
 class LlmServiceServicer:
@@ -129,6 +134,14 @@ class LlmServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClearCache(self, request, context):
+        """Admin: forget cached KV that no request is using (idle slots' prefix caches and the RAM
+        tier); running requests keep theirs. Needs the admin role when --auth-tokens-file is set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LlmServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +179,11 @@ def add_LlmServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.GetModelInfoRequest.FromString,
                     response_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'ClearCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearCache,
+                    request_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.ClearCacheRequest.FromString,
+                    response_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.ClearCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -360,6 +378,33 @@ class LlmService:
             '/llama_grpc.v1.LlmService/GetModelInfo',
             llama__grpc_dot_v1_dot_llm__service__pb2.GetModelInfoRequest.SerializeToString,
             llama__grpc_dot_v1_dot_llm__service__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llama_grpc.v1.LlmService/ClearCache',
+            llama__grpc_dot_v1_dot_llm__service__pb2.ClearCacheRequest.SerializeToString,
+            llama__grpc_dot_v1_dot_llm__service__pb2.ClearCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

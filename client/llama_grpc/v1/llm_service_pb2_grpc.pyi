@@ -50,6 +50,10 @@ class LlmServiceStub:
     """Live scheduler snapshot and cumulative counters."""
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.GetModelInfoRequest, _llm_service_pb2.GetModelInfoResponse]
     """Facts about the loaded model and context."""
+    ClearCache: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.ClearCacheRequest, _llm_service_pb2.ClearCacheResponse]
+    """Admin: forget cached KV that no request is using (idle slots' prefix caches and the RAM
+    tier); running requests keep theirs. Needs the admin role when --auth-tokens-file is set.
+    """
 
 @_typing.type_check_only
 class LlmServiceAsyncStub(LlmServiceStub):
@@ -73,6 +77,10 @@ class LlmServiceAsyncStub(LlmServiceStub):
     """Live scheduler snapshot and cumulative counters."""
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.GetModelInfoRequest, _llm_service_pb2.GetModelInfoResponse]  # type: ignore[assignment]
     """Facts about the loaded model and context."""
+    ClearCache: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.ClearCacheRequest, _llm_service_pb2.ClearCacheResponse]  # type: ignore[assignment]
+    """Admin: forget cached KV that no request is using (idle slots' prefix caches and the RAM
+    tier); running requests keep theirs. Needs the admin role when --auth-tokens-file is set.
+    """
 
 class LlmServiceServicer(metaclass=_abc_1.ABCMeta):
     """LlmService serves one local GGUF model. Every generation RPC is submitted to one shared
@@ -135,5 +143,15 @@ class LlmServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_llm_service_pb2.GetModelInfoResponse, _abc.Awaitable[_llm_service_pb2.GetModelInfoResponse]]:
         """Facts about the loaded model and context."""
+
+    @_abc_1.abstractmethod
+    def ClearCache(
+        self,
+        request: _llm_service_pb2.ClearCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_llm_service_pb2.ClearCacheResponse, _abc.Awaitable[_llm_service_pb2.ClearCacheResponse]]:
+        """Admin: forget cached KV that no request is using (idle slots' prefix caches and the RAM
+        tier); running requests keep theirs. Needs the admin role when --auth-tokens-file is set.
+        """
 
 def add_LlmServiceServicer_to_server(servicer: LlmServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

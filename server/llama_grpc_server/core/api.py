@@ -81,6 +81,16 @@ class StatsSnapshot:
     decode_cpu_seconds: float = 0.0  # the engine thread's CPU time inside llama_decode
 
 
+@dataclass(frozen=True, slots=True)
+class CacheCleared:
+    """What clearing the caches freed (ClearCache)."""
+
+    cleared_slots: int = 0
+    freed_kv_cells: int = 0
+    freed_ram_entries: int = 0
+    freed_ram_bytes: int = 0
+
+
 class RequestStream(Protocol):
     """Events of one submitted request, ending with exactly one Finished or Failed."""
 
@@ -143,6 +153,10 @@ class EngineApi(Protocol):
 
     def end_all(self, error: ServiceError) -> None:
         """End every queued and running request with `error` (a drain's grace period is over)."""
+        ...
+
+    async def clear_cache(self) -> CacheCleared:
+        """Forget idle slots' prefix caches and the RAM tier at the next tick boundary."""
         ...
 
     def on_failure(self, listener: Callable[[str], None]) -> None:

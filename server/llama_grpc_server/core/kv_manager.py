@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from llama_grpc_server.core import prefix_cache
+from llama_grpc_server.core.api import CacheCleared
 from llama_grpc_server.core.kv_cells import CellMap
 from llama_grpc_server.core.plan import Chunk, SeqOp, SeqOpKind, StepResult
 from llama_grpc_server.core.request import Request
@@ -66,6 +67,20 @@ class KvCacheManager:
     def clear(self, slot: Slot) -> None:
         """Drop the whole sequence (no RAM-tier save)."""
         self._queue(SeqOp(SeqOpKind.REMOVE, slot.slot_id, 0, -1))
+
+    def clear_idle(self) -> CacheCleared:
+        """Forget every idle slot's prefix cache (no RAM-tier save) and the whole RAM tier;
+        running requests keep their KV. The cells are free once the next plan's ops ran."""
+        used = self.cells.num_used()
+        cleared = 0
+        for slot in self.slots:
+            if slot.is_idle and slot.idle_cache:
+                self.clear(slot)
+                slot.idle_cache = []
+                cleared += 1
+        self._saving.clear()  # a save still in flight is not kept either
+        entries, num_bytes = self.ram.clear() if self.ram is not None else (0, 0)
+        return CacheCleared(cleared, used - self.cells.num_used(), entries, num_bytes)
 
     # -- placing a request ------------------------------------------------------------------------
 

@@ -131,6 +131,13 @@ class RamTier:
         self._next_key += 1
         self.num_bytes += len(data)
 
+    def clear(self) -> tuple[int, int]:
+        """Drop every entry; (entries, bytes) dropped."""
+        dropped = (len(self._entries), self.num_bytes)
+        self._entries.clear()
+        self.num_bytes = 0
+        return dropped
+
     def _drop(self, key: int) -> None:
         entry = self._entries.pop(key)
         self.num_bytes -= len(entry.data)

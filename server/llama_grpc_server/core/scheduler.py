@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from llama_grpc_server import errors
 from llama_grpc_server.core import context_fit, prefix_cache, stats
-from llama_grpc_server.core.api import StatsSnapshot
+from llama_grpc_server.core.api import CacheCleared, StatsSnapshot
 from llama_grpc_server.core.kv_manager import KvCacheManager
 from llama_grpc_server.core.outputs import Outputs
 from llama_grpc_server.core.plan import (
@@ -155,6 +155,10 @@ class Scheduler:
             if slot.request is not None and slot.request.key == key:
                 return self._end_failed(slot.request, errors.Cancelled("cancelled"), cancelled=True)
         return []
+
+    def clear_cache(self) -> CacheCleared:
+        """Forget the idle slots' prefix caches and the RAM tier (an admin's ClearCache)."""
+        return self.kv.clear_idle()
 
     def fail_all(self, error: errors.ServiceError) -> Emitted:
         """Fail everything queued or running (engine shutdown)."""

@@ -20,7 +20,7 @@ BEARER = "bearer "
 PROTECTED_SERVICE = "/llama_grpc.v1.LlmService/"
 # Operations only an admin may call (full path). GetStats is open to users, with other tenants'
 # request ids hidden (rpc.servicer).
-ADMIN_METHODS: frozenset[str] = frozenset()
+ADMIN_METHODS: frozenset[str] = frozenset({PROTECTED_SERVICE + "ClearCache"})
 
 
 def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:

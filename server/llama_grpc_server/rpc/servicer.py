@@ -12,6 +12,7 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import structlog
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
@@ -36,6 +37,8 @@ SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["LlmService"].full_name
 # Short texts tokenize inline; only long ones are worth a thread hop.
 TOKENIZE_INLINE_MAX_CHARS = 4096
 NO_RESULT = "the engine ended the request without a result"
+
+log = structlog.get_logger("llama_grpc.rpc")
 
 if TYPE_CHECKING:  # generic only in grpc-stubs
     Context = grpc.aio.ServicerContext[Any, Any]
@@ -233,6 +236,16 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
             if not caller.is_admin:  # a user sees its own requests' ids only
                 snapshot = _seen_by(snapshot, caller.tenant)
             return convert.stats_response(snapshot)
+
+    async def ClearCache(
+        self, request: pb.ClearCacheRequest, context: Context
+    ) -> pb.ClearCacheResponse:
+        async with ErrorsToStatus(context, _request_id()):
+            engine = self._ready_engine()
+            validation.check_model(request.model, engine.model_info)
+            cleared = await engine.clear_cache()
+            log.info("cache_cleared", **dataclasses.asdict(cleared))
+            return pb.ClearCacheResponse(**dataclasses.asdict(cleared))
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: Context
