@@ -24,10 +24,12 @@ from llama_grpc.errors import (
     KvCacheFullError,
     LlamaGrpcError,
     ModelNotFoundError,
+    PermissionDeniedError,
     QueueFullError,
     RequestCancelledError,
     RequestIdInFlightError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from llama_grpc.types import (
@@ -66,6 +68,7 @@ __all__ = [
     "LlamaGrpcError",
     "ModelInfo",
     "ModelNotFoundError",
+    "PermissionDeniedError",
     "QueueFullError",
     "RequestCancelledError",
     "RequestIdInFlightError",
@@ -79,6 +82,7 @@ __all__ = [
     "TokenLogprob",
     "TokenizeResult",
     "TopLogprob",
+    "UnauthenticatedError",
     "UnavailableError",
     "Usage",
 ]
