@@ -50,6 +50,7 @@ def _generation_params(args: argparse.Namespace) -> GenerationParams:
         ignore_eos=args.ignore_eos or None,
         model=args.model,
         session_id=args.session_id,
+        priority=args.priority,
     )
 
 
@@ -146,6 +147,7 @@ def _sampling_parser() -> argparse.ArgumentParser:
     parent.add_argument("--ignore-eos", action="store_true")
     parent.add_argument("--model")
     parent.add_argument("--session-id")
+    parent.add_argument("--priority", choices=("low", "normal", "high"))
     return parent
 
 

@@ -72,6 +72,9 @@ class TokenGenerationParams(CallOptions, total=False):
     # (drop the oldest prompt tokens, keeping a leading BOS and the first n_keep).
     context_overflow: Literal["reject", "truncate_left"] | None
     n_keep: int | None
+    # Queue order among the caller's requests (server default: "normal"); waiting raises a
+    # request's priority over time, so "low" work is delayed, never starved.
+    priority: Literal["low", "normal", "high"] | None
     session_id: str | None
     cache_scope: str | None
     model: str | None
@@ -98,6 +101,11 @@ _OVERFLOW_KEYS = frozenset({"context_overflow", "n_keep"})
 _POLICIES = {
     "reject": pb.OVERFLOW_POLICY_REJECT,
     "truncate_left": pb.OVERFLOW_POLICY_TRUNCATE_LEFT,
+}
+_PRIORITIES = {
+    "low": pb.PRIORITY_LOW,
+    "normal": pb.PRIORITY_NORMAL,
+    "high": pb.PRIORITY_HIGH,
 }
 _CALL_KEYS = frozenset(CallOptions.__annotations__)
 _REQUEST_KEYS = frozenset({"session_id", "cache_scope", "model", "add_special", "chat_template"})
@@ -130,7 +138,7 @@ def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
         | _OVERFLOW_KEYS
         | _CALL_KEYS
         | request_keys
-        | {"cache_prompt"}
+        | {"cache_prompt", "priority"}
     )
     unknown = sorted(set(params) - allowed)
     if unknown:
@@ -142,7 +150,16 @@ def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
     _fill(request.params, _pick(params, frozenset({"cache_prompt"})))
     _set_constraint(request.params, _pick(params, _CONSTRAINT_KEYS))
     _set_overflow(request.params.context_overflow, _pick(params, _OVERFLOW_KEYS))
+    _set_priority(request.params, params.get("priority"))
     return request
+
+
+def _set_priority(message: pb.GenerationParams, priority: object) -> None:
+    if priority is None:
+        return
+    if priority not in _PRIORITIES:
+        raise ValueError(f"priority must be 'low', 'normal' or 'high', not {priority!r}")
+    message.priority = _PRIORITIES[str(priority)]
 
 
 def _set_overflow(message: pb.ContextOverflow, values: Mapping[str, object]) -> None:
