@@ -32,6 +32,7 @@ from llama_grpc.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from llama_grpc.tls import TlsConfig
 from llama_grpc.types import (
     ChatMessage,
     Delta,
@@ -78,6 +79,7 @@ __all__ = [
     "Stream",
     "StreamEvent",
     "Timings",
+    "TlsConfig",
     "TokenGenerationParams",
     "TokenLogprob",
     "TokenizeResult",

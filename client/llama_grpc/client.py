@@ -18,10 +18,12 @@ from google.protobuf.message import Message
 
 from llama_grpc import types as t
 from llama_grpc.errors import REQUEST_ID_KEY, InternalError, from_rpc_error
+from llama_grpc.tls import TlsConfig, channel_security
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+AUTHORIZATION_KEY = "authorization"
 HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
 
 MetadataLike = Mapping[str, str] | Sequence[tuple[str, str]]
@@ -246,12 +248,35 @@ def _health_modules() -> tuple[ModuleType, ModuleType]:
     return health_pb2, health_pb2_grpc
 
 
-class _Defaults:
-    """Client-wide call defaults: a deadline and metadata sent with every call."""
+def _bearer(token: str | None) -> _Metadata:
+    """The `authorization: Bearer <token>` metadata of `token` (none for None)."""
+    if token is None:
+        return ()
+    if not (token and token.isascii() and token.isprintable() and token.strip() == token):
+        raise ValueError("token must be printable ASCII without spaces around it, and not empty")
+    return ((AUTHORIZATION_KEY, f"Bearer {token}"),)
 
-    def __init__(self, timeout: float | None, metadata: MetadataLike | None) -> None:
+
+def _channel_settings(
+    has_channel: bool, options: Sequence[tuple[str, str | int]] | None, tls: bool | TlsConfig
+) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, str | int]]]:
+    """(credentials or None for plaintext, channel options) of a channel the client creates."""
+    if has_channel:
+        if tls is not False:
+            raise ValueError("tls applies to the channel the client creates, not to `channel`")
+        return None, []
+    credentials, tls_options = channel_security(tls)
+    return credentials, [*(options or ()), *tls_options]
+
+
+class _Defaults:
+    """Client-wide call defaults: a deadline and metadata (with the token) sent with every call."""
+
+    def __init__(
+        self, timeout: float | None, metadata: MetadataLike | None, token: str | None
+    ) -> None:
         self.timeout = timeout
-        self.metadata = _to_metadata(metadata)
+        self.metadata = _bearer(token) + _to_metadata(metadata)
 
     def call_options(self, options: CallOptions) -> tuple[float | None, _Metadata | None]:
         """The (timeout, metadata) of one call: per-call values over the client's."""
@@ -422,12 +447,25 @@ class Client:
         timeout: float | None = None,
         metadata: MetadataLike | None = None,
         options: Sequence[tuple[str, str | int]] | None = None,
+        tls: bool | TlsConfig = False,
+        token: str | None = None,
     ) -> None:
-        """Connect to `target` (or use `channel`); `timeout` (s) is the default deadline."""
+        """Connect to `target` (or use `channel`); `timeout` (s) is the default deadline.
+
+        `tls`: True for TLS trusting the system roots, a TlsConfig for a CA, a client
+        certificate (mTLS) or a server name; its files are read here. `token` is sent as
+        `authorization: Bearer <token>` with every call, also over plaintext (fine on loopback;
+        anywhere else anyone on the path can read it: use TLS)."""
         self._owns_channel = channel is None
-        self._channel = channel or grpc.insecure_channel(target, options=list(options or ()))
+        credentials, channel_options = _channel_settings(channel is not None, options, tls)
+        self._defaults = _Defaults(timeout, metadata, token)
+        if channel is not None:
+            self._channel = channel
+        elif credentials is None:
+            self._channel = grpc.insecure_channel(target, options=channel_options)
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=channel_options)
         self._stub = pb_grpc.LlmServiceStub(self._channel)
-        self._defaults = _Defaults(timeout, metadata)
 
     def _unary(
         self,
@@ -572,12 +610,25 @@ class AsyncClient:
         timeout: float | None = None,
         metadata: MetadataLike | None = None,
         options: Sequence[tuple[str, str | int]] | None = None,
+        tls: bool | TlsConfig = False,
+        token: str | None = None,
     ) -> None:
-        """Connect to `target` (or use `channel`); `timeout` (s) is the default deadline."""
+        """Connect to `target` (or use `channel`); `timeout` (s) is the default deadline.
+
+        `tls`: True for TLS trusting the system roots, a TlsConfig for a CA, a client
+        certificate (mTLS) or a server name; its files are read here. `token` is sent as
+        `authorization: Bearer <token>` with every call, also over plaintext (fine on loopback;
+        anywhere else anyone on the path can read it: use TLS)."""
         self._owns_channel = channel is None
-        self._channel = channel or grpc.aio.insecure_channel(target, options=list(options or ()))
+        credentials, channel_options = _channel_settings(channel is not None, options, tls)
+        self._defaults = _Defaults(timeout, metadata, token)
+        if channel is not None:
+            self._channel = channel
+        elif credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=channel_options)
+        else:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=channel_options)
         self._stub = pb_grpc.LlmServiceStub(self._channel)
-        self._defaults = _Defaults(timeout, metadata)
 
     async def _unary(
         self,
