@@ -1,9 +1,13 @@
-"""Client over TLS, mTLS and bearer tokens, against small real grpc servers on 127.0.0.1:0
+"""Client and CLI over TLS, mTLS and bearer tokens, against small real grpc servers on 127.0.0.1:0
 with certificates made by openssl (tests/certs.py). The servers answer Tokenize, GetModelInfo
 and GetStats (the "admin" call) with canned replies and record what each call carried."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -13,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
+import llama_grpc
 from llama_grpc import (
     AsyncClient,
     Client,
@@ -21,6 +26,7 @@ from llama_grpc import (
     TlsConfig,
     UnauthenticatedError,
     UnavailableError,
+    cli,
 )
 from llama_grpc.v1 import llm_service_pb2 as pb
 
@@ -396,3 +402,148 @@ def test_malformed_tokens_are_refused(token: str) -> None:
     """A token that cannot travel as one metadata value is a ValueError at construction."""
     with pytest.raises(ValueError, match="token"):
         Client("127.0.0.1:1", token=token)
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+
+
+def test_cli_tls_ca_and_token_from_the_environment(
+    tls_server: Served,
+    pki: Pki,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--tls-ca trusts that CA; the token comes from $LLAMA_GRPC_TOKEN, --token wins over it."""
+    target, recorder = tls_server
+    monkeypatch.setenv(cli.TOKEN_ENV, "user-token")
+    assert cli.main(["info", "--target", target, "--tls-ca", str(pki.ca_cert)]) == 0
+    assert json.loads(capsys.readouterr().out)["model_name"] == MODEL_NAME
+    assert _bearer(recorder) == ["Bearer user-token"]
+    argv = ["stats", "--target", target, "--tls-ca", str(pki.ca_cert), "--token", "admin-token"]
+    assert cli.main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["n_parallel"] == 3
+    assert _bearer(recorder) == ["Bearer admin-token"]
+
+
+def test_cli_auth_errors_print_the_code(
+    plain_server: Served, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No token: UNAUTHENTICATED; a user token on stats: PERMISSION_DENIED; both exit 1."""
+    target, _ = plain_server
+    monkeypatch.delenv(cli.TOKEN_ENV, raising=False)
+    assert cli.main(["tokenize", "x", "--target", target]) == 1
+    assert capsys.readouterr().err.startswith("error: UNAUTHENTICATED")
+    assert cli.main(["stats", "--target", target, "--token", "user-token"]) == 1
+    assert capsys.readouterr().err.startswith("error: PERMISSION_DENIED")
+
+
+def test_cli_mtls_flags(mtls_server: Served, pki: Pki, capsys: pytest.CaptureFixture[str]) -> None:
+    """--tls-cert/--tls-key present a client certificate; without them the server refuses."""
+    target, _ = mtls_server
+    base = ["tokenize", "ab", "--target", target, "--tls-ca", str(pki.ca_cert)]
+    assert (
+        cli.main([*base, "--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)]) == 0
+    )
+    assert json.loads(capsys.readouterr().out) == [97, 98]
+    assert cli.main(base) == 1
+    assert capsys.readouterr().err.startswith("error: UNAVAILABLE")
+
+
+def test_cli_tls_server_name(
+    tls_server: Served,
+    pki: Pki,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--tls-server-name is the name checked in the server certificate."""
+    target, _ = tls_server
+    monkeypatch.setenv(cli.TOKEN_ENV, "user-token")
+    base = ["info", "--target", target, "--tls-ca", str(pki.ca_cert), "--tls-server-name"]
+    assert cli.main([*base, "localhost"]) == 0
+    assert cli.main([*base, "elsewhere.example"]) == 1
+    assert capsys.readouterr().err.startswith("error: UNAVAILABLE")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tls-cert", "c.pem"], "cert without key"),
+        (["--tls-key", "k.pem"], "key without cert"),
+        (["--tls-ca", "/nonexistent/ca.pem"], "TlsConfig.ca: cannot read '/nonexistent/ca.pem'"),
+        (["--token", ""], "token"),
+    ],
+)
+def test_cli_bad_tls_settings_are_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Unusable TLS flags or token exit 2 with the reason, before any call."""
+    assert cli.main(["info", "--target", "127.0.0.1:1", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+class _ClientSpy:
+    """Stands in for cli.Client: records its arguments, then fails the call."""
+
+    calls: list[tuple[str, dict[str, Any]]]
+
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        self.calls.append((target, kwargs))
+
+    def __enter__(self) -> _ClientSpy:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+    def model_info(self) -> Any:
+        raise UnavailableError("spy")
+
+
+@pytest.mark.parametrize(
+    ("argv", "tls"),
+    [
+        ([], False),
+        (["--tls"], True),
+        (["--tls-ca", "ca.pem"], TlsConfig(ca="ca.pem")),
+        (["--tls", "--tls-server-name", "n"], TlsConfig(server_name="n")),
+        (
+            ["--tls-cert", "c.pem", "--tls-key", "k.pem"],
+            TlsConfig(cert="c.pem", key="k.pem"),
+        ),
+    ],
+)
+def test_cli_flags_reach_the_client(
+    argv: list[str],
+    tls: bool | TlsConfig,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--tls alone means system roots; any --tls-* option a TlsConfig (TLS implied)."""
+    monkeypatch.setattr(_ClientSpy, "calls", [], raising=False)
+    monkeypatch.setattr(cli, "Client", _ClientSpy)
+    monkeypatch.delenv(cli.TOKEN_ENV, raising=False)
+    assert cli.main(["info", "--target", "h:1", "--timeout", "3", *argv]) == 1
+    assert _ClientSpy.calls == [("h:1", {"timeout": 3.0, "tls": tls, "token": None})]
+
+
+def test_cli_tls_flag_uses_the_system_roots(tls_server: Served, pki: Pki) -> None:
+    """`--tls` alone trusts the system roots: with grpc's roots file pointed at our CA (in a
+    fresh process, as grpc reads it once) the server is trusted."""
+    target, _ = tls_server
+    package_root = Path(llama_grpc.__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(package_root), *sys.path]),
+        "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(pki.ca_cert),
+        cli.TOKEN_ENV: "user-token",
+    }
+    completed = subprocess.run(
+        [sys.executable, "-m", "llama_grpc", "info", "--tls", "--target", target],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=60,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout)["model_name"] == MODEL_NAME
