@@ -24,12 +24,15 @@ from llama_grpc.errors import (
     KvCacheFullError,
     LlamaGrpcError,
     ModelNotFoundError,
+    PermissionDeniedError,
     QueueFullError,
     RequestCancelledError,
     RequestIdInFlightError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
+from llama_grpc.tls import TlsConfig
 from llama_grpc.types import (
     ChatMessage,
     Delta,
@@ -66,6 +69,7 @@ __all__ = [
     "LlamaGrpcError",
     "ModelInfo",
     "ModelNotFoundError",
+    "PermissionDeniedError",
     "QueueFullError",
     "RequestCancelledError",
     "RequestIdInFlightError",
@@ -75,10 +79,12 @@ __all__ = [
     "Stream",
     "StreamEvent",
     "Timings",
+    "TlsConfig",
     "TokenGenerationParams",
     "TokenLogprob",
     "TokenizeResult",
     "TopLogprob",
+    "UnauthenticatedError",
     "UnavailableError",
     "Usage",
 ]

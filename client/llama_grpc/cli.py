@@ -1,6 +1,7 @@
 """`llama-grpc` command line: call a server (generate, stream, tokenize...) or `serve` one.
 
-Reads LLAMA_GRPC_TARGET; `serve` is handed to llama_grpc_server.cli, imported only when asked.
+Reads LLAMA_GRPC_TARGET and LLAMA_GRPC_TOKEN; `serve` is handed to llama_grpc_server.cli,
+imported only when asked.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from typing import Any
 
 from llama_grpc.client import DEFAULT_TARGET, Client, GenerationParams
 from llama_grpc.errors import LlamaGrpcError
+from llama_grpc.tls import TlsConfig
 from llama_grpc.types import Delta, Done
 
 TARGET_ENV = "LLAMA_GRPC_TARGET"
+TOKEN_ENV = "LLAMA_GRPC_TOKEN"
 SERVE_HINT = "llama-grpc serve needs the server extra: pip install 'llama-grpc[server]'"
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -50,6 +53,7 @@ def _generation_params(args: argparse.Namespace) -> GenerationParams:
         ignore_eos=args.ignore_eos or None,
         model=args.model,
         session_id=args.session_id,
+        priority=args.priority,
     )
 
 
@@ -129,6 +133,19 @@ def _connection_parser(default_target: str) -> argparse.ArgumentParser:
         help=f"server HOST:PORT (default: ${TARGET_ENV} or {DEFAULT_TARGET})",
     )
     parent.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    tls = parent.add_argument_group("TLS and authentication (any --tls-* option implies --tls)")
+    tls.add_argument("--tls", action="store_true", help="use TLS, trusting the system roots")
+    tls.add_argument("--tls-ca", metavar="PATH", help="PEM file of the CA to trust instead")
+    tls.add_argument("--tls-cert", metavar="PATH", help="PEM client certificate (mTLS)")
+    tls.add_argument("--tls-key", metavar="PATH", help="PEM key of --tls-cert")
+    tls.add_argument(
+        "--tls-server-name", metavar="NAME", help="name to check in the server certificate"
+    )
+    tls.add_argument(
+        "--token",
+        help=f"bearer token sent with every call (default: ${TOKEN_ENV}, which keeps it "
+        "out of the process list)",
+    )
     return parent
 
 
@@ -146,6 +163,7 @@ def _sampling_parser() -> argparse.ArgumentParser:
     parent.add_argument("--ignore-eos", action="store_true")
     parent.add_argument("--model")
     parent.add_argument("--session-id")
+    parent.add_argument("--priority", choices=("low", "normal", "high"))
     return parent
 
 
@@ -195,6 +213,22 @@ def serve(argv: Sequence[str]) -> int:
     return int(serve_main(list(argv)) or 0)
 
 
+def _tls(args: argparse.Namespace) -> bool | TlsConfig:
+    """--tls alone: system roots; any --tls-* option: a TlsConfig of them; none: plaintext."""
+    paths = (args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    if any(value is not None for value in paths):
+        return TlsConfig(
+            ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, server_name=args.tls_server_name
+        )
+    return bool(args.tls)
+
+
+def _client(args: argparse.Namespace) -> Client:
+    """The client of the connection flags; --token wins over $LLAMA_GRPC_TOKEN."""
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+    return Client(args.target, timeout=args.timeout, tls=_tls(args), token=token)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI on `argv` (default: sys.argv[1:]) and return the exit status."""
     arguments = list(sys.argv[1:] if argv is None else argv)
@@ -202,7 +236,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(arguments[1:])
     args = build_parser(os.environ.get(TARGET_ENV, DEFAULT_TARGET)).parse_args(arguments)
     try:
-        with Client(args.target, timeout=args.timeout) as client:
+        client = _client(args)
+    except (ValueError, OSError) as error:  # TLS options or files, or a malformed token
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        with client:
             return int(args.run(client, args))
     except LlamaGrpcError as error:
         print(f"error: {error}", file=sys.stderr)

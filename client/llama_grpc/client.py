@@ -18,10 +18,12 @@ from google.protobuf.message import Message
 
 from llama_grpc import types as t
 from llama_grpc.errors import REQUEST_ID_KEY, InternalError, from_rpc_error
+from llama_grpc.tls import TlsConfig, channel_security
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+AUTHORIZATION_KEY = "authorization"
 HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
 
 MetadataLike = Mapping[str, str] | Sequence[tuple[str, str]]
@@ -72,6 +74,9 @@ class TokenGenerationParams(CallOptions, total=False):
     # (drop the oldest prompt tokens, keeping a leading BOS and the first n_keep).
     context_overflow: Literal["reject", "truncate_left"] | None
     n_keep: int | None
+    # Queue order among the caller's requests (server default: "normal"); waiting raises a
+    # request's priority over time, so "low" work is delayed, never starved.
+    priority: Literal["low", "normal", "high"] | None
     session_id: str | None
     cache_scope: str | None
     model: str | None
@@ -98,6 +103,11 @@ _OVERFLOW_KEYS = frozenset({"context_overflow", "n_keep"})
 _POLICIES = {
     "reject": pb.OVERFLOW_POLICY_REJECT,
     "truncate_left": pb.OVERFLOW_POLICY_TRUNCATE_LEFT,
+}
+_PRIORITIES = {
+    "low": pb.PRIORITY_LOW,
+    "normal": pb.PRIORITY_NORMAL,
+    "high": pb.PRIORITY_HIGH,
 }
 _CALL_KEYS = frozenset(CallOptions.__annotations__)
 _REQUEST_KEYS = frozenset({"session_id", "cache_scope", "model", "add_special", "chat_template"})
@@ -130,7 +140,7 @@ def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
         | _OVERFLOW_KEYS
         | _CALL_KEYS
         | request_keys
-        | {"cache_prompt"}
+        | {"cache_prompt", "priority"}
     )
     unknown = sorted(set(params) - allowed)
     if unknown:
@@ -142,7 +152,16 @@ def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
     _fill(request.params, _pick(params, frozenset({"cache_prompt"})))
     _set_constraint(request.params, _pick(params, _CONSTRAINT_KEYS))
     _set_overflow(request.params.context_overflow, _pick(params, _OVERFLOW_KEYS))
+    _set_priority(request.params, params.get("priority"))
     return request
+
+
+def _set_priority(message: pb.GenerationParams, priority: object) -> None:
+    if priority is None:
+        return
+    if priority not in _PRIORITIES:
+        raise ValueError(f"priority must be 'low', 'normal' or 'high', not {priority!r}")
+    message.priority = _PRIORITIES[str(priority)]
 
 
 def _set_overflow(message: pb.ContextOverflow, values: Mapping[str, object]) -> None:
@@ -229,12 +248,35 @@ def _health_modules() -> tuple[ModuleType, ModuleType]:
     return health_pb2, health_pb2_grpc
 
 
-class _Defaults:
-    """Client-wide call defaults: a deadline and metadata sent with every call."""
+def _bearer(token: str | None) -> _Metadata:
+    """The `authorization: Bearer <token>` metadata of `token` (none for None)."""
+    if token is None:
+        return ()
+    if not (token and token.isascii() and token.isprintable() and token.strip() == token):
+        raise ValueError("token must be printable ASCII without spaces around it, and not empty")
+    return ((AUTHORIZATION_KEY, f"Bearer {token}"),)
 
-    def __init__(self, timeout: float | None, metadata: MetadataLike | None) -> None:
+
+def _channel_settings(
+    has_channel: bool, options: Sequence[tuple[str, str | int]] | None, tls: bool | TlsConfig
+) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, str | int]]]:
+    """(credentials or None for plaintext, channel options) of a channel the client creates."""
+    if has_channel:
+        if tls is not False:
+            raise ValueError("tls applies to the channel the client creates, not to `channel`")
+        return None, []
+    credentials, tls_options = channel_security(tls)
+    return credentials, [*(options or ()), *tls_options]
+
+
+class _Defaults:
+    """Client-wide call defaults: a deadline and metadata (with the token) sent with every call."""
+
+    def __init__(
+        self, timeout: float | None, metadata: MetadataLike | None, token: str | None
+    ) -> None:
         self.timeout = timeout
-        self.metadata = _to_metadata(metadata)
+        self.metadata = _bearer(token) + _to_metadata(metadata)
 
     def call_options(self, options: CallOptions) -> tuple[float | None, _Metadata | None]:
         """The (timeout, metadata) of one call: per-call values over the client's."""
@@ -405,12 +447,25 @@ class Client:
         timeout: float | None = None,
         metadata: MetadataLike | None = None,
         options: Sequence[tuple[str, str | int]] | None = None,
+        tls: bool | TlsConfig = False,
+        token: str | None = None,
     ) -> None:
-        """Connect to `target` (or use `channel`); `timeout` (s) is the default deadline."""
+        """Connect to `target` (or use `channel`); `timeout` (s) is the default deadline.
+
+        `tls`: True for TLS trusting the system roots, a TlsConfig for a CA, a client
+        certificate (mTLS) or a server name; its files are read here. `token` is sent as
+        `authorization: Bearer <token>` with every call, also over plaintext (fine on loopback;
+        anywhere else anyone on the path can read it: use TLS)."""
         self._owns_channel = channel is None
-        self._channel = channel or grpc.insecure_channel(target, options=list(options or ()))
+        credentials, channel_options = _channel_settings(channel is not None, options, tls)
+        self._defaults = _Defaults(timeout, metadata, token)
+        if channel is not None:
+            self._channel = channel
+        elif credentials is None:
+            self._channel = grpc.insecure_channel(target, options=channel_options)
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=channel_options)
         self._stub = pb_grpc.LlmServiceStub(self._channel)
-        self._defaults = _Defaults(timeout, metadata)
 
     def _unary(
         self,
@@ -555,12 +610,25 @@ class AsyncClient:
         timeout: float | None = None,
         metadata: MetadataLike | None = None,
         options: Sequence[tuple[str, str | int]] | None = None,
+        tls: bool | TlsConfig = False,
+        token: str | None = None,
     ) -> None:
-        """Connect to `target` (or use `channel`); `timeout` (s) is the default deadline."""
+        """Connect to `target` (or use `channel`); `timeout` (s) is the default deadline.
+
+        `tls`: True for TLS trusting the system roots, a TlsConfig for a CA, a client
+        certificate (mTLS) or a server name; its files are read here. `token` is sent as
+        `authorization: Bearer <token>` with every call, also over plaintext (fine on loopback;
+        anywhere else anyone on the path can read it: use TLS)."""
         self._owns_channel = channel is None
-        self._channel = channel or grpc.aio.insecure_channel(target, options=list(options or ()))
+        credentials, channel_options = _channel_settings(channel is not None, options, tls)
+        self._defaults = _Defaults(timeout, metadata, token)
+        if channel is not None:
+            self._channel = channel
+        elif credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=channel_options)
+        else:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=channel_options)
         self._stub = pb_grpc.LlmServiceStub(self._channel)
-        self._defaults = _Defaults(timeout, metadata)
 
     async def _unary(
         self,

@@ -111,6 +111,19 @@ class UnavailableError(LlamaGrpcError):
     default_code = "UNAVAILABLE"
 
 
+class UnauthenticatedError(LlamaGrpcError):
+    """The call carried no credentials the server accepts: a missing or unknown bearer token
+    (Client(token=...)) on a server that requires one."""
+
+    default_code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(LlamaGrpcError):
+    """The caller is known but not allowed this operation (e.g. a user token on an admin call)."""
+
+    default_code = "PERMISSION_DENIED"
+
+
 class InternalError(LlamaGrpcError):
     """The server failed while serving the request."""
 
@@ -144,6 +157,8 @@ _BY_CODE: dict[str, type[LlamaGrpcError]] = {
         DeadlineExceededError,
         RequestCancelledError,
         UnavailableError,
+        UnauthenticatedError,
+        PermissionDeniedError,
         InternalError,
     )
 }

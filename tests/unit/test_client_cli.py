@@ -142,6 +142,25 @@ def test_sampling_flags_reach_the_request(
     assert servicer.time_remaining == pytest.approx(9, abs=0.5)  # grpc rounds deadlines up
 
 
+@pytest.mark.parametrize("command", ["generate", "stream"])
+def test_priority_flag_reaches_the_request(
+    target: str, servicer: ScriptedServicer, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """--priority high is sent as PRIORITY_HIGH; left out, the request says nothing."""
+    assert cli.main([command, "Hi", "--priority", "high"]) == 0
+    assert servicer.request.params.priority == pb.PRIORITY_HIGH
+    assert cli.main([command, "Hi"]) == 0
+    assert servicer.request.params.priority == pb.PRIORITY_UNSPECIFIED
+
+
+def test_unknown_priority_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """--priority takes only low, normal or high."""
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["generate", "Hi", "--priority", "urgent"])
+    assert caught.value.code == 2
+    assert "--priority" in capsys.readouterr().err
+
+
 def test_generate_json_prints_the_whole_result(
     target: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -29,9 +29,11 @@ from llama_grpc import (
     KvCacheFullError,
     LlamaGrpcError,
     ModelNotFoundError,
+    PermissionDeniedError,
     QueueFullError,
     RequestCancelledError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from llama_grpc.v1 import llm_service_pb2 as pb
@@ -121,6 +123,8 @@ def test_error_info_reason_picks_the_class(
         (Code.DEADLINE_EXCEEDED, DeadlineExceededError),
         (Code.CANCELLED, RequestCancelledError),
         (Code.UNAVAILABLE, UnavailableError),
+        (Code.UNAUTHENTICATED, UnauthenticatedError),
+        (Code.PERMISSION_DENIED, PermissionDeniedError),
         (Code.INTERNAL, InternalError),
         (Code.UNKNOWN, LlamaGrpcError),
         (Code.UNIMPLEMENTED, LlamaGrpcError),

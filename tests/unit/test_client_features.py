@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from llama_grpc import ChatMessage, Client, TokenLogprob, TopLogprob
+from llama_grpc.client import build_request
 from llama_grpc.types import delta_from_proto
 from llama_grpc.v1 import llm_service_pb2 as pb
 
@@ -109,6 +110,42 @@ def test_unknown_context_overflow_raises_before_any_rpc(client: Client) -> None:
     """A misspelled policy is a ValueError, not a request."""
     with pytest.raises(ValueError, match="truncate_left"):
         client.generate("p", context_overflow="truncate")  # type: ignore[typeddict-item]
+
+
+@pytest.mark.parametrize(
+    ("priority", "expected"),
+    [("low", pb.PRIORITY_LOW), ("normal", pb.PRIORITY_NORMAL), ("high", pb.PRIORITY_HIGH)],
+)
+def test_priority_maps_to_the_enum(
+    client: Client, unary: UnaryScript, priority: Any, expected: int
+) -> None:
+    """priority="low" / "normal" / "high" lands in params.priority as PRIORITY_*."""
+    _, request, _ = unary(
+        lambda: client.generate("p", priority=priority), "Generate", pb.GenerateResponse()
+    )
+    assert request.params.priority == expected
+
+
+def test_priority_left_out_stays_unspecified(client: Client, unary: UnaryScript) -> None:
+    """Without priority the request carries PRIORITY_UNSPECIFIED (the server's default)."""
+    _, request, _ = unary(
+        lambda: client.generate("p", max_tokens=1), "Generate", pb.GenerateResponse()
+    )
+    assert request.params.priority == pb.PRIORITY_UNSPECIFIED
+
+
+def test_token_requests_take_a_priority_too() -> None:
+    """generate_tokens() requests are built with the same priority mapping."""
+    request = build_request(pb.GenerateTokensRequest(token_ids=[1]), {"priority": "low"})
+    assert request.params.priority == pb.PRIORITY_LOW
+
+
+@pytest.mark.parametrize("priority", ["urgent", "HIGH", 3])
+def test_unknown_priority_raises_before_any_rpc(priority: Any) -> None:
+    """A priority other than low/normal/high is a ValueError naming the accepted values, raised
+    while the request is built (so no call starts)."""
+    with pytest.raises(ValueError, match="'low', 'normal' or 'high'"):
+        build_request(pb.GenerateRequest(prompt="p"), {"priority": priority})
 
 
 def test_truncation_is_reported_in_the_result(client: Client, unary: UnaryScript) -> None:
