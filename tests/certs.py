@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 OPENSSL = "openssl"
+CLIENT_URI = "spiffe://llama-grpc.test/client"
 DAYS = "7"
 
 # req's own settings (no system openssl.cnf) and the extensions of each certificate.
-_CONFIG = """\
+_CONFIG = f"""\
 [req]
 distinguished_name = dn
 prompt = no
@@ -39,6 +40,7 @@ basicConstraints = critical, CA:FALSE
 keyUsage = critical, digitalSignature
 extendedKeyUsage = clientAuth
 authorityKeyIdentifier = keyid
+subjectAltName = URI:{CLIENT_URI}
 """
 
 
@@ -52,6 +54,8 @@ class Pki:
     server_key: Path
     client_cert: Path
     client_key: Path
+    # the client certificate's URI SAN: what a server takes as its identity (over its CN)
+    client_identity: str = CLIENT_URI
 
 
 def openssl_available() -> bool:

@@ -34,6 +34,7 @@ from llama_grpc.errors import (
 )
 from llama_grpc.tls import TlsConfig
 from llama_grpc.types import (
+    CacheCleared,
     ChatMessage,
     Delta,
     Done,
@@ -53,6 +54,7 @@ __all__ = [
     "DEFAULT_TARGET",
     "AsyncClient",
     "AsyncStream",
+    "CacheCleared",
     "CallOptions",
     "ChatMessage",
     "Client",

@@ -579,6 +579,11 @@ class Client:
         response, _ = self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), options)
         return t.model_info_from_proto(response)
 
+    def clear_cache(self, **options: Unpack[CallOptions]) -> t.CacheCleared:
+        """Admin: forget cached KV no request is using (PermissionDeniedError for a user)."""
+        response, _ = self._unary(self._stub.ClearCache, pb.ClearCacheRequest(), options)
+        return t.cache_cleared_from_proto(response)
+
     def health(self, service: str = "", **options: Unpack[CallOptions]) -> str:
         """The grpc.health.v1 status of `service` ("" = whole server): "SERVING", "NOT_SERVING"."""
         health_pb2, health_pb2_grpc = _health_modules()
@@ -747,6 +752,12 @@ class AsyncClient:
         request = pb.GetModelInfoRequest()
         response, _ = await self._unary(self._stub.GetModelInfo, request, options)
         return t.model_info_from_proto(response)
+
+    async def clear_cache(self, **options: Unpack[CallOptions]) -> t.CacheCleared:
+        """Admin: forget cached KV no request is using (PermissionDeniedError for a user)."""
+        request = pb.ClearCacheRequest()
+        response, _ = await self._unary(self._stub.ClearCache, request, options)
+        return t.cache_cleared_from_proto(response)
 
     async def health(self, service: str = "", **options: Unpack[CallOptions]) -> str:
         """The grpc.health.v1 status of `service` ("" = whole server): "SERVING", "NOT_SERVING"."""

@@ -176,6 +176,16 @@ class Stats:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheCleared:
+    """What ClearCache freed: idle slots' prefix caches and the server's RAM tier."""
+
+    cleared_slots: int
+    freed_kv_cells: int
+    freed_ram_entries: int
+    freed_ram_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInfo:
     """Facts about the loaded model and its context."""
 
@@ -313,3 +323,7 @@ def stats_from_proto(message: pb.GetStatsResponse) -> Stats:
 def model_info_from_proto(message: pb.GetModelInfoResponse) -> ModelInfo:
     """Convert a GetModelInfoResponse; unset optional token ids become None."""
     return ModelInfo(**_same_named_fields(message, ModelInfo))
+
+
+def cache_cleared_from_proto(message: pb.ClearCacheResponse) -> CacheCleared:
+    return CacheCleared(**_same_named_fields(message, CacheCleared))

@@ -9,10 +9,9 @@ import signal
 import sys
 from pathlib import Path
 
-import grpc
 import pytest
 
-from llama_grpc import AsyncClient, Delta, Done
+from llama_grpc import AsyncClient, Delta, Done, UnauthenticatedError
 
 
 async def test_sigterm_drains_in_flight_stream_and_exits_zero() -> None:
@@ -80,15 +79,14 @@ async def test_sighup_reloads_the_tokens_file(tmp_path: Path) -> None:
         port = int(str((await until("listening"))["port"]))
         await until("ready")
         async with AsyncClient(f"127.0.0.1:{port}", timeout=60, token=old) as client:
-            assert (await client.tokenize("hi")).token_ids
+            assert await client.tokenize("hi")
             tokens.write_text(f'[[tokens]]\ntenant = "a"\ntoken = "{new}"\n')
             proc.send_signal(signal.SIGHUP)
             await until("auth_reloaded")
-            with pytest.raises(Exception) as raised:
+            with pytest.raises(UnauthenticatedError):
                 await client.tokenize("hi")
-            assert getattr(raised.value, "code", None) == grpc.StatusCode.UNAUTHENTICATED
         async with AsyncClient(f"127.0.0.1:{port}", timeout=60, token=new) as client:
-            assert (await client.tokenize("hi")).token_ids
+            assert await client.tokenize("hi")
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 60) == 0
     finally:

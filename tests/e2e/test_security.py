@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from structlog.testing import capture_logs
 
+from llama_grpc import AsyncClient, PermissionDeniedError, TlsConfig, UnauthenticatedError
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.auth import load_auth_file, token_digest
@@ -433,3 +434,22 @@ async def test_clear_cache_is_for_admins_and_forgets_cached_prefixes(
     cold = await stub.Generate(generate(prompt), metadata=bearer(USER_A))
     assert cold.usage.cached_prompt_tokens == 0
     assert cold.text == warm.text
+
+
+async def test_the_client_library_speaks_tls_and_tokens(
+    tls_server: RunningServer, pki: Pki
+) -> None:
+    """AsyncClient with TlsConfig and a token: a user generates and sees its own usage; its
+    ClearCache is PermissionDeniedError; the admin's clears; no token is UnauthenticatedError."""
+    target = f"localhost:{tls_server.port}"
+    tls = TlsConfig(ca=pki.ca_cert)
+    async with AsyncClient(target, tls=tls, token=USER_A, timeout=60) as user:
+        result = await user.generate("Hello", max_tokens=2, temperature=0.0)
+        assert result.usage.completion_tokens == 2
+        with pytest.raises(PermissionDeniedError):
+            await user.clear_cache()
+    async with AsyncClient(target, tls=tls, token=ADMIN, timeout=60) as admin:
+        assert (await admin.clear_cache()).cleared_slots >= 0
+    async with AsyncClient(target, tls=tls, timeout=60) as anonymous:
+        with pytest.raises(UnauthenticatedError):
+            await anonymous.tokenize("Hello")

@@ -248,7 +248,7 @@ def test_mtls_server_accepts_a_client_certificate_from_its_ca(
     tls = TlsConfig(ca=pki.ca_cert, cert=pki.client_cert, key=pki.client_key)
     with Client(target, tls=tls, timeout=TIMEOUT) as client:
         assert client.tokenize("a") == [97]
-    assert recorder.peer_identities == [b"llama-grpc test client"]
+    assert recorder.peer_identities == [pki.client_identity.encode()]
 
 
 async def test_async_mtls_server_accepts_a_client_certificate(
@@ -260,7 +260,7 @@ async def test_async_mtls_server_accepts_a_client_certificate(
     tls = TlsConfig(ca=pki.ca_cert, cert=pki.client_cert, key=pki.client_key)
     async with AsyncClient(target, tls=tls, timeout=TIMEOUT) as client:
         assert await client.tokenize("a") == [97]
-    assert recorder.peer_identities == [b"llama-grpc test client"]
+    assert recorder.peer_identities == [pki.client_identity.encode()]
 
 
 @pytest.mark.parametrize("credential", ["none", "other-ca"])
