@@ -366,6 +366,7 @@ async def test_reload_rotates_certificate_and_tokens_without_cutting_a_stream(
 async def test_a_broken_reload_keeps_the_old_files(pki: Pki, tmp_path: Path) -> None:
     conf = server_settings(pki, tmp_path)
     async with start_server(conf, lambda: build_engine(conf)) as running:
+        assert await running.wait_loaded()
         Path(conf.server.auth_tokens_file).write_text("[[tokens]]\n")
         assert not running.reload("test")
         async with channel(running.port, pki) as ch:
