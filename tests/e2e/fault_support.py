@@ -61,9 +61,9 @@ class EngineProbe:
         engine = build_engine(conf, on_tick=self._on_tick, on_done=self._on_done)
         cancel = engine.cancel
 
-        def spy(request_id: str) -> None:  # called on the event loop by RequestStream.cancel
+        def spy(request_id: str, tenant: str = "") -> None:  # on the event loop, by the stream
             self.cancel_ticks.setdefault(request_id, engine.stats().ticks)
-            cancel(request_id)
+            cancel(request_id, tenant)
 
         engine.cancel = spy  # type: ignore[method-assign]
         self._engine = engine
