@@ -245,6 +245,37 @@ def tokenize(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def security(data: dict[str, Any]) -> list[str]:
+    lines = header(
+        data, "Security overhead: plaintext vs TLS vs TLS + token", "security_overhead.png"
+    )
+    w = data["workload"]
+    lines += [
+        f"B = {w['batch']} concurrent GenerateTokens streams ({w['prompt_tokens']}-token prompts, "
+        f"{w['generated_tokens']} tokens each) against three servers side by side, taking turns "
+        "in every repetition. Ratio: plaintext wall time / this mode's, per repetition. CPU: µs "
+        "per streamed token, medians.",
+        "",
+        "| mode | tok/s (median) | ratio to plaintext median (min–max) | server CPU outside "
+        "llama_decode | of which event loop + grpc threads | bench client CPU |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in data["rows"]:
+        ratio = r["ratio_to_plaintext"]
+        lines.append(
+            f"| {r['mode']} | {r['tok_s']:.1f} | {ratio['median']:.3f} ({ratio['min']:.2f}–"
+            f"{ratio['max']:.2f}) | {r['server_outside_decode_us']['median']:.0f} | "
+            f"{r['event_loop_and_grpc_us']['median']:.0f} | {r['client_us']['median']:.0f} |"
+        )
+    worst = min(r["ratio_to_plaintext"]["median"] for r in data["rows"] if r["mode"] != "plaintext")
+    lines += [
+        "",
+        f"Target ≥ 0.97 of plaintext (median ratio): {ok(worst >= 0.97)} ({worst:.3f}).",
+        "",
+    ]
+    return lines
+
+
 def peers(data: dict[str, Any]) -> list[str]:
     lines = header(data, "Peers", "peers_concurrency.png")
     for name, why in data.get("skipped", {}).items():
@@ -343,6 +374,7 @@ def main() -> int:
         ("strategies", strategies),
         ("prefix_cache", prefix),
         ("tokenize_overhead", tokenize),
+        ("security_overhead", security),
         ("peers", peers),
         ("soak", soak),
     )
