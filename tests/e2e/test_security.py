@@ -454,3 +454,27 @@ async def test_the_client_library_speaks_tls_and_tokens(
     async with AsyncClient(target, tls=tls, timeout=60) as anonymous:
         with pytest.raises(UnauthenticatedError):
             await anonymous.tokenize("Hello")
+
+
+async def test_rotated_certificate_files_are_picked_up_without_a_signal(
+    pki: Pki, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Replacing the files is enough (mesh agents rewrite them in place): a handshake more than
+    a second later notices the new modification times and serves the new certificate."""
+    live = tmp_path / "live"
+    live.mkdir()
+    shutil.copy(pki.server_cert, live / "cert.pem")
+    shutil.copy(pki.server_key, live / "key.pem")
+    conf = server_settings(
+        pki, tmp_path, tls_cert=str(live / "cert.pem"), tls_key=str(live / "key.pem")
+    )
+    rotated = make_pki(tmp_path_factory.mktemp("rotated-files"), "rotated files")
+    async with start_server(conf, lambda: build_engine(conf)) as running:
+        assert await running.wait_loaded()
+        shutil.copy(rotated.server_cert, live / "cert.pem")
+        shutil.copy(rotated.server_key, live / "key.pem")
+        await asyncio.sleep(1.2)  # past MTIME_CHECK_INTERVAL_S
+        async with channel(running.port, rotated) as ch:
+            got = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+            assert got.status == health_pb2.HealthCheckResponse.SERVING
+        assert running.credentials is not None and running.credentials.reloads == 1

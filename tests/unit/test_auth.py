@@ -183,3 +183,15 @@ def test_admin_methods_need_the_admin_role(
     with pytest.raises(errors.PermissionDenied, match="needs the admin role"):
         access.principal(GENERATE, bearer(USER_TOKEN), None)
     assert access.principal(GENERATE, bearer(ADMIN_TOKEN), None).is_admin
+
+
+@pytest.mark.parametrize(
+    ("host", "is_loopback"),
+    [("127.0.0.1", True), ("::1", True), ("localhost", True), ("127.3.2.1", True),
+     ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("myhost.internal", False)],
+)  # fmt: skip
+def test_plaintext_warning_applies_off_loopback(host: str, is_loopback: bool) -> None:
+    """rpc.server warns at start when plaintext listens anywhere but loopback."""
+    from llama_grpc_server.rpc.server import _is_loopback
+
+    assert _is_loopback(host) is is_loopback

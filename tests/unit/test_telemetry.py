@@ -416,3 +416,13 @@ def test_events_are_frozen_values() -> None:
     event = tick_event()
     with pytest.raises(dataclasses.FrozenInstanceError):
         event.tick = 2  # type: ignore[misc]
+
+
+def test_request_events_carry_the_tenant() -> None:
+    """Telemetry events say who asked (the tenant of an authenticated caller)."""
+    request = Request(GenerationRequest("r-1", (1, 2, 3), tenant="team-a"), 1_000 * MS)
+    failed = Failed(errors.Cancelled("cancelled"))
+    event = telemetry.request_event(request, failed, now_ns=1_001 * MS)
+    assert event.tenant == "team-a"
+    assert event.as_dict()["tenant"] == "team-a"
+    assert telemetry.request_event(live_request(), failed, now_ns=1_001 * MS).tenant == ""
