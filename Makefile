@@ -12,7 +12,7 @@ ARGS ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install run serve test test-unit test-model test-e2e check lint format types proto proto-check \
-	proto-lint check-min-deps model bench bench-single bench-concurrency bench-strategies bench-prefix \
+	proto-lint check-min-deps model cluster bench bench-single bench-concurrency bench-strategies bench-prefix \
 	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-security bench-peers bench-soak clean
 
 install: $(STAMP)
@@ -40,6 +40,11 @@ $(STAMP): pyproject.toml
 
 model: $(STAMP)
 	$(PY) -m llama_grpc_server.model_files --assemble
+
+# N replicas on free loopback ports behind Envoy on 127.0.0.1:$(PORT) (deploy/cluster.py).
+REPLICAS ?= 3
+cluster: $(STAMP)
+	$(PY) -m deploy.cluster --replicas $(REPLICAS) --port $(PORT) -- $(ARGS)
 
 run: $(STAMP)
 	$(BIN)/llama-grpc serve --host $(HOST) --port $(PORT) $(ARGS)

@@ -171,6 +171,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("reflection", bool, "server.reflection", "serve gRPC reflection (for grpcurl)"),
     Option("grace_s", float, "server.grace_s", "seconds to finish requests on shutdown",
            at_least(0)),
+    Option("drain_delay_s", float, "server.drain_delay_s",
+           "on SIGTERM, report NOT_SERVING this long before refusing new calls, so a proxy "
+           "routes elsewhere first (>= its health-check interval)", at_least(0), "S"),
     Option("keep_alive_on_engine_error", bool, "server.keep_alive_on_engine_error",
            "if the engine thread dies, keep the process up (health NOT_SERVING) instead of "
            "exiting with code 70 after --grace-s"),

@@ -67,6 +67,9 @@ class ServerSettings:
     log_level: str = "info"
     log_payloads: bool = False  # request/response messages in the logs (debugging only)
     grace_s: float = 10.0
+    # On SIGTERM, health turns NOT_SERVING this long before new calls are refused (a proxy's
+    # health interval or more: it stops routing here first).
+    drain_delay_s: float = 0.0
     keep_alive_on_engine_error: bool = False  # else exit EXIT_ENGINE_FAILED after grace_s
     max_message_bytes: int = 16 * 1024 * 1024
     tls_cert: str = ""  # PEM certificate chain: serve TLS (with tls_key)

@@ -404,6 +404,17 @@ async def _until_stopped(running: RunningServer, stop: asyncio.Event, settings: 
     return EXIT_ENGINE_FAILED
 
 
+async def _announce_drain(running: RunningServer, delay_s: float) -> None:
+    """Before refusing anything: health NOT_SERVING, then `delay_s` more of normal serving, so a
+    proxy's health check (Envoy's, every second in deploy/envoy) stops routing new calls here
+    and the calls it already routed are answered rather than refused."""
+    if delay_s <= 0:
+        return
+    await running.health.enter_graceful_shutdown()
+    log.info("draining", delay_s=delay_s)
+    await asyncio.sleep(delay_s)
+
+
 async def serve(
     settings: Settings,
     engine_factory: EngineFactory,
@@ -427,6 +438,8 @@ async def serve(
                 if is_loaded and ready is not None:
                     ready.set()
                 code = 0 if is_loaded is None else await _until_stopped(running, stop, settings)
+                if code == 0 and is_loaded:
+                    await _announce_drain(running, settings.server.drain_delay_s)
             log.info("stopping", grace_s=settings.server.grace_s, exit_code=code)
     except ServerStartError as exc:
         log.error("listen_failed", error=str(exc))

