@@ -18,6 +18,7 @@ from google.protobuf.message import Message
 
 from llama_grpc import types as t
 from llama_grpc.errors import REQUEST_ID_KEY, InternalError, from_rpc_error
+from llama_grpc.routing import routing_metadata
 from llama_grpc.tls import TlsConfig, channel_security
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
@@ -278,10 +279,15 @@ class _Defaults:
         self.timeout = timeout
         self.metadata = _bearer(token) + _to_metadata(metadata)
 
-    def call_options(self, options: CallOptions) -> tuple[float | None, _Metadata | None]:
-        """The (timeout, metadata) of one call: per-call values over the client's."""
+    def call_options(
+        self, options: CallOptions, request: Message
+    ) -> tuple[float | None, _Metadata | None]:
+        """The (timeout, metadata) of one call: per-call values over the client's, plus the
+        routing headers of `request` that the caller's metadata does not set itself."""
         timeout = options.get("timeout")
         metadata = self.metadata + _to_metadata(options.get("metadata"))
+        given = {key for key, _ in metadata}
+        metadata += tuple(item for item in routing_metadata(request) if item[0] not in given)
         return (self.timeout if timeout is None else timeout), (metadata or None)
 
 
@@ -473,7 +479,7 @@ class Client:
         request: _Req,
         options: CallOptions,
     ) -> tuple[_Resp, str]:
-        timeout, metadata = self._defaults.call_options(options)
+        timeout, metadata = self._defaults.call_options(options, request)
         try:
             response, call = method.with_call(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as error:
@@ -489,7 +495,7 @@ class Client:
     def stream(self, prompt: str, **params: Unpack[GenerationParams]) -> Stream:
         """Stream the completion of `prompt` as Delta values, then one Done."""
         request = build_request(pb.StreamGenerateRequest(prompt=prompt), params)
-        timeout, metadata = self._defaults.call_options(params)
+        timeout, metadata = self._defaults.call_options(params, request)
         return _open_stream(self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata))
 
     def chat(
@@ -506,7 +512,7 @@ class Client:
         """Stream the reply to a conversation as Delta values, then one Done."""
         messages_pb = chat_messages(messages)
         request = build_request(pb.StreamGenerateRequest(messages=messages_pb), params)
-        timeout, metadata = self._defaults.call_options(params)
+        timeout, metadata = self._defaults.call_options(params, request)
         return _open_stream(self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata))
 
     def generate_tokens(
@@ -514,7 +520,7 @@ class Client:
     ) -> Stream:
         """Stream the completion of a pre-tokenized prompt (used as given: add BOS yourself)."""
         request = build_request(pb.GenerateTokensRequest(token_ids=token_ids), params)
-        timeout, metadata = self._defaults.call_options(params)
+        timeout, metadata = self._defaults.call_options(params, request)
         return _open_stream(self._stub.GenerateTokens(request, timeout=timeout, metadata=metadata))
 
     @overload
@@ -641,7 +647,7 @@ class AsyncClient:
         request: _Req,
         options: CallOptions,
     ) -> tuple[_Resp, str]:
-        timeout, metadata = self._defaults.call_options(options)
+        timeout, metadata = self._defaults.call_options(options, request)
         call = method(request, timeout=timeout, metadata=metadata)
         try:
             response = await call
@@ -659,7 +665,7 @@ class AsyncClient:
     def stream(self, prompt: str, **params: Unpack[GenerationParams]) -> AsyncStream:
         """Stream the completion of `prompt` as Delta values, then one Done."""
         request = build_request(pb.StreamGenerateRequest(prompt=prompt), params)
-        timeout, metadata = self._defaults.call_options(params)
+        timeout, metadata = self._defaults.call_options(params, request)
         call = self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata)
         return _open_async_stream(call)
 
@@ -677,7 +683,7 @@ class AsyncClient:
         """Stream the reply to a conversation as Delta values, then one Done."""
         messages_pb = chat_messages(messages)
         request = build_request(pb.StreamGenerateRequest(messages=messages_pb), params)
-        timeout, metadata = self._defaults.call_options(params)
+        timeout, metadata = self._defaults.call_options(params, request)
         call = self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata)
         return _open_async_stream(call)
 
@@ -686,7 +692,7 @@ class AsyncClient:
     ) -> AsyncStream:
         """Stream the completion of a pre-tokenized prompt (used as given: add BOS yourself)."""
         request = build_request(pb.GenerateTokensRequest(token_ids=token_ids), params)
-        timeout, metadata = self._defaults.call_options(params)
+        timeout, metadata = self._defaults.call_options(params, request)
         call = self._stub.GenerateTokens(request, timeout=timeout, metadata=metadata)
         return _open_async_stream(call)
 
