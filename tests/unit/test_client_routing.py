@@ -1,21 +1,31 @@
 """Client routing against real grpc.aio servers on 127.0.0.1:0 around the FakeEngine: the
-x-session-id / x-cache-scope headers a proxy hashes on."""
+x-session-id / x-cache-scope headers a proxy hashes on, and one client balancing over several
+servers (gRPC's round_robin with client-side health checking) without a proxy."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
+import grpc.aio
 import pytest
 
-from llama_grpc import AsyncClient, Client
+from llama_grpc import AsyncClient, Client, TlsConfig, UnavailableError
+from llama_grpc.routing import BALANCED_SERVICE_CONFIG, LLM_SERVICE_NAME, balanced_target
 from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings
 from llama_grpc_server.rpc import server as server_module
 from llama_grpc_server.rpc.interceptors import RequestInterceptor
-from llama_grpc_server.rpc.server import RunningServer, start_server
+from llama_grpc_server.rpc.server import NOT_SERVING, SERVING, RunningServer, start_server
 from llama_grpc_server.testing import FakeEngine, encode
+
+from ..certs import make_pki, openssl_available
 
 SETTINGS = Settings(
     scheduler=SchedulerSettings(default_max_tokens=8),
@@ -164,3 +174,220 @@ async def test_the_callers_own_header_wins(async_client: AsyncClient, seen: Seen
     await async_client.generate("ab", session_id="body", metadata={"x-session-id": "mine"})
     [(_, metadata)] = _generation_calls(seen)
     assert _routing(metadata) == {"x-session-id": "mine"}
+
+
+# -- one channel over several servers --------------------------------------------------------------
+
+CALLS = 20
+
+
+class Replica:
+    """A started server, its engine and its address."""
+
+    def __init__(self, running: RunningServer, engine: FakeEngine) -> None:
+        self.running, self.engine = running, engine
+        self.address = f"127.0.0.1:{running.port}"
+
+    @property
+    def started(self) -> int:
+        """Generation requests this server's engine has started."""
+        return self.engine.stats().requests_started
+
+    async def set_health(self, status: Any) -> None:
+        await self.running.health.set(LLM_SERVICE_NAME, status)
+
+
+@contextlib.asynccontextmanager
+async def _two_replicas(settings: Settings) -> AsyncIterator[tuple[Replica, Replica]]:
+    async with contextlib.AsyncExitStack() as stack:
+        pair = []
+        for _ in range(2):
+            engine = FakeEngine()
+            running = await stack.enter_async_context(start_server(settings, lambda e=engine: e))
+            assert await running.wait_loaded()
+            pair.append(Replica(running, engine))
+        yield pair[0], pair[1]
+
+
+@pytest.fixture
+async def replicas() -> AsyncIterator[tuple[Replica, Replica]]:
+    """Two servers, each with its own FakeEngine, both SERVING."""
+    async with _two_replicas(SETTINGS) as pair:
+        yield pair
+
+
+async def _counts(client: AsyncClient, replicas: tuple[Replica, ...], calls: int) -> list[int]:
+    """How many of `calls` generate() calls each replica served."""
+    before = [replica.started for replica in replicas]
+    for _ in range(calls):
+        await client.generate("ab")
+    return [replica.started - start for replica, start in zip(replicas, before, strict=True)]
+
+
+async def test_a_target_list_spreads_calls_over_every_server(
+    replicas: tuple[Replica, Replica],
+) -> None:
+    """Both SERVING: round robin gives each server a fair share (not all to the first, as
+    gRPC's default pick_first would)."""
+    async with AsyncClient([r.address for r in replicas], timeout=10) as client:
+        counts = await _counts(client, replicas, CALLS)
+    assert sum(counts) == CALLS
+    assert min(counts) >= CALLS // 4, counts  # a server may connect a little later than the other
+
+
+async def test_a_not_serving_server_gets_no_calls(replicas: tuple[Replica, Replica]) -> None:
+    """Client-side health checking: with one server's LlmService NOT_SERVING, every call lands
+    on the other."""
+    first, second = replicas
+    await first.set_health(NOT_SERVING)
+    async with AsyncClient([first.address, second.address], timeout=10) as client:
+        assert await _counts(client, replicas, CALLS) == [0, CALLS]
+
+
+async def test_the_sync_client_balances_the_same(replicas: tuple[Replica, Replica]) -> None:
+    """Client (sync) takes a list too: the NOT_SERVING server is skipped."""
+    first, second = replicas
+    await second.set_health(NOT_SERVING)
+
+    def calls() -> None:
+        with Client([first.address, second.address], timeout=10) as client:
+            for _ in range(CALLS):
+                client.generate("ab")
+
+    await asyncio.to_thread(calls)
+    assert (first.started, second.started) == (CALLS, 0)
+
+
+async def _until_only(client: AsyncClient, replicas: tuple[Replica, ...], index: int) -> None:
+    """Call until a call lands on replicas[index] alone (health updates arrive asynchronously)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        counts = await _counts(client, replicas, 2)
+        if counts[index] == 2:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"calls did not move to replica {index} within 5 s")
+
+
+async def test_health_changes_move_calls_while_the_channel_is_open(
+    replicas: tuple[Replica, Replica],
+) -> None:
+    """A server turning NOT_SERVING (draining, engine dead) stops getting calls on the open
+    channel, and gets them again once SERVING."""
+    first, second = replicas
+    async with AsyncClient([first.address, second.address], timeout=10) as client:
+        await _counts(client, replicas, 4)
+        await first.set_health(NOT_SERVING)
+        await _until_only(client, replicas, 1)
+        assert await _counts(client, replicas, CALLS) == [0, CALLS]
+        await first.set_health(SERVING)
+        deadline = time.monotonic() + 5
+        while (await _counts(client, replicas, 2))[0] == 0:
+            assert time.monotonic() < deadline, "the server did not get calls again"
+            await asyncio.sleep(0.05)
+
+
+async def test_no_serving_server_fails_at_once(replicas: tuple[Replica, Replica]) -> None:
+    """With every server NOT_SERVING a call fails UNAVAILABLE at once ("backend unhealthy")."""
+    for replica in replicas:
+        await replica.set_health(NOT_SERVING)
+    async with AsyncClient([r.address for r in replicas], timeout=10) as client:
+        with pytest.raises(UnavailableError, match="unhealthy"):
+            await client.generate("ab")
+
+
+async def test_balance_applies_to_a_dns_target(replicas: tuple[Replica, Replica]) -> None:
+    """balance=True puts the same policy on a dns: target: its NOT_SERVING server is skipped
+    (so the call fails), while without balance gRPC's pick_first calls it anyway."""
+    first, _ = replicas
+    await first.set_health(NOT_SERVING)
+    async with AsyncClient(f"dns:///{first.address}", timeout=10, balance=True) as client:
+        with pytest.raises(UnavailableError, match="unhealthy"):
+            await client.generate("ab")
+    async with AsyncClient(f"dns:///{first.address}", timeout=10) as client:
+        assert (await client.generate("ab")).text == "ba"
+
+
+async def test_tls_over_a_target_list_checks_the_server_name(tmp_path: Path) -> None:
+    """Over TLS every replica's certificate is checked against TlsConfig.server_name (the list
+    itself names no host), and calls still spread over both."""
+    if not openssl_available():
+        pytest.skip("needs the openssl command line tool")
+    pki = make_pki(tmp_path)
+    server = dataclasses.replace(
+        SETTINGS.server, tls_cert=str(pki.server_cert), tls_key=str(pki.server_key)
+    )
+    async with _two_replicas(dataclasses.replace(SETTINGS, server=server)) as replicas:
+        tls = TlsConfig(ca=pki.ca_cert, server_name="localhost")
+        async with AsyncClient([r.address for r in replicas], tls=tls, timeout=10) as client:
+            counts = await _counts(client, replicas, CALLS)
+    assert min(counts) >= CALLS // 4, counts
+
+
+@pytest.mark.parametrize(
+    ("addresses", "uri"),
+    [
+        (["10.0.0.1:50051", "10.0.0.2:50052"], "ipv4:10.0.0.1:50051,10.0.0.2:50052"),
+        (("[::1]:1", "[fd00::2]:2"), "ipv6:[::1]:1,[fd00::2]:2"),
+        (["127.0.0.1:50051"], "ipv4:127.0.0.1:50051"),
+    ],
+)
+def test_ip_lists_become_one_target_uri(addresses: list[str], uri: str) -> None:
+    """IP:PORT addresses (IPv6 in brackets) join into one ipv4: or ipv6: target."""
+    assert balanced_target(addresses) == uri
+
+
+@pytest.mark.parametrize(
+    ("addresses", "message"),
+    [
+        (["10.0.0.1:1", "db.example:50051"], "pass target='dns:///db.example:50051' with balance"),
+        (["10.0.0.1:1", "[::1]:2"], "all IPv4 or all IPv6"),
+        (["10.0.0.1"], "not IP:PORT"),
+        (["10.0.0.1:0"], "not IP:PORT"),
+        (["::1:50051"], r"\[ADDRESS\]:PORT"),
+        (["dns:///db.example:50051"], "goes alone"),
+        ([], "empty"),
+    ],
+)
+def test_target_lists_take_ip_addresses_only(addresses: list[str], message: str) -> None:
+    """A host name (never resolved in a list) or a malformed address is a ValueError that says
+    what to pass instead."""
+    with pytest.raises(ValueError, match=message):
+        balanced_target(addresses)
+
+
+def test_the_service_config_is_round_robin_with_health_checking() -> None:
+    """The channel option the client adds, as gRPC reads it."""
+    assert json.loads(BALANCED_SERVICE_CONFIG) == {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "healthCheckConfig": {"serviceName": "llama_grpc.v1.LlmService"},
+    }
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"target": ["10.0.0.1:1"], "balance": False}, "always balanced"),
+        ({"target": ["10.0.0.1:1"], "tls": True}, "server_name"),
+        ({"target": ["10.0.0.1:1"], "tls": TlsConfig()}, "server_name"),
+        ({"balance": True, "options": [("grpc.service_config", "{}")]}, "your own service config"),
+        ({"target": ["10.0.0.1:1"], "channel": True}, "not to `channel`"),
+        ({"balance": True, "channel": True}, "not to `channel`"),
+    ],
+)
+async def test_contradictory_balancing_arguments_are_refused(
+    kwargs: dict[str, Any], message: str
+) -> None:
+    """Arguments that cannot hold together fail at construction, naming the way out."""
+    with contextlib.ExitStack() as stack:
+        if kwargs.get("channel"):
+            kwargs["channel"] = stack.enter_context(grpc.insecure_channel("127.0.0.1:1"))
+        with pytest.raises(ValueError, match=message):
+            Client(**kwargs)
+    async with contextlib.AsyncExitStack() as astack:
+        if kwargs.get("channel"):
+            kwargs["channel"] = await astack.enter_async_context(
+                grpc.aio.insecure_channel("127.0.0.1:1")
+            )
+        with pytest.raises(ValueError, match=message):
+            AsyncClient(**kwargs)
