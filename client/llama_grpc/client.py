@@ -305,7 +305,7 @@ def _target_uri(
     if tls is not False and not (isinstance(tls, TlsConfig) and tls.server_name):
         raise ValueError(
             "TLS over a list of targets checks one name for every replica: set "
-            "TlsConfig(server_name=...) to the name their certificates carry"
+            "TlsConfig(server_name=...) (--tls-server-name) to the name their certificates carry"
         )
     return balanced_target(target), True
 

@@ -17,7 +17,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from llama_grpc import AsyncClient, Client, TlsConfig, UnavailableError
+from llama_grpc import AsyncClient, Client, TlsConfig, UnavailableError, cli
 from llama_grpc.routing import BALANCED_SERVICE_CONFIG, LLM_SERVICE_NAME, balanced_target
 from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings
 from llama_grpc_server.rpc import server as server_module
@@ -391,3 +391,41 @@ async def test_contradictory_balancing_arguments_are_refused(
             )
         with pytest.raises(ValueError, match=message):
             AsyncClient(**kwargs)
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "target"),
+    [
+        ("127.0.0.1:1", "127.0.0.1:1"),
+        ("10.0.0.1:1, 10.0.0.2:2", ["10.0.0.1:1", "10.0.0.2:2"]),
+        ("ipv4:10.0.0.1:1,10.0.0.2:2", "ipv4:10.0.0.1:1,10.0.0.2:2"),
+        ("dns:///llm.internal:50051", "dns:///llm.internal:50051"),
+    ],
+)
+def test_cli_target_lists_split_on_commas(value: str, target: str | list[str]) -> None:
+    """A comma-separated --target is a list of replicas unless it is a URI with its own scheme."""
+    assert cli.target_of(value) == target
+
+
+async def test_cli_calls_the_serving_replica_of_a_list(
+    replicas: tuple[Replica, Replica], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--target A,B` balances like Client([A, B]): the NOT_SERVING replica gets nothing."""
+    first, second = replicas
+    await first.set_health(NOT_SERVING)
+    argv = ["generate", "ab", "--target", f"{first.address},{second.address}", "--timeout", "10"]
+    for _ in range(3):
+        assert await asyncio.to_thread(cli.main, argv) == 0
+    lines = capsys.readouterr().out.splitlines()  # the servers' access log shares stdout
+    assert lines.count("ba") == 3
+    assert (first.started, second.started) == (0, 3)
+
+
+def test_cli_refuses_a_host_name_in_a_list(capsys: pytest.CaptureFixture[str]) -> None:
+    """A host name in a --target list is a usage error that points to dns:///."""
+    argv = ["stats", "--target", "127.0.0.1:1,llm.internal:50051"]
+    assert cli.main(argv) == cli.EXIT_USAGE
+    assert "dns:///llm.internal:50051" in capsys.readouterr().err
