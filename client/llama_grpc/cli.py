@@ -26,6 +26,8 @@ SERVE_HINT = "llama-grpc serve needs the server extra: pip install 'llama-grpc[s
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+# gRPC name resolvers: a --target starting with one is a URI, passed on whole.
+URI_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:", "xds:")
 
 _Command = Callable[[Client, argparse.Namespace], int]
 
@@ -130,7 +132,8 @@ def _connection_parser(default_target: str) -> argparse.ArgumentParser:
     parent.add_argument(
         "--target",
         default=default_target,
-        help=f"server HOST:PORT (default: ${TARGET_ENV} or {DEFAULT_TARGET})",
+        help="server HOST:PORT, a gRPC target URI, or IP:PORT,IP:PORT,... replicas to call round "
+        f"robin, skipping those not SERVING (default: ${TARGET_ENV} or {DEFAULT_TARGET})",
     )
     parent.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     tls = parent.add_argument_group("TLS and authentication (any --tls-* option implies --tls)")
@@ -223,10 +226,18 @@ def _tls(args: argparse.Namespace) -> bool | TlsConfig:
     return bool(args.tls)
 
 
+def target_of(value: str) -> str | list[str]:
+    """--target as Client takes it: a comma-separated list without a scheme becomes a list of
+    replicas; anything else (HOST:PORT, a URI such as ipv4:A,B or dns:///name:port) stays one."""
+    if "," not in value or value.startswith(URI_SCHEMES):
+        return value
+    return [part.strip() for part in value.split(",")]
+
+
 def _client(args: argparse.Namespace) -> Client:
     """The client of the connection flags; --token wins over $LLAMA_GRPC_TOKEN."""
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
-    return Client(args.target, timeout=args.timeout, tls=_tls(args), token=token)
+    return Client(target_of(args.target), timeout=args.timeout, tls=_tls(args), token=token)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -237,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(os.environ.get(TARGET_ENV, DEFAULT_TARGET)).parse_args(arguments)
     try:
         client = _client(args)
-    except (ValueError, OSError) as error:  # TLS options or files, or a malformed token
+    except (ValueError, OSError) as error:  # TLS options or files, a malformed token or target
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     try:

@@ -18,6 +18,12 @@ from google.protobuf.message import Message
 
 from llama_grpc import types as t
 from llama_grpc.errors import REQUEST_ID_KEY, InternalError, from_rpc_error
+from llama_grpc.routing import (
+    BALANCED_SERVICE_CONFIG,
+    SERVICE_CONFIG_OPTION,
+    balanced_target,
+    routing_metadata,
+)
 from llama_grpc.tls import TlsConfig, channel_security
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
@@ -258,15 +264,50 @@ def _bearer(token: str | None) -> _Metadata:
 
 
 def _channel_settings(
-    has_channel: bool, options: Sequence[tuple[str, str | int]] | None, tls: bool | TlsConfig
-) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, str | int]]]:
-    """(credentials or None for plaintext, channel options) of a channel the client creates."""
+    target: str | Sequence[str],
+    has_channel: bool,
+    options: Sequence[tuple[str, str | int]] | None,
+    tls: bool | TlsConfig,
+    balance: bool | None,
+) -> tuple[str, grpc.ChannelCredentials | None, list[tuple[str, str | int]]]:
+    """(target URI, credentials or None for plaintext, channel options) of a channel the client
+    creates; balancing (balance=True, or a list of targets) adds the round-robin service config."""
     if has_channel:
         if tls is not False:
             raise ValueError("tls applies to the channel the client creates, not to `channel`")
-        return None, []
+        if balance is not None or not isinstance(target, str):
+            raise ValueError(
+                "a target list and balance apply to the channel the client creates, "
+                "not to `channel`"
+            )
+        return "", None, []
+    uri, is_balanced = _target_uri(target, balance, tls)
     credentials, tls_options = channel_security(tls)
-    return credentials, [*(options or ()), *tls_options]
+    channel_options = [*(options or ()), *tls_options]
+    if is_balanced:
+        if any(key == SERVICE_CONFIG_OPTION for key, _ in channel_options):
+            raise ValueError(
+                f"balancing sets the {SERVICE_CONFIG_OPTION} option: pass either a target list "
+                "or balance=True, or your own service config"
+            )
+        channel_options.append((SERVICE_CONFIG_OPTION, BALANCED_SERVICE_CONFIG))
+    return uri, credentials, channel_options
+
+
+def _target_uri(
+    target: str | Sequence[str], balance: bool | None, tls: bool | TlsConfig
+) -> tuple[str, bool]:
+    """(the target URI, whether to balance over its addresses); a list is always balanced."""
+    if isinstance(target, str):
+        return target, bool(balance)
+    if balance is False:
+        raise ValueError("a list of targets is always balanced: balance=False takes one target")
+    if tls is not False and not (isinstance(tls, TlsConfig) and tls.server_name):
+        raise ValueError(
+            "TLS over a list of targets checks one name for every replica: set "
+            "TlsConfig(server_name=...) (--tls-server-name) to the name their certificates carry"
+        )
+    return balanced_target(target), True
 
 
 class _Defaults:
@@ -278,10 +319,15 @@ class _Defaults:
         self.timeout = timeout
         self.metadata = _bearer(token) + _to_metadata(metadata)
 
-    def call_options(self, options: CallOptions) -> tuple[float | None, _Metadata | None]:
-        """The (timeout, metadata) of one call: per-call values over the client's."""
+    def call_options(
+        self, options: CallOptions, request: Message
+    ) -> tuple[float | None, _Metadata | None]:
+        """The (timeout, metadata) of one call: per-call values over the client's, plus the
+        routing headers of `request` that the caller's metadata does not set itself."""
         timeout = options.get("timeout")
         metadata = self.metadata + _to_metadata(options.get("metadata"))
+        given = {key for key, _ in metadata}
+        metadata += tuple(item for item in routing_metadata(request) if item[0] not in given)
         return (self.timeout if timeout is None else timeout), (metadata or None)
 
 
@@ -437,11 +483,11 @@ def _open_async_stream(call: grpc.aio.UnaryStreamCall[_Req, _StreamResp]) -> Asy
 
 
 class Client:
-    """A sync client of one llama-grpc server; close() it or use it as a context manager."""
+    """A sync client of a llama-grpc server (or of replicas); close() it or use `with`."""
 
     def __init__(
         self,
-        target: str = DEFAULT_TARGET,
+        target: str | Sequence[str] = DEFAULT_TARGET,
         *,
         channel: grpc.Channel | None = None,
         timeout: float | None = None,
@@ -449,22 +495,29 @@ class Client:
         options: Sequence[tuple[str, str | int]] | None = None,
         tls: bool | TlsConfig = False,
         token: str | None = None,
+        balance: bool | None = None,
     ) -> None:
         """Connect to `target` (or use `channel`); `timeout` (s) is the default deadline.
 
-        `tls`: True for TLS trusting the system roots, a TlsConfig for a CA, a client
-        certificate (mTLS) or a server name; its files are read here. `token` is sent as
-        `authorization: Bearer <token>` with every call, also over plaintext (fine on loopback;
-        anywhere else anyone on the path can read it: use TLS)."""
+        `target`: HOST:PORT or a gRPC target URI, or a list of IP:PORT replicas. A list, or a
+        target such as `dns:///name:port` with `balance=True`, makes one channel that sends calls
+        round robin to the replicas whose LlmService health is SERVING (gRPC's round_robin with
+        client-side health checking); a list is always balanced, and over TLS it needs
+        TlsConfig(server_name=...). `tls`: True for TLS trusting the system roots, a TlsConfig for
+        a CA, a client certificate (mTLS) or a server name; its files are read here. `token` is
+        sent as `authorization: Bearer <token>` with every call, also over plaintext (fine on
+        loopback; anywhere else anyone on the path can read it: use TLS)."""
         self._owns_channel = channel is None
-        credentials, channel_options = _channel_settings(channel is not None, options, tls)
+        uri, credentials, channel_options = _channel_settings(
+            target, channel is not None, options, tls, balance
+        )
         self._defaults = _Defaults(timeout, metadata, token)
         if channel is not None:
             self._channel = channel
         elif credentials is None:
-            self._channel = grpc.insecure_channel(target, options=channel_options)
+            self._channel = grpc.insecure_channel(uri, options=channel_options)
         else:
-            self._channel = grpc.secure_channel(target, credentials, options=channel_options)
+            self._channel = grpc.secure_channel(uri, credentials, options=channel_options)
         self._stub = pb_grpc.LlmServiceStub(self._channel)
 
     def _unary(
@@ -473,7 +526,7 @@ class Client:
         request: _Req,
         options: CallOptions,
     ) -> tuple[_Resp, str]:
-        timeout, metadata = self._defaults.call_options(options)
+        timeout, metadata = self._defaults.call_options(options, request)
         try:
             response, call = method.with_call(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as error:
@@ -489,7 +542,7 @@ class Client:
     def stream(self, prompt: str, **params: Unpack[GenerationParams]) -> Stream:
         """Stream the completion of `prompt` as Delta values, then one Done."""
         request = build_request(pb.StreamGenerateRequest(prompt=prompt), params)
-        timeout, metadata = self._defaults.call_options(params)
+        timeout, metadata = self._defaults.call_options(params, request)
         return _open_stream(self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata))
 
     def chat(
@@ -506,7 +559,7 @@ class Client:
         """Stream the reply to a conversation as Delta values, then one Done."""
         messages_pb = chat_messages(messages)
         request = build_request(pb.StreamGenerateRequest(messages=messages_pb), params)
-        timeout, metadata = self._defaults.call_options(params)
+        timeout, metadata = self._defaults.call_options(params, request)
         return _open_stream(self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata))
 
     def generate_tokens(
@@ -514,7 +567,7 @@ class Client:
     ) -> Stream:
         """Stream the completion of a pre-tokenized prompt (used as given: add BOS yourself)."""
         request = build_request(pb.GenerateTokensRequest(token_ids=token_ids), params)
-        timeout, metadata = self._defaults.call_options(params)
+        timeout, metadata = self._defaults.call_options(params, request)
         return _open_stream(self._stub.GenerateTokens(request, timeout=timeout, metadata=metadata))
 
     @overload
@@ -605,11 +658,11 @@ class Client:
 
 
 class AsyncClient:
-    """An asyncio client of one llama-grpc server; aclose() it or use `async with`."""
+    """An asyncio client of a llama-grpc server (or of replicas); aclose() it or `async with`."""
 
     def __init__(
         self,
-        target: str = DEFAULT_TARGET,
+        target: str | Sequence[str] = DEFAULT_TARGET,
         *,
         channel: grpc.aio.Channel | None = None,
         timeout: float | None = None,
@@ -617,22 +670,21 @@ class AsyncClient:
         options: Sequence[tuple[str, str | int]] | None = None,
         tls: bool | TlsConfig = False,
         token: str | None = None,
+        balance: bool | None = None,
     ) -> None:
-        """Connect to `target` (or use `channel`); `timeout` (s) is the default deadline.
-
-        `tls`: True for TLS trusting the system roots, a TlsConfig for a CA, a client
-        certificate (mTLS) or a server name; its files are read here. `token` is sent as
-        `authorization: Bearer <token>` with every call, also over plaintext (fine on loopback;
-        anywhere else anyone on the path can read it: use TLS)."""
+        """Connect to `target` (or use a grpc.aio `channel`): the arguments are Client's (see
+        Client.__init__: target lists and balance=True, tls, token)."""
         self._owns_channel = channel is None
-        credentials, channel_options = _channel_settings(channel is not None, options, tls)
+        uri, credentials, channel_options = _channel_settings(
+            target, channel is not None, options, tls, balance
+        )
         self._defaults = _Defaults(timeout, metadata, token)
         if channel is not None:
             self._channel = channel
         elif credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=channel_options)
+            self._channel = grpc.aio.insecure_channel(uri, options=channel_options)
         else:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=channel_options)
+            self._channel = grpc.aio.secure_channel(uri, credentials, options=channel_options)
         self._stub = pb_grpc.LlmServiceStub(self._channel)
 
     async def _unary(
@@ -641,7 +693,7 @@ class AsyncClient:
         request: _Req,
         options: CallOptions,
     ) -> tuple[_Resp, str]:
-        timeout, metadata = self._defaults.call_options(options)
+        timeout, metadata = self._defaults.call_options(options, request)
         call = method(request, timeout=timeout, metadata=metadata)
         try:
             response = await call
@@ -659,7 +711,7 @@ class AsyncClient:
     def stream(self, prompt: str, **params: Unpack[GenerationParams]) -> AsyncStream:
         """Stream the completion of `prompt` as Delta values, then one Done."""
         request = build_request(pb.StreamGenerateRequest(prompt=prompt), params)
-        timeout, metadata = self._defaults.call_options(params)
+        timeout, metadata = self._defaults.call_options(params, request)
         call = self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata)
         return _open_async_stream(call)
 
@@ -677,7 +729,7 @@ class AsyncClient:
         """Stream the reply to a conversation as Delta values, then one Done."""
         messages_pb = chat_messages(messages)
         request = build_request(pb.StreamGenerateRequest(messages=messages_pb), params)
-        timeout, metadata = self._defaults.call_options(params)
+        timeout, metadata = self._defaults.call_options(params, request)
         call = self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata)
         return _open_async_stream(call)
 
@@ -686,7 +738,7 @@ class AsyncClient:
     ) -> AsyncStream:
         """Stream the completion of a pre-tokenized prompt (used as given: add BOS yourself)."""
         request = build_request(pb.GenerateTokensRequest(token_ids=token_ids), params)
-        timeout, metadata = self._defaults.call_options(params)
+        timeout, metadata = self._defaults.call_options(params, request)
         call = self._stub.GenerateTokens(request, timeout=timeout, metadata=metadata)
         return _open_async_stream(call)
 
