@@ -233,9 +233,18 @@ def _request_id(error: grpc.RpcError, details: _Details) -> str | None:
     return None
 
 
-def _error_class(code: str, details: _Details) -> type[LlamaGrpcError]:
+# A proxy (Envoy) that loses its upstream mid-stream resets the client's stream; grpc reports
+# that reset as INTERNAL "Stream removed (RST_STREAM ...)" although no server answered INTERNAL
+# (llama-grpc's own INTERNAL always carries details). It is a transport failure like a dropped
+# connection, so it is typed as UnavailableError: retry elsewhere.
+_TRANSPORT_RESET = "RST_STREAM"
+
+
+def _error_class(code: str, details: _Details, message: str = "") -> type[LlamaGrpcError]:
     if details.domain == ERROR_DOMAIN and details.reason in _BY_REASON:
         return _BY_REASON[details.reason]
+    if code == "INTERNAL" and details.reason is None and _TRANSPORT_RESET in message:
+        return UnavailableError
     return _BY_CODE.get(code, LlamaGrpcError)
 
 
@@ -248,7 +257,7 @@ def from_rpc_error(error: grpc.RpcError) -> LlamaGrpcError:
     rich = _rich_status(error)
     if rich is not None:
         details.add(rich)
-    cls = _error_class(code, details)
+    cls = _error_class(code, details, message)
     return cls(
         message or code,
         code=code,

@@ -344,3 +344,17 @@ async def test_sync_stream_error_over_a_real_channel(failing_target: str) -> Non
     assert events == [Delta("a", (1,))]
     assert isinstance(error, QueueFullError)
     assert error.retry_after_s == 2.0
+
+
+def test_a_proxy_reset_stream_is_unavailable(
+    scripted: tuple[Client, Any, ThreadPoolExecutor],
+) -> None:
+    """Envoy resets a stream whose replica died mid-way; grpc calls that INTERNAL "Stream
+    removed (RST_STREAM ...)". No server said INTERNAL: it is typed as retryable UnavailableError
+    (the code stays what grpc reported). A server's own INTERNAL stays InternalError."""
+    reset = "Stream removed (RST_STREAM (Received RST_STREAM with error code 2))"
+    error = _fail_tokenize(scripted, Code.INTERNAL, reset)
+    assert type(error) is UnavailableError
+    assert error.code == "INTERNAL"
+    plain = _fail_tokenize(scripted, Code.INTERNAL, "internal error (request_id=r)")
+    assert type(plain) is InternalError
