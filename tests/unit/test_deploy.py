@@ -1,0 +1,103 @@
+"""deploy/: the Envoy configs validate with the real Envoy binary, and the Kubernetes manifests
+parse and are wired together (ports, probes, the drain, the headless Service)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from deploy.cluster import envoy_binary
+from deploy.envoy import render
+
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+
+
+def manifests(name: str) -> dict[str, dict[str, Any]]:
+    docs = [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+    return {d["kind"]: d for d in docs}
+
+
+def flag(args: list[str], name: str) -> str:
+    [value] = [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
+    return value
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        render.config([("127.0.0.1", 50061), ("127.0.0.1", 50062)], admin=("127.0.0.1", 0)),
+        render.config([("127.0.0.1", 50061)], lb_policy="ROUND_ROBIN", admin=("127.0.0.1", 0)),
+        render.config([("llama-grpc-replicas.default.svc.cluster.local", 50051)], dns=True),
+    ],
+    ids=["local-ring-hash", "local-round-robin", "k8s"],
+)
+def test_rendered_configs_validate_with_envoy(tmp_path: Path, cfg: dict[str, Any]) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render.render(cfg))
+    done = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"configuration '{path}' OK" in done.stdout + done.stderr
+
+
+def test_ring_hash_config_hashes_sessions_and_checks_health() -> None:
+    cfg = render.config([("127.0.0.1", 1)])
+    [cluster] = cfg["static_resources"]["clusters"]
+    [route] = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]["route_config"]["virtual_hosts"][0]["routes"]  # fmt: skip
+    headers = [p["header"]["header_name"] for p in route["route"]["hash_policy"]]
+    assert headers == ["x-session-id", "x-cache-scope", "authorization"]
+    assert route["route"]["timeout"] == "0s"  # long generations are not cut
+    assert "reset" in route["route"]["retry_policy"]["retry_on"]
+    [check] = cluster["health_checks"]
+    assert check["no_traffic_interval"] == check["interval"] == "1s"
+    assert check["grpc_health_check"]["service_name"] == "llama_grpc.v1.LlmService"
+    balance = cluster["common_lb_config"]["consistent_hashing_lb_config"]
+    assert balance["hash_balance_factor"] == render.HASH_BALANCE_FACTOR
+
+
+def test_replica_deployment_wiring() -> None:
+    got = manifests("llama-grpc.yaml")
+    pod = got["Deployment"]["spec"]["template"]
+    [container] = pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    args = container["args"]
+    assert int(flag(args, "port")) == ports["grpc"]
+    assert int(flag(args, "metrics-port")) == ports["metrics"]
+    assert flag(args, "host") == "0.0.0.0"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == ports["grpc"], probe
+    assert container["readinessProbe"]["grpc"]["service"] == "llama_grpc.v1.LlmService"
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    drain = float(flag(args, "drain-delay-s")) + float(flag(args, "grace-s"))
+    assert pod["spec"]["terminationGracePeriodSeconds"] > pre_stop + drain
+    service = got["Service"]
+    assert service["spec"]["clusterIP"] == "None"  # headless: Envoy sees every replica
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert service["spec"]["ports"][0]["targetPort"] == "grpc"
+
+
+def test_envoy_deployment_wiring() -> None:
+    got = manifests("envoy.yaml")
+    pod = got["Deployment"]["spec"]["template"]
+    [container] = pod["spec"]["containers"]
+    config_path = container["args"][container["args"].index("-c") + 1]
+    [mount] = container["volumeMounts"]
+    assert Path(config_path).parent == Path(mount["mountPath"])
+    [volume] = pod["spec"]["volumes"]
+    assert volume["name"] == mount["name"] and volume["configMap"]["name"] == "envoy-config"
+    grpc_port = {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
+    listen = render.config([("x", 1)], listen=("0.0.0.0", 50051))["static_resources"][
+        "listeners"][0]["address"]["socket_address"]["port_value"]  # fmt: skip
+    assert grpc_port == listen
+    service = got["Service"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    replicas = manifests("llama-grpc.yaml")["Service"]["metadata"]["name"]
+    readme = (K8S / "README.md").read_text()
+    assert re.search(rf"--k8s {replicas}\.default\.svc\.cluster\.local:50051", readme)
