@@ -10,7 +10,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from types import ModuleType
-from typing import Any, Literal, Self, TypedDict, TypeVar, Unpack, overload
+from typing import Any, Generic, Literal, Self, TypedDict, TypeVar, Unpack, overload
 
 import grpc
 import grpc.aio
@@ -285,56 +285,28 @@ class _Defaults:
         return (self.timeout if timeout is None else timeout), (metadata or None)
 
 
-class Stream:
-    """A sync stream of Delta values ending with one Done; close() or GC cancels the RPC."""
+_Message = TypeVar("_Message", bound=Message)
 
-    def __init__(self, call: grpc.Call, messages: Iterator[_EventMessage]) -> None:
+
+class _SyncCall(Generic[_Message]):
+    """One server-streaming call read message by message: close(), leaving a `with` block or
+    GC cancels it unless it has ended; errors arrive as LlamaGrpcError."""
+
+    def __init__(self, call: grpc.Call, messages: Iterator[_Message]) -> None:
         self._call = call
         self._messages = messages
         self._is_ended = False
-        self._done: t.Done | None = None
 
-    def __iter__(self) -> Self:
-        return self
-
-    def __next__(self) -> t.StreamEvent:
-        while not self._is_ended:
-            message = self._read()
-            if message is None:
-                break
-            kind = message.WhichOneof("event")
-            if kind == "delta":
-                return t.delta_from_proto(message.delta)
-            if kind == "done":
-                request_id = message.done.request_id or self._fallback_request_id()
-                self._done = t.done_from_proto(message.done, request_id)
-                return self._done
-        raise StopIteration
-
-    def _read(self) -> _EventMessage | None:
+    def _read(self) -> _Message | None:
+        """The next message; None once the call ended OK."""
         try:
             return next(self._messages)
         except StopIteration:
             self._is_ended = True
-            if self._done is None:
-                raise InternalError("the stream ended without a final done message") from None
             return None
         except grpc.RpcError as error:
             self._is_ended = True
             raise from_rpc_error(error) from error
-
-    def _fallback_request_id(self) -> str:
-        return request_id_of(self._call.initial_metadata())
-
-    @property
-    def done(self) -> t.Done | None:
-        """The final Done value, once the stream has yielded it."""
-        return self._done
-
-    @property
-    def request_id(self) -> str:
-        """The server's `x-request-id` (waits for the response headers)."""
-        return self._fallback_request_id()
 
     def close(self) -> None:
         """Cancel the RPC unless it already ended; later iteration stops at once."""
@@ -353,55 +325,24 @@ class Stream:
             self.close()
 
 
-class AsyncStream:
-    """An async stream of Delta values ending with one Done; aclose() or GC cancels the RPC."""
+class _AsyncCall(Generic[_Message]):
+    """The asyncio _SyncCall: aclose(), leaving an `async with` block or GC cancels it."""
 
-    def __init__(self, call: grpc.aio.Call, messages: AsyncIterator[_EventMessage]) -> None:
+    def __init__(self, call: grpc.aio.Call, messages: AsyncIterator[_Message]) -> None:
         self._call = call
         self._messages = messages
         self._is_ended = False
-        self._done: t.Done | None = None
 
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> t.StreamEvent:
-        while not self._is_ended:
-            message = await self._read()
-            if message is None:
-                break
-            kind = message.WhichOneof("event")
-            if kind == "delta":
-                return t.delta_from_proto(message.delta)
-            if kind == "done":
-                request_id = message.done.request_id or await self._fallback_request_id()
-                self._done = t.done_from_proto(message.done, request_id)
-                return self._done
-        raise StopAsyncIteration
-
-    async def _read(self) -> _EventMessage | None:
+    async def _read(self) -> _Message | None:
+        """The next message; None once the call ended OK."""
         try:
             return await anext(self._messages)
         except StopAsyncIteration:
             self._is_ended = True
-            if self._done is None:
-                raise InternalError("the stream ended without a final done message") from None
             return None
         except grpc.RpcError as error:
             self._is_ended = True
             raise from_rpc_error(error) from error
-
-    async def _fallback_request_id(self) -> str:
-        return request_id_of(await self._call.initial_metadata())
-
-    @property
-    def done(self) -> t.Done | None:
-        """The final Done value, once the stream has yielded it."""
-        return self._done
-
-    async def request_id(self) -> str:
-        """The server's `x-request-id` (waits for the response headers)."""
-        return await self._fallback_request_id()
 
     async def aclose(self) -> None:
         """Cancel the RPC unless it already ended; later iteration stops at once."""
@@ -423,6 +364,88 @@ class AsyncStream:
             # The event loop may already be closed at interpreter exit; nothing is left to cancel.
             with contextlib.suppress(RuntimeError):
                 self._cancel()
+
+
+_NO_DONE = "the stream ended without a final done message"
+
+
+class Stream(_SyncCall[_EventMessage]):
+    """A sync stream of Delta values ending with one Done; close() or GC cancels the RPC."""
+
+    def __init__(self, call: grpc.Call, messages: Iterator[_EventMessage]) -> None:
+        super().__init__(call, messages)
+        self._done: t.Done | None = None
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> t.StreamEvent:
+        while not self._is_ended:
+            message = self._read()
+            if message is None:
+                if self._done is None:
+                    raise InternalError(_NO_DONE)
+                break
+            kind = message.WhichOneof("event")
+            if kind == "delta":
+                return t.delta_from_proto(message.delta)
+            if kind == "done":
+                request_id = message.done.request_id or self._fallback_request_id()
+                self._done = t.done_from_proto(message.done, request_id)
+                return self._done
+        raise StopIteration
+
+    def _fallback_request_id(self) -> str:
+        return request_id_of(self._call.initial_metadata())
+
+    @property
+    def done(self) -> t.Done | None:
+        """The final Done value, once the stream has yielded it."""
+        return self._done
+
+    @property
+    def request_id(self) -> str:
+        """The server's `x-request-id` (waits for the response headers)."""
+        return self._fallback_request_id()
+
+
+class AsyncStream(_AsyncCall[_EventMessage]):
+    """An async stream of Delta values ending with one Done; aclose() or GC cancels the RPC."""
+
+    def __init__(self, call: grpc.aio.Call, messages: AsyncIterator[_EventMessage]) -> None:
+        super().__init__(call, messages)
+        self._done: t.Done | None = None
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> t.StreamEvent:
+        while not self._is_ended:
+            message = await self._read()
+            if message is None:
+                if self._done is None:
+                    raise InternalError(_NO_DONE)
+                break
+            kind = message.WhichOneof("event")
+            if kind == "delta":
+                return t.delta_from_proto(message.delta)
+            if kind == "done":
+                request_id = message.done.request_id or await self._fallback_request_id()
+                self._done = t.done_from_proto(message.done, request_id)
+                return self._done
+        raise StopAsyncIteration
+
+    async def _fallback_request_id(self) -> str:
+        return request_id_of(await self._call.initial_metadata())
+
+    @property
+    def done(self) -> t.Done | None:
+        """The final Done value, once the stream has yielded it."""
+        return self._done
+
+    async def request_id(self) -> str:
+        """The server's `x-request-id` (waits for the response headers)."""
+        return await self._fallback_request_id()
 
 
 _StreamResp = TypeVar("_StreamResp", pb.StreamGenerateResponse, pb.GenerateTokensResponse)
