@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any, Generic, Literal, Self, TypedDict, TypeVar, Unpack, overload
@@ -25,6 +26,7 @@ from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 DEFAULT_TARGET = "127.0.0.1:50051"
 AUTHORIZATION_KEY = "authorization"
 HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
+_MAX_UINT32 = 2**32 - 1
 
 MetadataLike = Mapping[str, str] | Sequence[tuple[str, str]]
 _Metadata = tuple[tuple[str, str], ...]
@@ -278,11 +280,16 @@ class _Defaults:
         self.timeout = timeout
         self.metadata = _bearer(token) + _to_metadata(metadata)
 
-    def call_options(self, options: CallOptions) -> tuple[float | None, _Metadata | None]:
-        """The (timeout, metadata) of one call: per-call values over the client's."""
+    def call_options(
+        self, options: CallOptions, *, use_default_timeout: bool = True
+    ) -> tuple[float | None, _Metadata | None]:
+        """The (timeout, metadata) of one call: per-call values over the client's. A call with
+        no natural end (a watch) passes use_default_timeout=False: only its own timeout counts."""
         timeout = options.get("timeout")
+        if timeout is None and use_default_timeout:
+            timeout = self.timeout
         metadata = self.metadata + _to_metadata(options.get("metadata"))
-        return (self.timeout if timeout is None else timeout), (metadata or None)
+        return timeout, (metadata or None)
 
 
 _Message = TypeVar("_Message", bound=Message)
@@ -448,6 +455,41 @@ class AsyncStream(_AsyncCall[_EventMessage]):
         return await self._fallback_request_id()
 
 
+class LoadStream(_SyncCall[pb.LoadReport]):
+    """LoadReport values from WatchLoad: one at once, then one per interval, until close() (or
+    GC) cancels the RPC or the server drains (its last report has serving=False)."""
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> t.LoadReport:
+        message = None if self._is_ended else self._read()
+        if message is None:
+            raise StopIteration
+        return t.load_report_from_proto(message)
+
+
+class AsyncLoadStream(_AsyncCall[pb.LoadReport]):
+    """The asyncio LoadStream: aclose(), `async with` or GC cancels the RPC."""
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> t.LoadReport:
+        message = None if self._is_ended else await self._read()
+        if message is None:
+            raise StopAsyncIteration
+        return t.load_report_from_proto(message)
+
+
+def watch_load_request(interval_s: float) -> pb.WatchLoadRequest:
+    """A WatchLoadRequest for `interval_s` seconds between reports (in whole milliseconds; the
+    server refuses less than 0.1 s and takes more than 60 s as 60 s)."""
+    if not math.isfinite(interval_s) or round(interval_s * 1000) < 1:
+        raise ValueError(f"interval_s must be a positive number of seconds, got {interval_s!r}")
+    return pb.WatchLoadRequest(interval_ms=min(round(interval_s * 1000), _MAX_UINT32))
+
+
 _StreamResp = TypeVar("_StreamResp", pb.StreamGenerateResponse, pb.GenerateTokensResponse)
 
 
@@ -596,6 +638,15 @@ class Client:
         """The server's live scheduler snapshot and cumulative counters."""
         response, _ = self._unary(self._stub.GetStats, pb.GetStatsRequest(), options)
         return t.stats_from_proto(response)
+
+    def watch_load(self, interval_s: float = 1.0, **options: Unpack[CallOptions]) -> LoadStream:
+        """The server's load as LoadReport values: one at once, then one every `interval_s`
+        (at least 0.1), until close() or the server drains (its last report has
+        serving=False). The client's default timeout does not apply: pass timeout= for one."""
+        request = watch_load_request(interval_s)
+        timeout, metadata = self._defaults.call_options(options, use_default_timeout=False)
+        call = self._stub.WatchLoad(request, timeout=timeout, metadata=metadata)
+        return LoadStream(call, iter(call))
 
     def model_info(self, **options: Unpack[CallOptions]) -> t.ModelInfo:
         """Facts about the loaded model and context."""
@@ -769,6 +820,17 @@ class AsyncClient:
         """The server's live scheduler snapshot and cumulative counters."""
         response, _ = await self._unary(self._stub.GetStats, pb.GetStatsRequest(), options)
         return t.stats_from_proto(response)
+
+    def watch_load(
+        self, interval_s: float = 1.0, **options: Unpack[CallOptions]
+    ) -> AsyncLoadStream:
+        """The server's load as LoadReport values: one at once, then one every `interval_s`
+        (at least 0.1), until aclose() or the server drains (its last report has
+        serving=False). The client's default timeout does not apply: pass timeout= for one."""
+        request = watch_load_request(interval_s)
+        timeout, metadata = self._defaults.call_options(options, use_default_timeout=False)
+        call = self._stub.WatchLoad(request, timeout=timeout, metadata=metadata)
+        return AsyncLoadStream(call, aiter(call))
 
     async def model_info(self, **options: Unpack[CallOptions]) -> t.ModelInfo:
         """Facts about the loaded model and context."""

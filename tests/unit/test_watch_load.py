@@ -1,6 +1,6 @@
 """WatchLoad behind a real grpc.aio server with the FakeEngine: the first report at once and
 equal to GetStats, one report per interval, interval_ms checked, a drain ending the stream with
-serving=false without holding the grace period."""
+serving=false without holding the grace period, and the client's LoadStream wrappers."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import grpc
 import pytest
 from structlog.testing import capture_logs
 
+from llama_grpc import AsyncClient, AsyncLoadStream, Client, InvalidArgumentError, LoadReport
+from llama_grpc.types import load_report_from_proto
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.rpc.server import RunningServer, start_server
@@ -182,3 +184,64 @@ async def test_not_ready_while_the_model_loads() -> None:
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
     assert details(caught.value)["ErrorInfo"].reason == "NOT_READY"
     assert report.serving
+
+
+# -- the client's wrappers -------------------------------------------------------------------------
+
+
+async def test_async_client_watch_load(server: RunningServer) -> None:
+    """AsyncClient.watch_load yields LoadReport values every interval; aclose() cancels; a too
+    short interval is InvalidArgumentError naming the field."""
+    async with AsyncClient(f"127.0.0.1:{server.port}") as client:
+        stream = client.watch_load(interval_s=0.1)
+        assert isinstance(stream, AsyncLoadStream)
+        first, second = await anext(stream), await anext(stream)
+        await stream.aclose()
+        assert [r async for r in stream] == []
+        with pytest.raises(InvalidArgumentError) as caught:
+            await anext(client.watch_load(interval_s=0.05))
+    assert isinstance(first, LoadReport)
+    assert (first.n_parallel, first.engine_state, first.serving) == (4, "running", True)
+    assert 50 <= second.timestamp_unix_ms - first.timestamp_unix_ms < 1000
+    assert caught.value.field == "interval_ms"
+
+
+async def test_async_client_watch_ends_when_the_server_drains(engine: FakeEngine) -> None:
+    async with start_server(SETTINGS, lambda: engine) as running:
+        assert await running.wait_loaded()
+        async with AsyncClient(f"127.0.0.1:{running.port}", timeout=1) as client:
+            async with client.watch_load(interval_s=60) as stream:
+                first = await anext(stream)
+                stopping = asyncio.create_task(running.stop(grace_s=5))
+                rest = [report async for report in stream]
+            await stopping
+    assert first.serving
+    assert [r.serving for r in rest] == [False]
+
+
+async def test_sync_client_watch_load(server: RunningServer) -> None:
+    """Client.watch_load in a thread: two reports, then close() stops the iteration."""
+
+    def watch() -> list[LoadReport]:
+        with Client(f"127.0.0.1:{server.port}", timeout=0.05) as client:
+            stream = client.watch_load(interval_s=0.1)
+            reports = [next(stream), next(stream)]  # the default timeout does not apply
+            stream.close()
+            assert list(stream) == []
+            return reports
+
+    reports = await asyncio.wait_for(asyncio.to_thread(watch), 10)
+    assert [r.serving for r in reports] == [True, True]
+    assert reports[1].timestamp_unix_ms > reports[0].timestamp_unix_ms
+
+
+def test_load_report_has_every_proto_field() -> None:
+    assert set(LoadReport.__dataclass_fields__) == set(pb.LoadReport.DESCRIPTOR.fields_by_name)
+    report = load_report_from_proto(pb.LoadReport(kv_cache_usage=0.5, serving=True))
+    assert (report.kv_cache_usage, report.serving, report.queue_depth) == (0.5, True, 0)
+
+
+@pytest.mark.parametrize("interval_s", [0.0, -1.0, 0.0004, float("nan"), float("inf")])
+def test_client_refuses_a_non_positive_interval(interval_s: float) -> None:
+    with Client("127.0.0.1:1") as client, pytest.raises(ValueError, match="interval_s"):
+        client.watch_load(interval_s=interval_s)
