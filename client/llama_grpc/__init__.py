@@ -8,10 +8,12 @@ from __future__ import annotations
 from llama_grpc.client import (
     DEFAULT_TARGET,
     AsyncClient,
+    AsyncLoadStream,
     AsyncStream,
     CallOptions,
     Client,
     GenerationParams,
+    LoadStream,
     Stream,
     TokenGenerationParams,
 )
@@ -39,6 +41,7 @@ from llama_grpc.types import (
     Delta,
     Done,
     GenerateResult,
+    LoadReport,
     ModelInfo,
     SlotStats,
     Stats,
@@ -53,6 +56,7 @@ from llama_grpc.types import (
 __all__ = [
     "DEFAULT_TARGET",
     "AsyncClient",
+    "AsyncLoadStream",
     "AsyncStream",
     "CacheCleared",
     "CallOptions",
@@ -69,6 +73,8 @@ __all__ = [
     "InvalidArgumentError",
     "KvCacheFullError",
     "LlamaGrpcError",
+    "LoadReport",
+    "LoadStream",
     "ModelInfo",
     "ModelNotFoundError",
     "PermissionDeniedError",

@@ -114,6 +114,15 @@ def run_stats(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def run_load(client: Client, args: argparse.Namespace) -> int:
+    """Print the server's load as JSON lines, one per --interval seconds, until the server
+    drains (the last line has "serving": false) or Ctrl-C."""
+    with client.watch_load(args.interval, timeout=args.timeout) as reports:
+        for report in reports:
+            print(json.dumps(dataclasses.asdict(report)), flush=True)
+    return 0
+
+
 def run_info(client: Client, args: argparse.Namespace) -> int:
     """Print the model info as JSON."""
     _print_json(client.model_info())
@@ -199,6 +208,10 @@ def build_parser(default_target: str = DEFAULT_TARGET) -> argparse.ArgumentParse
     detokenize.add_argument("--render-special", action="store_true")
     _add_command(commands, "stats", run_stats, [connection])
     _add_command(commands, "info", run_info, [connection])
+    load = _add_command(commands, "load", run_load, [connection])
+    load.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between reports (at least 0.1)"
+    )
     health = _add_command(commands, "health", run_health, [connection])
     health.add_argument("--service", default="", help='service name ("" = whole server)')
     commands.add_parser("serve", help="run a server (needs the [server] extra; see serve --help)")

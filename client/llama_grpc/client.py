@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from types import ModuleType
-from typing import Any, Literal, Self, TypedDict, TypeVar, Unpack, overload
+from typing import Any, Generic, Literal, Self, TypedDict, TypeVar, Unpack, overload
 
 import grpc
 import grpc.aio
@@ -31,6 +32,7 @@ from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 DEFAULT_TARGET = "127.0.0.1:50051"
 AUTHORIZATION_KEY = "authorization"
 HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
+_MAX_UINT32 = 2**32 - 1
 
 MetadataLike = Mapping[str, str] | Sequence[tuple[str, str]]
 _Metadata = tuple[tuple[str, str], ...]
@@ -320,67 +322,42 @@ class _Defaults:
         self.metadata = _bearer(token) + _to_metadata(metadata)
 
     def call_options(
-        self, options: CallOptions, request: Message
+        self, options: CallOptions, request: Message, *, use_default_timeout: bool = True
     ) -> tuple[float | None, _Metadata | None]:
         """The (timeout, metadata) of one call: per-call values over the client's, plus the
-        routing headers of `request` that the caller's metadata does not set itself."""
+        routing headers of `request` that the caller's metadata does not set itself. A call with
+        no natural end (a watch) passes use_default_timeout=False: only its own timeout counts."""
         timeout = options.get("timeout")
+        if timeout is None and use_default_timeout:
+            timeout = self.timeout
         metadata = self.metadata + _to_metadata(options.get("metadata"))
         given = {key for key, _ in metadata}
         metadata += tuple(item for item in routing_metadata(request) if item[0] not in given)
-        return (self.timeout if timeout is None else timeout), (metadata or None)
+        return timeout, (metadata or None)
 
 
-class Stream:
-    """A sync stream of Delta values ending with one Done; close() or GC cancels the RPC."""
+_Message = TypeVar("_Message", bound=Message)
 
-    def __init__(self, call: grpc.Call, messages: Iterator[_EventMessage]) -> None:
+
+class _SyncCall(Generic[_Message]):
+    """One server-streaming call read message by message: close(), leaving a `with` block or
+    GC cancels it unless it has ended; errors arrive as LlamaGrpcError."""
+
+    def __init__(self, call: grpc.Call, messages: Iterator[_Message]) -> None:
         self._call = call
         self._messages = messages
         self._is_ended = False
-        self._done: t.Done | None = None
 
-    def __iter__(self) -> Self:
-        return self
-
-    def __next__(self) -> t.StreamEvent:
-        while not self._is_ended:
-            message = self._read()
-            if message is None:
-                break
-            kind = message.WhichOneof("event")
-            if kind == "delta":
-                return t.delta_from_proto(message.delta)
-            if kind == "done":
-                request_id = message.done.request_id or self._fallback_request_id()
-                self._done = t.done_from_proto(message.done, request_id)
-                return self._done
-        raise StopIteration
-
-    def _read(self) -> _EventMessage | None:
+    def _read(self) -> _Message | None:
+        """The next message; None once the call ended OK."""
         try:
             return next(self._messages)
         except StopIteration:
             self._is_ended = True
-            if self._done is None:
-                raise InternalError("the stream ended without a final done message") from None
             return None
         except grpc.RpcError as error:
             self._is_ended = True
             raise from_rpc_error(error) from error
-
-    def _fallback_request_id(self) -> str:
-        return request_id_of(self._call.initial_metadata())
-
-    @property
-    def done(self) -> t.Done | None:
-        """The final Done value, once the stream has yielded it."""
-        return self._done
-
-    @property
-    def request_id(self) -> str:
-        """The server's `x-request-id` (waits for the response headers)."""
-        return self._fallback_request_id()
 
     def close(self) -> None:
         """Cancel the RPC unless it already ended; later iteration stops at once."""
@@ -399,55 +376,24 @@ class Stream:
             self.close()
 
 
-class AsyncStream:
-    """An async stream of Delta values ending with one Done; aclose() or GC cancels the RPC."""
+class _AsyncCall(Generic[_Message]):
+    """The asyncio _SyncCall: aclose(), leaving an `async with` block or GC cancels it."""
 
-    def __init__(self, call: grpc.aio.Call, messages: AsyncIterator[_EventMessage]) -> None:
+    def __init__(self, call: grpc.aio.Call, messages: AsyncIterator[_Message]) -> None:
         self._call = call
         self._messages = messages
         self._is_ended = False
-        self._done: t.Done | None = None
 
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> t.StreamEvent:
-        while not self._is_ended:
-            message = await self._read()
-            if message is None:
-                break
-            kind = message.WhichOneof("event")
-            if kind == "delta":
-                return t.delta_from_proto(message.delta)
-            if kind == "done":
-                request_id = message.done.request_id or await self._fallback_request_id()
-                self._done = t.done_from_proto(message.done, request_id)
-                return self._done
-        raise StopAsyncIteration
-
-    async def _read(self) -> _EventMessage | None:
+    async def _read(self) -> _Message | None:
+        """The next message; None once the call ended OK."""
         try:
             return await anext(self._messages)
         except StopAsyncIteration:
             self._is_ended = True
-            if self._done is None:
-                raise InternalError("the stream ended without a final done message") from None
             return None
         except grpc.RpcError as error:
             self._is_ended = True
             raise from_rpc_error(error) from error
-
-    async def _fallback_request_id(self) -> str:
-        return request_id_of(await self._call.initial_metadata())
-
-    @property
-    def done(self) -> t.Done | None:
-        """The final Done value, once the stream has yielded it."""
-        return self._done
-
-    async def request_id(self) -> str:
-        """The server's `x-request-id` (waits for the response headers)."""
-        return await self._fallback_request_id()
 
     async def aclose(self) -> None:
         """Cancel the RPC unless it already ended; later iteration stops at once."""
@@ -469,6 +415,123 @@ class AsyncStream:
             # The event loop may already be closed at interpreter exit; nothing is left to cancel.
             with contextlib.suppress(RuntimeError):
                 self._cancel()
+
+
+_NO_DONE = "the stream ended without a final done message"
+
+
+class Stream(_SyncCall[_EventMessage]):
+    """A sync stream of Delta values ending with one Done; close() or GC cancels the RPC."""
+
+    def __init__(self, call: grpc.Call, messages: Iterator[_EventMessage]) -> None:
+        super().__init__(call, messages)
+        self._done: t.Done | None = None
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> t.StreamEvent:
+        while not self._is_ended:
+            message = self._read()
+            if message is None:
+                if self._done is None:
+                    raise InternalError(_NO_DONE)
+                break
+            kind = message.WhichOneof("event")
+            if kind == "delta":
+                return t.delta_from_proto(message.delta)
+            if kind == "done":
+                request_id = message.done.request_id or self._fallback_request_id()
+                self._done = t.done_from_proto(message.done, request_id)
+                return self._done
+        raise StopIteration
+
+    def _fallback_request_id(self) -> str:
+        return request_id_of(self._call.initial_metadata())
+
+    @property
+    def done(self) -> t.Done | None:
+        """The final Done value, once the stream has yielded it."""
+        return self._done
+
+    @property
+    def request_id(self) -> str:
+        """The server's `x-request-id` (waits for the response headers)."""
+        return self._fallback_request_id()
+
+
+class AsyncStream(_AsyncCall[_EventMessage]):
+    """An async stream of Delta values ending with one Done; aclose() or GC cancels the RPC."""
+
+    def __init__(self, call: grpc.aio.Call, messages: AsyncIterator[_EventMessage]) -> None:
+        super().__init__(call, messages)
+        self._done: t.Done | None = None
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> t.StreamEvent:
+        while not self._is_ended:
+            message = await self._read()
+            if message is None:
+                if self._done is None:
+                    raise InternalError(_NO_DONE)
+                break
+            kind = message.WhichOneof("event")
+            if kind == "delta":
+                return t.delta_from_proto(message.delta)
+            if kind == "done":
+                request_id = message.done.request_id or await self._fallback_request_id()
+                self._done = t.done_from_proto(message.done, request_id)
+                return self._done
+        raise StopAsyncIteration
+
+    async def _fallback_request_id(self) -> str:
+        return request_id_of(await self._call.initial_metadata())
+
+    @property
+    def done(self) -> t.Done | None:
+        """The final Done value, once the stream has yielded it."""
+        return self._done
+
+    async def request_id(self) -> str:
+        """The server's `x-request-id` (waits for the response headers)."""
+        return await self._fallback_request_id()
+
+
+class LoadStream(_SyncCall[pb.LoadReport]):
+    """LoadReport values from WatchLoad: one at once, then one per interval, until close() (or
+    GC) cancels the RPC or the server drains (its last report has serving=False)."""
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> t.LoadReport:
+        message = None if self._is_ended else self._read()
+        if message is None:
+            raise StopIteration
+        return t.load_report_from_proto(message)
+
+
+class AsyncLoadStream(_AsyncCall[pb.LoadReport]):
+    """The asyncio LoadStream: aclose(), `async with` or GC cancels the RPC."""
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> t.LoadReport:
+        message = None if self._is_ended else await self._read()
+        if message is None:
+            raise StopAsyncIteration
+        return t.load_report_from_proto(message)
+
+
+def watch_load_request(interval_s: float) -> pb.WatchLoadRequest:
+    """A WatchLoadRequest for `interval_s` seconds between reports (in whole milliseconds; the
+    server refuses less than 0.1 s and takes more than 60 s as 60 s)."""
+    if not math.isfinite(interval_s) or round(interval_s * 1000) < 1:
+        raise ValueError(f"interval_s must be a positive number of seconds, got {interval_s!r}")
+    return pb.WatchLoadRequest(interval_ms=min(round(interval_s * 1000), _MAX_UINT32))
 
 
 _StreamResp = TypeVar("_StreamResp", pb.StreamGenerateResponse, pb.GenerateTokensResponse)
@@ -626,6 +689,15 @@ class Client:
         """The server's live scheduler snapshot and cumulative counters."""
         response, _ = self._unary(self._stub.GetStats, pb.GetStatsRequest(), options)
         return t.stats_from_proto(response)
+
+    def watch_load(self, interval_s: float = 1.0, **options: Unpack[CallOptions]) -> LoadStream:
+        """The server's load as LoadReport values: one at once, then one every `interval_s`
+        (at least 0.1), until close() or the server drains (its last report has
+        serving=False). The client's default timeout does not apply: pass timeout= for one."""
+        request = watch_load_request(interval_s)
+        timeout, metadata = self._defaults.call_options(options, request, use_default_timeout=False)
+        call = self._stub.WatchLoad(request, timeout=timeout, metadata=metadata)
+        return LoadStream(call, iter(call))
 
     def model_info(self, **options: Unpack[CallOptions]) -> t.ModelInfo:
         """Facts about the loaded model and context."""
@@ -798,6 +870,17 @@ class AsyncClient:
         """The server's live scheduler snapshot and cumulative counters."""
         response, _ = await self._unary(self._stub.GetStats, pb.GetStatsRequest(), options)
         return t.stats_from_proto(response)
+
+    def watch_load(
+        self, interval_s: float = 1.0, **options: Unpack[CallOptions]
+    ) -> AsyncLoadStream:
+        """The server's load as LoadReport values: one at once, then one every `interval_s`
+        (at least 0.1), until aclose() or the server drains (its last report has
+        serving=False). The client's default timeout does not apply: pass timeout= for one."""
+        request = watch_load_request(interval_s)
+        timeout, metadata = self._defaults.call_options(options, request, use_default_timeout=False)
+        call = self._stub.WatchLoad(request, timeout=timeout, metadata=metadata)
+        return AsyncLoadStream(call, aiter(call))
 
     async def model_info(self, **options: Unpack[CallOptions]) -> t.ModelInfo:
         """Facts about the loaded model and context."""

@@ -176,6 +176,25 @@ class Stats:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadReport:
+    """The server's aggregate load at one moment (WatchLoad): no request ids, no tenants."""
+
+    queue_depth: int  # requests waiting for a slot
+    active_slots: int  # slots running a request
+    n_parallel: int  # slots in all
+    kv_cells_used: int
+    kv_cells_total: int
+    kv_cache_usage: float  # kv_cells_used / kv_cells_total, from 0 to 1
+    prefix_cache_hit_rate: float  # share of prompt tokens served from the prefix cache
+    requests_running: int  # requests holding a slot (= active_slots)
+    engine_state: str  # "starting", "running", "failed" or "stopped"
+    # The server takes new requests: the engine runs and the server is not draining (a draining
+    # server's last report has False).
+    serving: bool
+    timestamp_unix_ms: int  # when the report was made, in ms since the Unix epoch
+
+
+@dataclass(frozen=True, slots=True)
 class CacheCleared:
     """What ClearCache freed: idle slots' prefix caches and the server's RAM tier."""
 
@@ -323,6 +342,11 @@ def stats_from_proto(message: pb.GetStatsResponse) -> Stats:
 def model_info_from_proto(message: pb.GetModelInfoResponse) -> ModelInfo:
     """Convert a GetModelInfoResponse; unset optional token ids become None."""
     return ModelInfo(**_same_named_fields(message, ModelInfo))
+
+
+def load_report_from_proto(message: pb.LoadReport) -> LoadReport:
+    """Convert a LoadReport message."""
+    return LoadReport(**_same_named_fields(message, LoadReport))
 
 
 def cache_cleared_from_proto(message: pb.ClearCacheResponse) -> CacheCleared:

@@ -356,6 +356,10 @@ class EngineLoop:
         return not self._is_stopping
 
     def _clear_cache(self, done: concurrent.futures.Future[CacheCleared]) -> None:
+        # The caller may have given up (a deadline cancels the future through wrap_future): then
+        # nobody waits for the clear, so skip it; once running the future cannot be cancelled.
+        if not done.set_running_or_notify_cancel():
+            return
         try:
             done.set_result(self._scheduler.clear_cache())
         except BaseException as exc:  # the caller hears why, then the engine fails as usual

@@ -52,6 +52,9 @@ from .pb_strategies import messages, wire_string
 
 SERVICE = pb.DESCRIPTOR.services_by_name["LlmService"]
 METHODS = list(SERVICE.methods)
+# Streams with no end of their own (one report per interval until the client leaves): read the
+# first message, then cancel, whatever the example asked for.
+ENDLESS = frozenset({"WatchLoad"})
 N_CTX = 2048
 N_PARALLEL = 4
 N_VOCAB = 262_144  # Gemma 3; checked against GetModelInfo when the server starts
@@ -124,8 +127,11 @@ async def call(
     cancel_after: int | None = None,
 ) -> list[Message]:
     """The responses of one call with the request's wire bytes as they are (a stream is read to
-    its end, or cancelled after `cancel_after` messages). Raises grpc.aio.AioRpcError."""
+    its end, or cancelled after `cancel_after` messages: after the first for an ENDLESS one).
+    Raises grpc.aio.AioRpcError."""
     path = f"/{SERVICE.full_name}/{method.name}"
+    if method.name in ENDLESS:
+        cancel_after = 1
     decode = GetMessageClass(method.output_type).FromString
     if not method.server_streaming:
         unary = channel.unary_unary(

@@ -147,6 +147,7 @@ async def call_every_rpc(
             pb.DetokenizeRequest(token_ids=[9259]), metadata=metadata
         ),
         "GetStats": lambda: stub.GetStats(pb.GetStatsRequest(), metadata=metadata),
+        "WatchLoad": lambda: _first(stub.WatchLoad(pb.WatchLoadRequest(), metadata=metadata)),
         "GetModelInfo": lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata),
         "ClearCache": lambda: stub.ClearCache(pb.ClearCacheRequest(), metadata=metadata),
     }
@@ -164,6 +165,14 @@ async def call_every_rpc(
 async def _drain(call: Any) -> None:
     async for _ in call:
         pass
+
+
+async def _first(call: Any) -> None:
+    """Read one message, then cancel: a watch has no end of its own."""
+    try:
+        await call.read()
+    finally:
+        call.cancel()
 
 
 # -- transport -------------------------------------------------------------------------------------

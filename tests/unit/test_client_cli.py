@@ -84,6 +84,14 @@ class ScriptedServicer(pb_grpc.LlmServiceServicer):
         """Fixed stats with one slot."""
         return pb.GetStatsResponse(n_parallel=2, queue_depth=1, slots=[pb.SlotStats(slot_id=0)])
 
+    def WatchLoad(
+        self, request: pb.WatchLoadRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.LoadReport]:
+        """Two reports, the second a draining server's last."""
+        self._record(request, context)
+        yield pb.LoadReport(queue_depth=2, n_parallel=4, serving=True, timestamp_unix_ms=1)
+        yield pb.LoadReport(queue_depth=0, n_parallel=4, serving=False, timestamp_unix_ms=2)
+
     def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext) -> Any:
         """Fixed model info without a BOS token."""
         return pb.GetModelInfoResponse(model_name="gemma-3-270m", n_ctx=4096, eos_token_id=1)
@@ -236,6 +244,19 @@ def test_stats_and_info_print_json(target: str, capsys: pytest.CaptureFixture[st
         None,
         1,
     )
+
+
+def test_load_prints_one_json_line_per_report(
+    target: str, servicer: ScriptedServicer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`load --interval 0.25` asks for 250 ms and prints each report as one JSON line; the
+    stream ending (a drained server) ends the command with 0."""
+    assert cli.main(["load", "--interval", "0.25"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    reports = [json.loads(line) for line in lines]
+    assert servicer.request.interval_ms == 250
+    assert [(r["queue_depth"], r["serving"]) for r in reports] == [(2, True), (0, False)]
+    assert reports[0]["n_parallel"] == 4
 
 
 def test_health_prints_status_and_exits_by_it(

@@ -139,3 +139,29 @@ def test_every_model_info_proto_field_comes_from_model_info() -> None:
     """Each GetModelInfoResponse field has a ModelInfo field of the same name."""
     proto_fields = {f.name for f in pb.GetModelInfoResponse.DESCRIPTOR.fields}
     assert proto_fields <= {f.name for f in dataclasses.fields(fake_model_info())}
+
+
+@pytest.mark.parametrize(
+    ("engine_state", "is_draining", "serving"),
+    [("running", False, True), ("running", True, False), ("failed", False, False)],
+)
+def test_load_report_is_the_aggregate_of_the_snapshot(
+    engine_state: str, is_draining: bool, serving: bool
+) -> None:
+    """Counts copied, KV usage as a fraction, running = active slots; serving only while the
+    engine runs and the server is not draining; no request id anywhere."""
+    snapshot = dataclasses.replace(make_snapshot(), kv_cells_used=3, kv_cells_total=12)
+    snapshot = dataclasses.replace(snapshot, engine_state=engine_state)
+    report = convert.load_report(snapshot, is_draining=is_draining, unix_ms=1_700_000_000_123)
+    for name in ("queue_depth", "active_slots", "n_parallel", "prefix_cache_hit_rate"):
+        assert getattr(report, name) == getattr(snapshot, name), name
+    assert (report.kv_cells_used, report.kv_cells_total, report.kv_cache_usage) == (3, 12, 0.25)
+    assert report.requests_running == snapshot.active_slots
+    assert (report.engine_state, report.serving) == (engine_state, serving)
+    assert report.timestamp_unix_ms == 1_700_000_000_123
+    assert "req-9" not in str(report)
+
+
+def test_load_report_without_kv_cells_has_zero_usage() -> None:
+    snapshot = dataclasses.replace(make_snapshot(), kv_cells_used=0, kv_cells_total=0)
+    assert convert.load_report(snapshot, is_draining=False, unix_ms=0).kv_cache_usage == 0.0

@@ -352,3 +352,27 @@ async def test_two_tenants_run_the_same_request_id_and_cancel_only_their_own() -
     assert all(isinstance(e, TokenDelta) for e in firsts)  # both were running
     assert isinstance(rest[-1], Finished) and rest[-1].usage.completion_tokens == 40
     assert (stats.requests_cancelled, stats.requests_finished) == (1, 1)
+
+
+async def test_a_clear_cache_whose_caller_gave_up_does_not_kill_the_engine() -> None:
+    """ClearCache's caller cancelled (a deadline) while the engine thread was busy: the engine
+    finds the cancelled future, skips the clear and keeps serving (it once set a result on the
+    cancelled future, raised InvalidStateError and died)."""
+    runner = FakeRunner()
+    runner.delay_s = 0.2  # the engine thread sits in a forward pass while the caller gives up
+    engine = make_loop(runner=runner)
+    try:
+        running = engine.submit(req("a", 4, 3).spec)
+        first = await asyncio.wait_for(anext(aiter(running)), 5)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(engine.clear_cache(), 0.01)
+        rest = await asyncio.wait_for(read_all(running), 5)
+        after = await asyncio.wait_for(final(engine, req("b", 4, 2).spec), 5)
+        cleared = await asyncio.wait_for(engine.clear_cache(), 5)
+    finally:
+        await asyncio.to_thread(engine.close)
+    assert isinstance(first, TokenDelta)
+    assert isinstance(rest[-1], Finished)
+    assert isinstance(after, Finished)
+    assert engine.stats().engine_state != "failed"
+    assert cleared.cleared_slots >= 1

@@ -376,3 +376,20 @@ def test_out_of_range_message_shows_the_value_as_written() -> None:
     """The message shows 100.7, not float32 noise."""
     with pytest.raises(errors.InvalidRequest, match=r"got 100\.7$"):
         text_request(**sampling(temperature=100.7))
+
+
+@pytest.mark.parametrize(
+    ("interval_ms", "seconds"),
+    [(0, 1.0), (100, 0.1), (250, 0.25), (60_000, 60.0), (60_001, 60.0), (2**32 - 1, 60.0)],
+)
+def test_watch_interval_default_and_cap(interval_ms: int, seconds: float) -> None:
+    """0 is the 1 s default; from 100 ms as asked; above 60 s capped at 60 s."""
+    assert validation.watch_interval_s(interval_ms) == seconds
+
+
+@pytest.mark.parametrize("interval_ms", [1, 99])
+def test_watch_interval_below_100_ms_names_the_field(interval_ms: int) -> None:
+    with pytest.raises(errors.InvalidRequest) as caught:
+        validation.watch_interval_s(interval_ms)
+    assert caught.value.field == "interval_ms"
+    assert str(interval_ms) in caught.value.message

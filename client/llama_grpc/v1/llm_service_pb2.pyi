@@ -1279,6 +1279,97 @@ class GetStatsResponse(_message.Message):
 Global___GetStatsResponse: _TypeAlias = GetStatsResponse  # noqa: Y015
 
 @_typing.final
+class WatchLoadRequest(_message.Message):
+    """Input of WatchLoad."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    interval_ms: _builtins.int
+    """Time between reports: 0 means 1000; at least 100 (INVALID_ARGUMENT below); values above
+    60000 are taken as 60000.
+    """
+    def __init__(
+        self,
+        *,
+        interval_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["interval_ms", b"interval_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchLoadRequest: _TypeAlias = WatchLoadRequest  # noqa: Y015
+
+@_typing.final
+class LoadReport(_message.Message):
+    """The server's load at one moment (the same snapshot GetStats reads). Aggregate figures only:
+    no request ids, no tenants.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_DEPTH_FIELD_NUMBER: _builtins.int
+    ACTIVE_SLOTS_FIELD_NUMBER: _builtins.int
+    N_PARALLEL_FIELD_NUMBER: _builtins.int
+    KV_CELLS_USED_FIELD_NUMBER: _builtins.int
+    KV_CELLS_TOTAL_FIELD_NUMBER: _builtins.int
+    KV_CACHE_USAGE_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _builtins.int
+    REQUESTS_RUNNING_FIELD_NUMBER: _builtins.int
+    ENGINE_STATE_FIELD_NUMBER: _builtins.int
+    SERVING_FIELD_NUMBER: _builtins.int
+    TIMESTAMP_UNIX_MS_FIELD_NUMBER: _builtins.int
+    queue_depth: _builtins.int
+    """Requests waiting for a slot."""
+    active_slots: _builtins.int
+    """Slots running a request (prefilling or generating)."""
+    n_parallel: _builtins.int
+    """Slots in all: at most this many requests run at once."""
+    kv_cells_used: _builtins.int
+    """KV cells in use (a prefix shared between slots counts once) and the context's cells."""
+    kv_cells_total: _builtins.int
+    kv_cache_usage: _builtins.float
+    """kv_cells_used / kv_cells_total, from 0 to 1 (0 when there are no cells), like vLLM's
+    kv_cache_usage_perc.
+    """
+    prefix_cache_hit_rate: _builtins.float
+    """Share of prompt tokens served from the prefix cache since start."""
+    requests_running: _builtins.int
+    """Requests holding a slot (the same as active_slots; vLLM's num_requests_running)."""
+    engine_state: _builtins.str
+    """"starting", "running", "failed" or "stopped" (as in GetStatsResponse)."""
+    serving: _builtins.bool
+    """The server takes new requests: the engine is running and the server is not draining. A
+    report with serving false while draining is the stream's last.
+    """
+    timestamp_unix_ms: _builtins.int
+    """When the report was made: milliseconds since the Unix epoch."""
+    def __init__(
+        self,
+        *,
+        queue_depth: _builtins.int = ...,
+        active_slots: _builtins.int = ...,
+        n_parallel: _builtins.int = ...,
+        kv_cells_used: _builtins.int = ...,
+        kv_cells_total: _builtins.int = ...,
+        kv_cache_usage: _builtins.float = ...,
+        prefix_cache_hit_rate: _builtins.float = ...,
+        requests_running: _builtins.int = ...,
+        engine_state: _builtins.str = ...,
+        serving: _builtins.bool = ...,
+        timestamp_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "engine_state", b"engine_state", "kv_cache_usage", b"kv_cache_usage", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "n_parallel", b"n_parallel", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "queue_depth", b"queue_depth", "requests_running", b"requests_running", "serving", b"serving", "timestamp_unix_ms", b"timestamp_unix_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadReport: _TypeAlias = LoadReport  # noqa: Y015
+
+@_typing.final
 class GetModelInfoRequest(_message.Message):
     """Input for GetModelInfo."""
 

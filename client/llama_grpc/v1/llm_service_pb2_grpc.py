@@ -67,6 +67,11 @@ class LlmServiceStub:
                 request_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/llama_grpc.v1.LlmService/WatchLoad',
+                request_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.LoadReport.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/llama_grpc.v1.LlmService/GetModelInfo',
                 request_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.GetModelInfoRequest.SerializeToString,
@@ -127,6 +132,15 @@ class LlmServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchLoad(self, request, context):
+        """Aggregate load as a stream, for routers and load balancers: one report at once, then one
+        every interval. When the server drains (SIGTERM) the stream ends with a report whose
+        `serving` is false, then OK. UNAVAILABLE (NOT_READY) while the model loads.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Facts about the loaded model and context.
         """
@@ -174,6 +188,11 @@ def add_LlmServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.GetStatsRequest.FromString,
                     response_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
+                    request_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.WatchLoadRequest.FromString,
+                    response_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.LoadReport.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -351,6 +370,33 @@ class LlmService:
             '/llama_grpc.v1.LlmService/GetStats',
             llama__grpc_dot_v1_dot_llm__service__pb2.GetStatsRequest.SerializeToString,
             llama__grpc_dot_v1_dot_llm__service__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llama_grpc.v1.LlmService/WatchLoad',
+            llama__grpc_dot_v1_dot_llm__service__pb2.WatchLoadRequest.SerializeToString,
+            llama__grpc_dot_v1_dot_llm__service__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,

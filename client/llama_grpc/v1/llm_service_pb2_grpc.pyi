@@ -48,6 +48,11 @@ class LlmServiceStub:
     """Token ids to text. Does not wait for the scheduler."""
     GetStats: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.GetStatsRequest, _llm_service_pb2.GetStatsResponse]
     """Live scheduler snapshot and cumulative counters."""
+    WatchLoad: _grpc.UnaryStreamMultiCallable[_llm_service_pb2.WatchLoadRequest, _llm_service_pb2.LoadReport]
+    """Aggregate load as a stream, for routers and load balancers: one report at once, then one
+    every interval. When the server drains (SIGTERM) the stream ends with a report whose
+    `serving` is false, then OK. UNAVAILABLE (NOT_READY) while the model loads.
+    """
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.GetModelInfoRequest, _llm_service_pb2.GetModelInfoResponse]
     """Facts about the loaded model and context."""
     ClearCache: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.ClearCacheRequest, _llm_service_pb2.ClearCacheResponse]
@@ -75,6 +80,11 @@ class LlmServiceAsyncStub(LlmServiceStub):
     """Token ids to text. Does not wait for the scheduler."""
     GetStats: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.GetStatsRequest, _llm_service_pb2.GetStatsResponse]  # type: ignore[assignment]
     """Live scheduler snapshot and cumulative counters."""
+    WatchLoad: _aio.UnaryStreamMultiCallable[_llm_service_pb2.WatchLoadRequest, _llm_service_pb2.LoadReport]  # type: ignore[assignment]
+    """Aggregate load as a stream, for routers and load balancers: one report at once, then one
+    every interval. When the server drains (SIGTERM) the stream ends with a report whose
+    `serving` is false, then OK. UNAVAILABLE (NOT_READY) while the model loads.
+    """
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.GetModelInfoRequest, _llm_service_pb2.GetModelInfoResponse]  # type: ignore[assignment]
     """Facts about the loaded model and context."""
     ClearCache: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.ClearCacheRequest, _llm_service_pb2.ClearCacheResponse]  # type: ignore[assignment]
@@ -135,6 +145,17 @@ class LlmServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_llm_service_pb2.GetStatsResponse, _abc.Awaitable[_llm_service_pb2.GetStatsResponse]]:
         """Live scheduler snapshot and cumulative counters."""
+
+    @_abc_1.abstractmethod
+    def WatchLoad(
+        self,
+        request: _llm_service_pb2.WatchLoadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_llm_service_pb2.LoadReport], _abc.AsyncIterator[_llm_service_pb2.LoadReport]]:
+        """Aggregate load as a stream, for routers and load balancers: one report at once, then one
+        every interval. When the server drains (SIGTERM) the stream ends with a report whose
+        `serving` is false, then OK. UNAVAILABLE (NOT_READY) while the model loads.
+        """
 
     @_abc_1.abstractmethod
     def GetModelInfo(

@@ -19,7 +19,7 @@ AUTHORIZATION_KEY = "authorization"
 BEARER = "bearer "
 PROTECTED_SERVICE = "/llama_grpc.v1.LlmService/"
 # Operations only an admin may call (full path). GetStats is open to users, with other tenants'
-# request ids hidden (rpc.servicer).
+# request ids hidden (rpc.servicer); so is WatchLoad, which carries aggregate load only.
 ADMIN_METHODS: frozenset[str] = frozenset({PROTECTED_SERVICE + "ClearCache"})
 
 

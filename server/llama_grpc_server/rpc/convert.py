@@ -113,6 +113,25 @@ def stats_response(snapshot: StatsSnapshot) -> pb.GetStatsResponse:
     return pb.GetStatsResponse(**fields, slots=slots)
 
 
+def load_report(snapshot: StatsSnapshot, *, is_draining: bool, unix_ms: int) -> pb.LoadReport:
+    """The aggregate load of a snapshot (no request ids, no tenants); serving means the engine
+    runs and the server is not draining."""
+    total = snapshot.kv_cells_total
+    return pb.LoadReport(
+        queue_depth=snapshot.queue_depth,
+        active_slots=snapshot.active_slots,
+        n_parallel=snapshot.n_parallel,
+        kv_cells_used=snapshot.kv_cells_used,
+        kv_cells_total=total,
+        kv_cache_usage=snapshot.kv_cells_used / total if total else 0.0,
+        prefix_cache_hit_rate=snapshot.prefix_cache_hit_rate,
+        requests_running=snapshot.active_slots,
+        engine_state=snapshot.engine_state,
+        serving=snapshot.engine_state == "running" and not is_draining,
+        timestamp_unix_ms=unix_ms,
+    )
+
+
 def model_info_response(info: ModelInfo) -> pb.GetModelInfoResponse:
     """Field for field by name; unknown BOS/EOS ids stay unset."""
     fields = {f.name: getattr(info, f.name) for f in pb.GetModelInfoResponse.DESCRIPTOR.fields}

@@ -172,14 +172,16 @@ class RunningServer:
         return await asyncio.shield(self._loading) is not None
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Health NOT_SERVING -> refuse new RPCs, let in-flight ones finish for the grace period
-        -> close the engine in a thread. Waits for a still-loading engine, then closes it."""
+        """Draining (WatchLoad streams end) -> health NOT_SERVING -> refuse new RPCs, let
+        in-flight ones finish for the grace period -> close the engine in a thread. Waits for a
+        still-loading engine, then closes it."""
         if self._stopping is None:
             grace = self.grace_s if grace_s is None else grace_s
             self._stopping = asyncio.create_task(self._stop(grace))
         await asyncio.shield(self._stopping)
 
     async def _stop(self, grace_s: float) -> None:
+        self.servicer.draining.set()  # WatchLoad streams end now, not at the grace period's end
         await self.health.enter_graceful_shutdown()
         stopping = asyncio.ensure_future(self.server.stop(grace_s))
         loaded = self._loading.result() if self._loading.done() else None

@@ -5,6 +5,7 @@ Never touches the scheduler thread directly; never imports llama_cpp."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -125,12 +126,19 @@ async def _collect(engine: EngineApi, spec: GenerationRequest) -> tuple[list[Tok
     raise errors.EngineError(NO_RESULT)  # unreachable: _run ends with Finished or raises
 
 
+def _unix_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
 class LlmServicer(pb_grpc.LlmServiceServicer):
-    """The LlmService. `engine` is attached once the model has loaded (see rpc.server)."""
+    """The LlmService. `engine` is attached once the model has loaded (see rpc.server);
+    `draining` is set when the server starts to stop (RunningServer.stop): WatchLoad streams
+    then end at once instead of holding the grace period open."""
 
     def __init__(self, settings: Settings, engine: EngineApi | None = None) -> None:
         self._settings = settings
         self._engine = engine
+        self.draining = asyncio.Event()
 
     def attach(self, engine: EngineApi) -> None:
         """Start serving with a loaded engine."""
@@ -236,6 +244,27 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
             if not caller.is_admin:  # a user sees its own requests' ids only
                 snapshot = _seen_by(snapshot, caller.tenant)
             return convert.stats_response(snapshot)
+
+    async def WatchLoad(
+        self, request: pb.WatchLoadRequest, context: Context
+    ) -> AsyncIterator[pb.LoadReport]:
+        """A report at once, then one per interval (a timed wait, never a poll); once draining,
+        a last report with serving=false, then OK. Aggregate figures only: open to users."""
+        async with ErrorsToStatus(context, _request_id()):
+            interval_s = validation.watch_interval_s(request.interval_ms)
+            engine = self._ready_engine()
+            next_at = time.monotonic()
+            while True:
+                is_draining = self.draining.is_set()
+                snapshot = engine.stats()
+                yield convert.load_report(snapshot, is_draining=is_draining, unix_ms=_unix_ms())
+                if is_draining:
+                    return
+                # On schedule; after a stall (a slow reader) one report at once, never a burst.
+                next_at = max(next_at + interval_s, time.monotonic())
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(next_at - time.monotonic()):
+                        await self.draining.wait()
 
     async def ClearCache(
         self, request: pb.ClearCacheRequest, context: Context

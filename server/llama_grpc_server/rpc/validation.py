@@ -35,6 +35,11 @@ MAX_ID_LENGTH = 256  # session_id, cache_scope
 MAX_LOGIT_BIAS = 1024  # entries of params.sampling.logit_bias
 MAX_TOP_LOGPROBS = 20
 MAX_CONSTRAINT_CHARS = 100_000  # grammar text or JSON schema
+# WatchLoad's interval_ms: 0 means the default; below the minimum is refused; above the maximum
+# is taken as the maximum.
+DEFAULT_WATCH_INTERVAL_MS = 1000
+MIN_WATCH_INTERVAL_MS = 100
+MAX_WATCH_INTERVAL_MS = 60_000
 
 TextRequest = pb.GenerateRequest | pb.StreamGenerateRequest
 
@@ -78,6 +83,9 @@ class Message(enum.StrEnum):
     UNKNOWN_POLICY = "unknown context overflow policy {value}"
     N_KEEP_WITHOUT_TRUNCATION = "n_keep only applies with OVERFLOW_POLICY_TRUNCATE_LEFT"
     UNKNOWN_PRIORITY = "unknown priority {value}"
+    INTERVAL_TOO_SHORT = (
+        "interval_ms must be at least {minimum} (or 0 for the default, {default}), got {value}"
+    )
 
 
 _PRIORITIES = {
@@ -184,6 +192,22 @@ def check_token_ids(token_ids: Iterable[int], n_vocab: int, field: str = "token_
                 index=index,
                 n_vocab=n_vocab,
             )
+
+
+def watch_interval_s(interval_ms: int) -> float:
+    """WatchLoad's time between reports in seconds: 0 is the default, too short is refused,
+    too long is capped."""
+    if interval_ms == 0:
+        return DEFAULT_WATCH_INTERVAL_MS / 1000
+    if interval_ms < MIN_WATCH_INTERVAL_MS:
+        raise _invalid(
+            "interval_ms",
+            Message.INTERVAL_TOO_SHORT,
+            minimum=MIN_WATCH_INTERVAL_MS,
+            default=DEFAULT_WATCH_INTERVAL_MS,
+            value=interval_ms,
+        )
+    return min(interval_ms, MAX_WATCH_INTERVAL_MS) / 1000
 
 
 def add_special(message: TextRequest | pb.TokenizeRequest) -> bool:
