@@ -165,9 +165,10 @@ async def test_a_killed_replica_costs_only_its_own_streams(
 ) -> None:
     """SIGKILL one replica while 12 sessions stream: its in-flight streams fail as unavailable,
     every other stream finishes, and its sessions' next turns succeed on another replica at once
-    (retried past the dead one, then routed around it). Through Envoy the failure reaches grpc
-    as a reset stream (INTERNAL "RST_STREAM"), which the client library types as
-    UnavailableError: Envoy cannot send trailers for a stream whose headers it already sent."""
+    (retried past the dead one, then routed around it), cold once and warm after that. Through
+    Envoy the failure reaches grpc as a reset stream (INTERNAL "RST_STREAM"), which the client
+    library types as UnavailableError: Envoy cannot send trailers for a stream whose headers it
+    already sent."""
     sessions = [f"kill-{i}" for i in range(12)]
     before = await started_per_replica(cluster)
     streams = [asyncio.create_task(stream_turn(stub, s)) for s in sessions]
@@ -183,6 +184,16 @@ async def test_a_killed_replica_costs_only_its_own_streams(
     assert all(n == 48 for code, n in results if code == "OK")
     next_turns = await asyncio.gather(*(stream_turn(stub, s, 8) for s in sessions))
     assert [code for code, _ in next_turns] == ["OK"] * len(sessions)
+    again = await asyncio.gather(  # the same prompts: each session's new replica has it cached
+        *(
+            stub.Generate(
+                pb.GenerateRequest(prompt=f"Session {s}: count slowly.", params=params(4)),
+                metadata=session_metadata(s),
+            )
+            for s in sessions
+        )
+    )
+    assert all(r.usage.cached_prompt_tokens > 0 for r in again)
     victim.start()  # back for the next test
     victim.wait_serving()
 
