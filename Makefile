@@ -12,7 +12,7 @@ ARGS ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install run serve test test-unit test-model test-e2e check lint format types proto proto-check \
-	proto-lint check-min-deps model cluster bench bench-single bench-concurrency bench-strategies bench-prefix \
+	proto-lint proto-breaking check-min-deps model cluster bench bench-single bench-concurrency bench-strategies bench-prefix \
 	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-security bench-cluster bench-peers bench-soak clean
 
 install: $(STAMP)
@@ -74,7 +74,7 @@ format: $(STAMP)
 types: $(STAMP)
 	$(BIN)/mypy
 
-check: proto-check lint types check-min-deps test
+check: proto-check proto-breaking lint types check-min-deps test
 
 # The lowest client versions pyproject.toml declares (grpcio, protobuf, grpcio-status), exactly,
 # plus the client package without the [server] extra, in a throwaway venv outside the checkout:
@@ -88,9 +88,18 @@ check-min-deps:
 	cd "$$venv" && bin/python -I $(CURDIR)/tools/min_deps.py smoke $$pins
 
 # Generated code is committed; imports are package-absolute because protoc runs with -Iproto.
+# DESCRIPTOR_SET: the API as a FileDescriptorSet (imports and comments included) for tools in
+# other languages (grpcurl -protoset, buf, reflection-less clients).
+DESCRIPTOR_SET := proto/llama_grpc_v1.binpb
+# The last released API: `buf breaking` compares the .proto with it (CHANGELOG.md). At a release,
+# copy DESCRIPTOR_SET to proto/releases/vX.Y.Z.binpb and point this at it.
+RELEASED_PROTO := releases/v1.0.0.binpb
+PROTOC_SET = -Iproto --include_imports --include_source_info
+
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=$(GEN_DIR) --grpc_python_out=$(GEN_DIR) \
 		--mypy_out=$(GEN_DIR) --mypy_grpc_out=$(GEN_DIR) $(PROTO_SRC)
+	$(PY) -m grpc_tools.protoc $(PROTOC_SET) --descriptor_set_out=$(DESCRIPTOR_SET) $(PROTO_SRC)
 
 # Offline: protoc from grpcio-tools only. proto-lint (buf, fetched by npx) is its own target.
 proto-check: $(STAMP)
@@ -99,7 +108,14 @@ proto-check: $(STAMP)
 		--mypy_out=.proto-check --mypy_grpc_out=.proto-check $(PROTO_SRC)
 	diff -r -x __init__.py -x __pycache__ -x py.typed .proto-check/llama_grpc/v1 $(GEN_DIR)/llama_grpc/v1 \
 		|| (echo "generated code is stale: run 'make proto' and commit"; exit 1)
+	$(PY) -m grpc_tools.protoc $(PROTOC_SET) --descriptor_set_out=.proto-check/set.binpb $(PROTO_SRC)
+	cmp .proto-check/set.binpb $(DESCRIPTOR_SET) \
+		|| (echo "$(DESCRIPTOR_SET) is stale: run 'make proto' and commit"; exit 1)
 	rm -rf .proto-check
+
+# The wire contract: no change may break a client of the last release (buf, fetched by npx).
+proto-breaking:
+	cd proto && npx --yes @bufbuild/buf@1.47.2 breaking --against $(RELEASED_PROTO)
 
 proto-lint:
 	cd proto && npx --yes @bufbuild/buf@1.47.2 lint
