@@ -68,3 +68,32 @@ async def test_full_queue_is_resource_exhausted_with_retry_info() -> None:
                 pass
             assert (await second).usage.completion_tokens >= 1
             assert (await client.stats()).requests_rejected >= 1
+
+
+async def test_without_reflection_the_descriptor_set_serves_grpcurl(grpcurl: str) -> None:
+    """--no-reflection hides the schema; proto/llama_grpc_v1.binpb (make proto) gives it back to
+    tools: grpcurl -protoset describes and calls the service."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    protoset = str(Path(__file__).resolve().parents[2] / "proto" / "llama_grpc_v1.binpb")
+    conf = settings(n_parallel=1)
+    conf = replace(conf, server=replace(conf.server, reflection=False))
+    async with start_server(conf, lambda: build_engine(conf)) as running:
+        assert await running.wait_loaded()
+        target = f"127.0.0.1:{running.port}"
+        proc = await asyncio.create_subprocess_exec(
+            grpcurl, "-plaintext", target, "list",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode != 0 and b"reflection" in err.lower()
+        described = await grpcurl_run(
+            grpcurl, "-protoset", protoset, "describe", "llama_grpc.v1.LlmService"
+        )
+        assert "rpc ClearCache" in described and "rpc WatchLoad" in described
+        out = await grpcurl_run(
+            grpcurl, "-plaintext", "-protoset", protoset, "-d", '{"text": "Hello"}', target,
+            "llama_grpc.v1.LlmService/Tokenize",
+        )  # fmt: skip
+        assert json.loads(out)["tokenIds"]
