@@ -26,6 +26,7 @@ from llama_grpc.routing import (
     routing_metadata,
 )
 from llama_grpc.tls import TlsConfig, channel_security
+from llama_grpc.trace_context import trace_metadata
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 
@@ -325,14 +326,16 @@ class _Defaults:
         self, options: CallOptions, request: Message, *, use_default_timeout: bool = True
     ) -> tuple[float | None, _Metadata | None]:
         """The (timeout, metadata) of one call: per-call values over the client's, plus the
-        routing headers of `request` that the caller's metadata does not set itself. A call with
+        routing headers of `request` and the current trace context (traceparent, when
+        OpenTelemetry is installed) that the caller's metadata does not set itself. A call with
         no natural end (a watch) passes use_default_timeout=False: only its own timeout counts."""
         timeout = options.get("timeout")
         if timeout is None and use_default_timeout:
             timeout = self.timeout
         metadata = self.metadata + _to_metadata(options.get("metadata"))
         given = {key for key, _ in metadata}
-        metadata += tuple(item for item in routing_metadata(request) if item[0] not in given)
+        added = (*routing_metadata(request), *trace_metadata())
+        metadata += tuple(item for item in added if item[0] not in given)
         return timeout, (metadata or None)
 
 

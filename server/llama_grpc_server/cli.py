@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import difflib
 import math
 import os
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from llama_grpc_server import telemetry
+from llama_grpc_server import telemetry, tracing
 from llama_grpc_server.auth import AuthFileError, load_auth_file
 from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSettings, Settings
 from llama_grpc_server.core.api import EngineApi
@@ -169,6 +170,9 @@ OPTIONS: tuple[Option, ...] = (
            "TOML file of bearer tokens / certificate subjects, each with a tenant and a role "
            "(user | admin), and per-tenant limits; reloaded on SIGHUP", _is_file, "PATH"),
     Option("reflection", bool, "server.reflection", "serve gRPC reflection (for grpcurl)"),
+    Option("otlp_endpoint", str, "server.otlp_endpoint",
+           "OpenTelemetry traces over OTLP/HTTP to this URL, e.g. http://collector:4318 (default: "
+           "OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT if set, else tracing off)", metavar="URL"),
     Option("grace_s", float, "server.grace_s", "seconds to finish requests on shutdown",
            at_least(0)),
     Option("drain_delay_s", float, "server.drain_delay_s",
@@ -462,7 +466,11 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     values.update(_flag_layer(args))
     _fit_defaults(values)
     _check(values)
-    return _build(values)
+    settings = _build(values)
+    endpoint = tracing.endpoint_from(settings.server.otlp_endpoint, environ)
+    return dataclasses.replace(
+        settings, server=dataclasses.replace(settings.server, otlp_endpoint=endpoint)
+    )
 
 
 def run(settings: Settings) -> int:

@@ -77,6 +77,7 @@ class ServerSettings:
     tls_client_ca: str = ""  # PEM CA: clients must present a certificate it signed (mTLS)
     auth_tokens_file: str = ""  # TOML of tokens/identities -> tenant + role (see auth.py)
     reflection: bool = True
+    otlp_endpoint: str = ""  # OTLP/HTTP traces URL ("" = tracing off); see tracing.py
 
 
 @dataclass(frozen=True, slots=True)

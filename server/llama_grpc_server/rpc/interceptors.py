@@ -28,6 +28,7 @@ from llama_grpc_server.auth import ANONYMOUS, Principal
 from llama_grpc_server.rpc import decoding
 from llama_grpc_server.rpc.access import AccessControl
 from llama_grpc_server.rpc.status import abort
+from llama_grpc_server.tracing import RpcSpan, Tracing, bind_rpc_span, unbind_rpc_span
 
 REQUEST_ID_KEY = "x-request-id"
 MAX_REQUEST_ID_LENGTH = 128
@@ -149,6 +150,10 @@ class _Rpc:
         except (errors.Unauthenticated, errors.PermissionDenied) as exc:
             self.refusal = exc
         self.tenant_label = server.access.metric_label(self.principal)
+        self.rpc_span: RpcSpan | None = None
+        if server.tracing is not None:
+            self.rpc_span = server.tracing.start_rpc(method, metadata)
+        self._span_token: contextvars.Token[RpcSpan | None] | None = None
         self._tokens: (
             tuple[contextvars.Token[str], contextvars.Token[Principal], Mapping[str, Any]] | None
         ) = None
@@ -157,6 +162,8 @@ class _Rpc:
         self.recorder.rpc_started(self.method, self.tenant_label)
         bound = structlog.contextvars.bind_contextvars(request_id=self.request_id)
         self._tokens = (_request_id.set(self.request_id), _principal.set(self.principal), bound)
+        if self.rpc_span is not None:
+            self._span_token = bind_rpc_span(self.rpc_span)
         return self
 
     async def check_access(self) -> None:
@@ -174,6 +181,8 @@ class _Rpc:
         seconds = (time.perf_counter_ns() - self.start_ns) / 1e9
         self._log(code, seconds)
         self.recorder.rpc_handled(self.method, code, seconds, self.tenant_label)
+        if self.rpc_span is not None:
+            self.rpc_span.end(code)
         self._reset()
 
     async def send_request_id(self) -> None:
@@ -197,6 +206,8 @@ class _Rpc:
             "peer": self.peer,
             "request_id": self.request_id,
         }
+        if self.rpc_span is not None:
+            fields["trace_id"] = self.rpc_span.trace_id
         if self.principal is not ANONYMOUS:
             fields["tenant"] = self.principal.tenant
             fields["auth"] = self.principal.via
@@ -214,6 +225,9 @@ class _Rpc:
             return
         token, principal, bound = self._tokens
         self._tokens = None
+        if self._span_token is not None:
+            unbind_rpc_span(self._span_token)
+            self._span_token = None
         try:
             _request_id.reset(token)
             _principal.reset(principal)
@@ -306,9 +320,11 @@ class RequestInterceptor(_ServerInterceptor):
         *,
         log_payloads: bool = False,
         access: AccessControl | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.recorder: RpcRecorder = recorder or NullRecorder()
         self.access = access if access is not None else AccessControl()
+        self.tracing = tracing
         self._log_payloads = log_payloads
 
     async def intercept_service(

@@ -35,6 +35,7 @@ from llama_grpc_server.rpc import tls
 from llama_grpc_server.rpc.access import AccessControl
 from llama_grpc_server.rpc.interceptors import RequestInterceptor, RpcRecorder
 from llama_grpc_server.rpc.servicer import SERVICE_NAME, LlmServicer
+from llama_grpc_server.tracing import Tracing
 
 EngineFactory = Callable[[], EngineApi]
 
@@ -145,6 +146,7 @@ class RunningServer:
     access: AccessControl = field(default_factory=AccessControl)
     credentials: tls.ReloadingCredentials | None = None
     tokens_file: str = ""
+    tracing: Tracing | None = None
     _stopping: asyncio.Task[None] | None = field(default=None, init=False)
 
     def reload(self, why: str) -> bool:
@@ -197,6 +199,8 @@ class RunningServer:
             await asyncio.to_thread(engine.close)
         if self.metrics_server is not None:
             await asyncio.to_thread(self.metrics_server.close)
+        if self.tracing is not None:  # export what is still batched
+            await asyncio.to_thread(self.tracing.close)
         log.info("stopped", port=self.port)
 
 
@@ -279,10 +283,13 @@ async def _started(
 ) -> RunningServer:
     access = AccessControl(_auth_table(settings.server))
     credentials = _credentials(settings.server)
+    endpoint = settings.server.otlp_endpoint
+    spans = Tracing.start(endpoint) if endpoint else None
     interceptor = RequestInterceptor(
         recorder if recorder is not None else metrics,
         log_payloads=settings.server.log_payloads,
         access=access,
+        tracing=spans,
     )
     server = grpc.aio.server(interceptors=[interceptor], options=server_options(settings))
     servicer = LlmServicer(settings)
@@ -302,7 +309,8 @@ async def _started(
     if credentials is not None and credentials.requires_client_certificate:
         security = "mtls"
     log.info("listening", address=_address(host, port), port=port, transport=security,
-             auth="tokens" if access.table is not None else "none")  # fmt: skip
+             auth="tokens" if access.table is not None else "none",
+             tracing=endpoint or "off")  # fmt: skip
     if credentials is None and not _is_loopback(host):
         log.warning(
             "plaintext_on_network",
@@ -328,6 +336,7 @@ async def _started(
         access,
         credentials,
         settings.server.auth_tokens_file,
+        spans,
     )
 
 

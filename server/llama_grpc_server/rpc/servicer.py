@@ -17,7 +17,7 @@ import structlog
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
-from llama_grpc_server import errors
+from llama_grpc_server import errors, tracing
 from llama_grpc_server.config import Settings
 from llama_grpc_server.core.api import EngineApi, StatsSnapshot
 from llama_grpc_server.core.request import (
@@ -79,6 +79,11 @@ def _request_id() -> str:
     return current_request_id() or new_request_id()
 
 
+def _operation(request: validation.TextRequest) -> str:
+    """The GenAI operation name of a text request."""
+    return "chat" if request.messages else "text_completion"
+
+
 def _seen_by(snapshot: StatsSnapshot, tenant: str) -> StatsSnapshot:
     """The snapshot as a user of `tenant` may see it: other tenants' request ids are blanked
     (their slots' states and sizes stay: capacity is every tenant's business)."""
@@ -94,10 +99,12 @@ def _deadline(context: Context) -> float | None:
 
 
 async def _run(
-    engine: EngineApi, spec: GenerationRequest
+    engine: EngineApi, spec: GenerationRequest, operation: str = "text_completion"
 ) -> AsyncGenerator[TokenDelta | Finished, None]:
     """Submit and yield deltas, then the Finished event. A Failed event raises its error.
-    Leaving early (client cancel, deadline, closed stream) cancels the request in the engine."""
+    Leaving early (client cancel, deadline, closed stream) cancels the request in the engine.
+    With tracing on, the finished request's GenAI attributes and phases go on the RPC's span."""
+    submitted_unix_ns = time.time_ns()
     stream = engine.submit(spec)
     is_done = False
     try:
@@ -107,6 +114,14 @@ async def _run(
                 raise event.error
             if isinstance(event, Finished):
                 is_done = True
+                model = engine.model_info.model_name
+                tracing.record_generation(
+                    spec,
+                    event,
+                    model=model,
+                    operation=operation,
+                    submitted_unix_ns=submitted_unix_ns,
+                )
                 yield event
                 return
             yield event
@@ -116,9 +131,11 @@ async def _run(
             stream.cancel()
 
 
-async def _collect(engine: EngineApi, spec: GenerationRequest) -> tuple[list[TokenDelta], Finished]:
+async def _collect(
+    engine: EngineApi, spec: GenerationRequest, operation: str
+) -> tuple[list[TokenDelta], Finished]:
     deltas: list[TokenDelta] = []
-    async with aclosing(_run(engine, spec)) as events:
+    async with aclosing(_run(engine, spec, operation)) as events:
         async for event in events:
             if isinstance(event, Finished):
                 return deltas, event
@@ -177,7 +194,7 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
         async with ErrorsToStatus(context, request_id):
             engine = self._ready_engine()
             spec = await self._text_request(request, engine, request_id, context)
-            deltas, finished = await _collect(engine, spec)
+            deltas, finished = await _collect(engine, spec, _operation(request))
             return convert.generate_response(request_id, deltas, finished)
 
     async def StreamGenerate(
@@ -187,7 +204,7 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
         async with ErrorsToStatus(context, request_id):
             engine = self._ready_engine()
             spec = await self._text_request(request, engine, request_id, context)
-            async with aclosing(_run(engine, spec)) as events:
+            async with aclosing(_run(engine, spec, _operation(request))) as events:
                 async for event in events:
                     yield convert.stream_generate_response(event, request_id)
 
