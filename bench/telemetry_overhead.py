@@ -1,8 +1,10 @@
 """Telemetry overhead: aggregate tok/s of B concurrent streams (default 8) against two servers
 doing the same work, one with telemetry fully on (Prometheus /metrics scraped every second, a
-handler subscribed to every bus event, info-level JSON access logs written to a file) and one
-minimal (warning-level logs, no metrics, no handler). Repetitions alternate between the two in
-one run (ABBA order) so drift hits both alike. Target from issue 5: <= 2% difference.
+handler subscribed to every bus event, info-level JSON access logs written to a file), one
+minimal (warning-level logs, no metrics, no handler) and one traced (minimal plus OpenTelemetry
+tracing: --otlp-endpoint to a receiver in this process that decodes every export). Repetitions
+rotate the order of the three in one run so drift hits all alike. Targets: full within 2 % of
+minimal (issue 5); traced >= 0.98 of minimal (issue 19).
 
     make bench-telemetry              # or: python bench/telemetry_overhead.py --reps 10
 """
@@ -40,7 +42,7 @@ from common import (
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 
-MODES = ("full", "minimal")
+MODES = ("full", "minimal", "traced")
 TEXT = (
     "Stream {i} of round {r}: describe the harbour town, its lighthouse, fishing boats, market "
     "stalls, narrow streets, old churches, the tides and the people who live there all year."
@@ -67,7 +69,42 @@ def serve_child(mode: str, argv: list[str]) -> int:
 
 
 @contextlib.contextmanager
-def server(mode: str, args: list[str], log_dir: Path) -> Iterator[dict[str, Any]]:
+def otlp_receiver() -> Iterator[dict[str, Any]]:
+    """An OTLP/HTTP traces endpoint that decodes each export and counts its spans."""
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    got: dict[str, Any] = {"spans": 0, "exports": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # http.server's naming
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+            got["exports"] += 1
+            got["spans"] += sum(
+                len(scope.spans) for rs in request.resource_spans for scope in rs.scope_spans
+            )
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    http = HTTPServer(("127.0.0.1", 0), Handler)
+    got["url"] = f"http://127.0.0.1:{http.server_address[1]}/v1/traces"
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        yield got
+    finally:
+        http.shutdown()
+
+
+@contextlib.contextmanager
+def server(
+    mode: str, args: list[str], log_dir: Path, otlp_url: str = ""
+) -> Iterator[dict[str, Any]]:
     """Start one server in `mode`; yields its target, metrics port and log file."""
     port = free_port()
     argv = ["--port", str(port), *args, "--log-format", "json"]
@@ -77,6 +114,8 @@ def server(mode: str, args: list[str], log_dir: Path) -> Iterator[dict[str, Any]
         argv += ["--log-level", "info", "--metrics-port", str(metrics_port)]
     else:
         argv += ["--log-level", "warning"]
+    if mode == "traced":
+        argv += ["--otlp-endpoint", otlp_url]
     log_path = log_dir / f"{mode}.log"
     with log_path.open("wb") as log:
         cmd = [sys.executable, __file__, "--serve", mode, "--", *argv]
@@ -227,20 +266,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     tok_s: dict[str, list[float]] = {mode: [] for mode in MODES}
     with (
         tempfile.TemporaryDirectory() as tmp,
+        otlp_receiver() as receiver,
         server("full", server_args, Path(tmp)) as full,
         server("minimal", server_args, Path(tmp)) as minimal,
+        server("traced", server_args, Path(tmp), receiver["url"]) as traced,
     ):
-        servers = {"full": full, "minimal": minimal}
+        servers = {"full": full, "minimal": minimal, "traced": traced}
         for mode in MODES:  # warm-up, not recorded
             run_once(servers[mode], mode, args, round_=-1)
         for rep in range(args.reps):
-            order = MODES if rep % 4 in (0, 3) else MODES[::-1]  # ABBA
+            shift = rep % len(MODES)
+            order = MODES[shift:] + MODES[:shift]
             for mode in order:
                 seconds, n = run_once(servers[mode], mode, args, round_=rep)
                 tok_s[mode].append(n / seconds)
                 progress(f"rep {rep + 1}/{args.reps} {mode:>7}: {n / seconds:7.1f} tok/s")
         exposition = scrape(full["metrics_port"])
         log_bytes = full["log"].stat().st_size
+        time.sleep(6)  # the traced server's batch processor exports every 5 s
+    traced_m = statistics.median(tok_s["traced"])
+    traced_paired = [t / m for t, m in zip(tok_s["traced"], tok_s["minimal"], strict=True)]
     full_m, minimal_m = statistics.median(tok_s["full"]), statistics.median(tok_s["minimal"])
     paired = [100 * (m - f) / m for f, m in zip(tok_s["full"], tok_s["minimal"], strict=True)]
     ticks = metric_value(exposition, "llama_grpc:iteration_tokens_total_count")
@@ -261,6 +306,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "tok_s_runs": tok_s,
         "overhead_pct_of_medians": 100 * (minimal_m - full_m) / minimal_m,
         "overhead_pct_paired": summary(paired),
+        "traced_ratio_of_medians": traced_m / minimal_m,
+        "traced_ratio_paired": summary(traced_paired),
+        "spans_received": receiver["spans"],
+        "otlp_exports": receiver["exports"],
         "full_server_evidence": {
             "generation_tokens_total": metric_value(
                 exposition, "llama_grpc:generation_tokens_total"
@@ -298,6 +347,7 @@ def main() -> int:
             "full": "--metrics-port (scraped every scrape_interval_s), a handler on every bus "
             "event, --log-level info JSON access logs to a file",
             "minimal": "--log-level warning, no --metrics-port, no handler",
+            "traced": "minimal plus --otlp-endpoint to an OTLP/HTTP receiver in the benchmark",
         },
         "settings": {k: v for k, v in vars(args).items() if k != "serve"},
         "machine": machine_facts(),
@@ -309,6 +359,11 @@ def main() -> int:
         print(f"{mode:>7}: median {result['tok_s'][mode]['median']:7.1f} tok/s")
     print(f"overhead (medians): {result['overhead_pct_of_medians']:+.2f}%")
     print(f"overhead (paired, median): {result['overhead_pct_paired']['median']:+.2f}%")
+    print(
+        f"traced / minimal: {result['traced_ratio_of_medians']:.3f} (medians), paired median "
+        f"{result['traced_ratio_paired']['median']:.3f}; {result['spans_received']} spans "
+        f"received in {result['otlp_exports']} exports"
+    )
     hooks = result["hook_cost_us"]
     print(
         f"engine-thread hook cost: {hooks['full_per_tick_us']:.1f} us/tick "
@@ -330,11 +385,11 @@ def plot(tok_s: dict[str, list[float]]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, marker in zip(MODES, "os", strict=True):
+    for mode, marker in zip(MODES, "os^", strict=True):
         ax.plot(range(1, len(tok_s[mode]) + 1), tok_s[mode], marker + "-", label=mode)
     ax.set_xlabel("repetition")
     ax.set_ylabel("aggregate tokens/s")
-    ax.set_title("Telemetry fully on vs minimal, 8 concurrent streams")
+    ax.set_title("Telemetry fully on vs minimal vs traced, 8 concurrent streams")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
