@@ -85,7 +85,8 @@ def metric_names(expr: str) -> set[str]:
 
 
 def load_dashboard() -> dict[str, Any]:
-    return json.loads(DASHBOARD.read_text())
+    dashboard: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return dashboard
 
 
 def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
