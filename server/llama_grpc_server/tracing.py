@@ -67,8 +67,11 @@ class Tracing:
 
     # -- one RPC -----------------------------------------------------------------------------------
 
-    def start_rpc(self, method: str, metadata: Sequence[tuple[str, Any]] | None) -> RpcSpan:
-        """The SERVER span of one call, child of the caller's traceparent when it sent one."""
+    def start_rpc(
+        self, method: str, metadata: Sequence[tuple[str, Any]] | None, request_id: str
+    ) -> RpcSpan:
+        """The SERVER span of one call, child of the caller's traceparent when it sent one; it
+        names the call's x-request-id (the access log names the trace: either finds the other)."""
         from opentelemetry import trace
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -79,7 +82,12 @@ class Tracing:
             f"{service}/{name}",
             context=parent,
             kind=trace.SpanKind.SERVER,
-            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": service,
+                "rpc.method": name,
+                "llama_grpc.request_id": request_id,
+            },
         )
         return RpcSpan(self, span)
 

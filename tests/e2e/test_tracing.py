@@ -132,6 +132,7 @@ async def test_a_traced_call_continues_the_callers_trace(receiver: Receiver) -> 
     assert "capital" not in str(got) and reply.text not in str(got)  # no content in spans
     access = [e for e in logs if e.get("event") == "rpc"]
     assert access and access[0]["trace_id"] == TRACE_ID
+    assert got["llama_grpc.request_id"] == reply.request_id == access[0]["request_id"]
 
 
 async def test_the_client_sends_the_active_trace_context(receiver: Receiver) -> None:

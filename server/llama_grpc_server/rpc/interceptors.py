@@ -152,7 +152,7 @@ class _Rpc:
         self.tenant_label = server.access.metric_label(self.principal)
         self.rpc_span: RpcSpan | None = None
         if server.tracing is not None:
-            self.rpc_span = server.tracing.start_rpc(method, metadata)
+            self.rpc_span = server.tracing.start_rpc(method, metadata, self.request_id)
         self._span_token: contextvars.Token[RpcSpan | None] | None = None
         self._tokens: (
             tuple[contextvars.Token[str], contextvars.Token[Principal], Mapping[str, Any]] | None
