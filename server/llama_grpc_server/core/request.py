@@ -228,18 +228,17 @@ class Request:
     wait_key: str = ""  # the donor request's key
     wait_tokens: int = 0
     restoring_tokens: int = 0  # > 0 while a RAM-tier restore of this many tokens is in flight
+    # spec.key, computed once: the scheduler and the loop compare it for every token of a tick
+    key: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
         self.tokens = list(self.spec.prompt_tokens)
         self.num_prompt = len(self.tokens)
+        self.key = self.spec.key
 
     @property
     def request_id(self) -> str:
         return self.spec.request_id
-
-    @property
-    def key(self) -> str:
-        return self.spec.key
 
     @property
     def is_waiting(self) -> bool:
