@@ -19,12 +19,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 if TYPE_CHECKING:
     from llama_grpc_server.core.request import Finished, GenerationRequest
 
 ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 SERVICE_NAME = "llama-grpc"
 TRACES_PATH = "/v1/traces"
+
+log = structlog.get_logger("llama_grpc.tracing")
 
 
 def endpoint_from(flag: str, environ: Mapping[str, str]) -> str:
@@ -102,12 +106,16 @@ class RpcSpan:
         return format(self.span.get_span_context().trace_id, "032x")
 
     def end(self, code: str) -> None:
+        """End the span with the call's status; a failure here is logged, never raised."""
         from opentelemetry.trace import Status, StatusCode
 
-        self.span.set_attribute("rpc.grpc.status_code", code)
-        if code not in ("OK", "CANCELLED"):
-            self.span.set_status(Status(StatusCode.ERROR, code))
-        self.span.end()
+        try:
+            self.span.set_attribute("rpc.grpc.status_code", code)
+            if code not in ("OK", "CANCELLED"):
+                self.span.set_status(Status(StatusCode.ERROR, code))
+            self.span.end()
+        except Exception:
+            log.exception("tracing_failed")
 
 
 _span_of_rpc: contextvars.ContextVar[RpcSpan | None] = contextvars.ContextVar(
@@ -133,10 +141,25 @@ def record_generation(
     submitted_unix_ns: int,
 ) -> None:
     """GenAI attributes on the RPC's span, and queue / prefill / decode child spans placed by the
-    engine's timings from the moment the request was submitted. No-op without tracing."""
+    engine's timings from the moment the request was submitted. No-op without tracing; a
+    failure here is logged, never the caller's problem."""
     rpc_span = _span_of_rpc.get()
     if rpc_span is None:
         return
+    try:
+        _record(rpc_span, spec, finished, model, operation, submitted_unix_ns)
+    except Exception:
+        log.exception("tracing_failed")
+
+
+def _record(  # noqa: PLR0917  # record_generation's arguments, passed on
+    rpc_span: RpcSpan,
+    spec: GenerationRequest,
+    finished: Finished,
+    model: str,
+    operation: str,
+    submitted_unix_ns: int,
+) -> None:
     from opentelemetry import trace
 
     span, timings, usage = rpc_span.span, finished.timings, finished.usage
