@@ -362,11 +362,12 @@ async def test_a_clear_cache_whose_caller_gave_up_does_not_kill_the_engine() -> 
     runner.delay_s = 0.2  # the engine thread sits in a forward pass while the caller gives up
     engine = make_loop(runner=runner)
     try:
-        running = engine.submit(req("a", 4, 3).spec)
+        # 10 tokens: however late the first delta is read, the engine is still mid-request
+        running = engine.submit(req("a", 4, 10).spec)
         first = await asyncio.wait_for(anext(aiter(running)), 5)
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(engine.clear_cache(), 0.01)
-        rest = await asyncio.wait_for(read_all(running), 5)
+        rest = await asyncio.wait_for(read_all(running), 10)
         after = await asyncio.wait_for(final(engine, req("b", 4, 2).spec), 5)
         cleared = await asyncio.wait_for(engine.clear_cache(), 5)
     finally:
