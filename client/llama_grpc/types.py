@@ -173,6 +173,16 @@ class Stats:
     # Wall time inside llama_decode since start, and the engine thread's CPU time in it.
     decode_seconds: float = 0.0
     decode_cpu_seconds: float = 0.0
+    # The disk tier (--kv-cache-dir): files, restores (hits), lookups without one (misses),
+    # files written, deleted for the budget, rejected by verification; read time in all.
+    disk_cache_entries: int = 0
+    disk_cache_bytes: int = 0
+    disk_cache_hits: int = 0
+    disk_cache_misses: int = 0
+    disk_cache_writes: int = 0
+    disk_cache_evictions: int = 0
+    disk_cache_verify_failures: int = 0
+    disk_cache_read_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,12 +206,15 @@ class LoadReport:
 
 @dataclass(frozen=True, slots=True)
 class CacheCleared:
-    """What ClearCache freed: idle slots' prefix caches and the server's RAM tier."""
+    """What ClearCache freed: idle slots' prefix caches, the server's RAM tier and its disk
+    tier's files."""
 
     cleared_slots: int
     freed_kv_cells: int
     freed_ram_entries: int
     freed_ram_bytes: int
+    freed_disk_entries: int = 0
+    freed_disk_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

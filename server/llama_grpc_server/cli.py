@@ -184,6 +184,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache_prompt", bool, "scheduler.cache_prompt", "reuse KV of a cached prefix"),
     Option("prompt_cache_ram_mb", int, "scheduler.prompt_cache_ram_mb",
            "RAM tier: MiB of saved slot caches kept after eviction (0 = off)", at_least(0)),
+    Option("kv_cache_dir", str, "scheduler.kv_cache_dir",
+           "disk tier: save slot caches here (evicted ones, idle sessions, all idle ones at "
+           "shutdown) and restore them by longest token prefix, also after a restart or from "
+           "another replica sharing the directory (\"\" = off)", metavar="DIR"),
+    Option("kv_cache_disk_mb", int, "scheduler.kv_cache_disk_mb",
+           "disk tier: MiB the directory may hold; least recently used files go first",
+           at_least(1)),
+    Option("session_idle_s", float, "scheduler.session_idle_s",
+           "disk tier: save an idle slot's cache after this many seconds without use "
+           "(0 = only on eviction and shutdown)", at_least(0), "S"),
     Option("default_max_tokens", int, "scheduler.default_max_tokens",
            "max_tokens when a request sets none", at_least(1)),
     Option("temperature", float, "sampling.temperature", "default temperature (0 = greedy)",
@@ -197,7 +207,14 @@ OPTIONS: tuple[Option, ...] = (
            between(-1, 2**32 - 1)),
 )  # fmt: skip
 BY_NAME: dict[str, Option] = {opt.name: opt for opt in OPTIONS}
-PATH_OPTIONS = ("model", "tls_cert", "tls_key", "tls_client_ca", "auth_tokens_file")
+PATH_OPTIONS = (
+    "model",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+    "auth_tokens_file",
+    "kv_cache_dir",
+)
 
 EPILOG = f"""\
 precedence, lowest first: defaults < TOML config file (--config PATH or {CONFIG_ENV})

@@ -51,6 +51,9 @@ class SchedulerSettings:
     admission_window_ms: float = 2.0
     cache_prompt: bool = True
     prompt_cache_ram_mb: int = 0
+    kv_cache_dir: str = ""  # the disk tier (kv_disk.py); "" = off
+    kv_cache_disk_mb: int = 4096
+    session_idle_s: float = 30.0
     default_max_tokens: int = 256
     max_stop_strings: int = 16
     max_stop_length: int = 256

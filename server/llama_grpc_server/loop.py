@@ -296,6 +296,8 @@ class EngineLoop:
             while self._drain_inbox():
                 self._tick()
             self._deliver(self._scheduler.fail_all(errors.ShuttingDown("engine stopped")))
+            if self._scheduler.persist_idle(everything=True):
+                self._tick()  # the disk tier's saves of every idle cache (a plan of KV ops)
         except BaseException as exc:  # the thread must not die silently, whatever it was
             self._fail(exc)
 
@@ -331,7 +333,8 @@ class EngineLoop:
         """Apply submissions and cancellations; sleep while there is nothing to do."""
         with self._wake:
             while not self._inbox and not self._scheduler.has_work and not self._is_stopping:
-                self._wake.wait()
+                self._wake.wait(self._scheduler.idle_wait_s())
+                self._scheduler.persist_idle()  # an idle session due for the disk tier
             if self._admission_window_s > 0 and not self._scheduler.has_work:
                 self._gather_burst()
             inbox, self._inbox = self._inbox, []

@@ -22,7 +22,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from llama_grpc_server.core.api import StatsSnapshot
+from llama_grpc_server.core.api import DiskTierStats, StatsSnapshot
 from llama_grpc_server.telemetry import RequestEvent, TickEvent
 
 PREFIX = "llama_grpc:"
@@ -189,6 +189,7 @@ class _SnapshotCollector:
         s = self._metrics.snapshot()
         if s is None:
             return
+        disk = s.disk_cache or DiskTierStats()
         gauges = {
             "num_requests_running": ("Requests holding a slot.", s.active_slots),
             "num_requests_waiting": ("Requests in the queue.", s.queue_depth),
@@ -198,6 +199,8 @@ class _SnapshotCollector:
             ),
             "ram_cache_entries": ("Slot caches saved in the RAM tier.", s.ram_cache_entries),
             "ram_cache_bytes": ("Bytes held by the RAM tier.", s.ram_cache_bytes),
+            "disk_cache_entries": ("Files in the disk tier.", disk.entries),
+            "disk_cache_bytes": ("Bytes of the disk tier's files.", disk.bytes),
             "engine_up": (
                 "1 while the engine thread serves; 0 once it has failed (see GetStats).",
                 0 if s.engine_state == "failed" else 1,
@@ -225,6 +228,19 @@ class _SnapshotCollector:
             "ram_cache_hits": ("RAM-tier restores.", s.ram_cache_hits),
             "ram_cache_misses": ("RAM-tier lookups without a restore.", s.ram_cache_misses),
             "ram_cache_evictions": ("RAM-tier entries evicted.", s.ram_cache_evictions),
+            "disk_cache_hits": ("Disk-tier restores.", disk.hits),
+            "disk_cache_misses": ("Disk-tier lookups without a restore.", disk.misses),
+            "disk_cache_writes": ("Disk-tier files written.", disk.writes),
+            "disk_cache_evictions": ("Disk-tier files deleted for the budget.", disk.evictions),
+            "disk_cache_verify_failures": (
+                "Disk-tier files rejected (corrupt, truncated, another model).",
+                disk.verify_failures,
+            ),
+            "disk_cache_read_seconds": (
+                "Time reading and verifying disk-tier files for restores.",
+                disk.read_seconds,
+            ),
+            "disk_cache_read_bytes": ("Bytes read for disk-tier restores.", disk.read_bytes),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from llama_grpc.v1 import llm_service_pb2 as pb
-from llama_grpc_server.core.api import SlotSnapshot, StatsSnapshot
+from llama_grpc_server.core.api import DiskTierStats, SlotSnapshot, StatsSnapshot
 from llama_grpc_server.core.request import Finished, FinishReason, Timings, TokenDelta, Usage
 from llama_grpc_server.rpc import convert
 from llama_grpc_server.testing import fake_model_info
@@ -94,16 +94,26 @@ def make_snapshot() -> StatsSnapshot:
         prefix_cache_hit_rate=0.75,
         engine_state="failed",
         engine_error="RuntimeError: boom",
+        disk_cache=DiskTierStats(
+            **{f.name: 100 + i for i, f in enumerate(dataclasses.fields(DiskTierStats))}
+        ),
     )
 
 
 def test_stats_round_trip_every_field() -> None:
-    """Every snapshot field, slots included, arrives under the same name."""
+    """Every snapshot field, slots included, arrives under the same name (the disk tier's as
+    disk_cache_<name>); the snapshot's DiskTierStats fields the proto lacks are named here."""
     snapshot = make_snapshot()
     message = convert.stats_response(snapshot)
+    carried = set()
     for f in pb.GetStatsResponse.DESCRIPTOR.fields:
-        if f.name != "slots":
+        if f.name.startswith("disk_cache_"):
+            name = f.name.removeprefix("disk_cache_")
+            assert getattr(message, f.name) == getattr(snapshot.disk_cache, name), f.name
+            carried.add(name)
+        elif f.name != "slots":
             assert getattr(message, f.name) == getattr(snapshot, f.name), f.name
+    assert {f.name for f in dataclasses.fields(DiskTierStats)} - carried == {"read_bytes"}
     assert [(s.slot_id, s.state, s.request_id, s.cached_tokens) for s in message.slots] == [
         (0, "generating", "req-9", 40),
         (1, "idle", "", 12),
@@ -111,9 +121,12 @@ def test_stats_round_trip_every_field() -> None:
 
 
 def test_every_stats_proto_field_comes_from_the_snapshot() -> None:
-    """Each GetStatsResponse field has a snapshot field of the same name (none left at zero)."""
+    """Each GetStatsResponse field has a snapshot field of the same name, or a DiskTierStats
+    field for disk_cache_<name> (none left at zero)."""
     proto_fields = {f.name for f in pb.GetStatsResponse.DESCRIPTOR.fields}
-    assert proto_fields <= {f.name for f in dataclasses.fields(StatsSnapshot)}
+    sources = {f.name for f in dataclasses.fields(StatsSnapshot)}
+    sources |= {"disk_cache_" + f.name for f in dataclasses.fields(DiskTierStats)}
+    assert proto_fields <= sources
 
 
 def test_model_info_round_trip() -> None:

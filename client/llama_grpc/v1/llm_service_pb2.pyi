@@ -139,6 +139,8 @@ class ClearCacheResponse(_message.Message):
     FREED_KV_CELLS_FIELD_NUMBER: _builtins.int
     FREED_RAM_ENTRIES_FIELD_NUMBER: _builtins.int
     FREED_RAM_BYTES_FIELD_NUMBER: _builtins.int
+    FREED_DISK_ENTRIES_FIELD_NUMBER: _builtins.int
+    FREED_DISK_BYTES_FIELD_NUMBER: _builtins.int
     cleared_slots: _builtins.int
     """Idle slots whose prefix cache was dropped."""
     freed_kv_cells: _builtins.int
@@ -146,6 +148,9 @@ class ClearCacheResponse(_message.Message):
     freed_ram_entries: _builtins.int
     """Saved caches dropped from the RAM tier, and their bytes."""
     freed_ram_bytes: _builtins.int
+    freed_disk_entries: _builtins.int
+    """Files deleted from the disk tier (--kv-cache-dir), and their bytes."""
+    freed_disk_bytes: _builtins.int
     def __init__(
         self,
         *,
@@ -153,10 +158,12 @@ class ClearCacheResponse(_message.Message):
         freed_kv_cells: _builtins.int = ...,
         freed_ram_entries: _builtins.int = ...,
         freed_ram_bytes: _builtins.int = ...,
+        freed_disk_entries: _builtins.int = ...,
+        freed_disk_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared_slots", b"cleared_slots", "freed_kv_cells", b"freed_kv_cells", "freed_ram_bytes", b"freed_ram_bytes", "freed_ram_entries", b"freed_ram_entries"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared_slots", b"cleared_slots", "freed_disk_bytes", b"freed_disk_bytes", "freed_disk_entries", b"freed_disk_entries", "freed_kv_cells", b"freed_kv_cells", "freed_ram_bytes", b"freed_ram_bytes", "freed_ram_entries", b"freed_ram_entries"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1191,6 +1198,14 @@ class GetStatsResponse(_message.Message):
     ENGINE_ERROR_FIELD_NUMBER: _builtins.int
     DECODE_SECONDS_FIELD_NUMBER: _builtins.int
     DECODE_CPU_SECONDS_FIELD_NUMBER: _builtins.int
+    DISK_CACHE_ENTRIES_FIELD_NUMBER: _builtins.int
+    DISK_CACHE_BYTES_FIELD_NUMBER: _builtins.int
+    DISK_CACHE_HITS_FIELD_NUMBER: _builtins.int
+    DISK_CACHE_MISSES_FIELD_NUMBER: _builtins.int
+    DISK_CACHE_WRITES_FIELD_NUMBER: _builtins.int
+    DISK_CACHE_EVICTIONS_FIELD_NUMBER: _builtins.int
+    DISK_CACHE_VERIFY_FAILURES_FIELD_NUMBER: _builtins.int
+    DISK_CACHE_READ_SECONDS_FIELD_NUMBER: _builtins.int
     n_parallel: _builtins.int
     active_slots: _builtins.int
     idle_slots: _builtins.int
@@ -1232,6 +1247,23 @@ class GetStatsResponse(_message.Message):
     the forward passes and everything else (bench/overhead.py).
     """
     decode_cpu_seconds: _builtins.float
+    disk_cache_entries: _builtins.int
+    """Disk tier (--kv-cache-dir): saved slot caches in files of this server's model and
+    configuration, kept across restarts and shared by replicas using one directory (all 0
+    without it). Hits are restores from disk; misses, lookups that restored nothing from disk.
+    """
+    disk_cache_bytes: _builtins.int
+    disk_cache_hits: _builtins.int
+    disk_cache_misses: _builtins.int
+    disk_cache_writes: _builtins.int
+    disk_cache_evictions: _builtins.int
+    """Files deleted to fit --kv-cache-disk-mb."""
+    disk_cache_verify_failures: _builtins.int
+    """Files skipped and deleted because they were truncated or corrupt, or claimed this server's
+    model and configuration without matching it.
+    """
+    disk_cache_read_seconds: _builtins.float
+    """Time spent reading and verifying files for restores, in all (divide by hits for the mean)."""
     @_builtins.property
     def slots(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotStats]: ...
     def __init__(
@@ -1269,10 +1301,18 @@ class GetStatsResponse(_message.Message):
         engine_error: _builtins.str = ...,
         decode_seconds: _builtins.float = ...,
         decode_cpu_seconds: _builtins.float = ...,
+        disk_cache_entries: _builtins.int = ...,
+        disk_cache_bytes: _builtins.int = ...,
+        disk_cache_hits: _builtins.int = ...,
+        disk_cache_misses: _builtins.int = ...,
+        disk_cache_writes: _builtins.int = ...,
+        disk_cache_evictions: _builtins.int = ...,
+        disk_cache_verify_failures: _builtins.int = ...,
+        disk_cache_read_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "decode_cpu_seconds", b"decode_cpu_seconds", "decode_seconds", b"decode_seconds", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "n_parallel", b"n_parallel", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "slots", b"slots", "ticks", b"ticks", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "decode_cpu_seconds", b"decode_cpu_seconds", "decode_seconds", b"decode_seconds", "disk_cache_bytes", b"disk_cache_bytes", "disk_cache_entries", b"disk_cache_entries", "disk_cache_evictions", b"disk_cache_evictions", "disk_cache_hits", b"disk_cache_hits", "disk_cache_misses", b"disk_cache_misses", "disk_cache_read_seconds", b"disk_cache_read_seconds", "disk_cache_verify_failures", b"disk_cache_verify_failures", "disk_cache_writes", b"disk_cache_writes", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "n_parallel", b"n_parallel", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "slots", b"slots", "ticks", b"ticks", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

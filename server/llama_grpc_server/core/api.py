@@ -79,6 +79,23 @@ class StatsSnapshot:
     engine_error: str = ""  # why the engine failed ("" unless engine_state is "failed")
     decode_seconds: float = 0.0  # wall time inside llama_decode since start
     decode_cpu_seconds: float = 0.0  # the engine thread's CPU time inside llama_decode
+    disk_cache: DiskTierStats | None = None  # None = no disk tier
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTierStats:
+    """The KV disk tier (kv_disk.KvDiskStore): files of this engine's fingerprint and counters
+    since start."""
+
+    entries: int = 0
+    bytes: int = 0
+    hits: int = 0  # restores from disk
+    misses: int = 0  # lookups that restored nothing from disk
+    writes: int = 0
+    evictions: int = 0  # files deleted to fit the byte budget
+    verify_failures: int = 0  # corrupt, truncated or mismatched files (skipped and deleted)
+    read_seconds: float = 0.0  # reading + verifying files for restores, in all
+    read_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +106,8 @@ class CacheCleared:
     freed_kv_cells: int = 0
     freed_ram_entries: int = 0
     freed_ram_bytes: int = 0
+    freed_disk_entries: int = 0
+    freed_disk_bytes: int = 0
 
 
 class RequestStream(Protocol):

@@ -1,15 +1,20 @@
 """KvCacheManager: every KV edit of the slot pool. It decides what a placed request reuses (LCP
-of the slot's cache, a copy from another slot, a RAM-tier restore, or a wait for a shared prefix
-a busy slot is computing), queues the seq_rm / seq_cp / save / restore ops the runner applies
-before the next decode, mirrors them in the cell map, and applies what the runner reports back.
-Pure Python; used by the Scheduler on the engine thread only."""
+of the slot's cache, a copy from another slot, a RAM- or disk-tier restore, or a wait for a
+shared prefix a busy slot is computing), queues the seq_rm / seq_cp / save / restore ops the
+runner applies before the next decode, mirrors them in the cell map, and applies what the runner
+reports back. Pure Python; used by the Scheduler on the engine thread only.
+
+The tiers: an idle slot's cache that is about to be destroyed is saved to the RAM tier (when on),
+else to the disk tier; what the RAM tier evicts goes to the disk tier; an idle session's cache is
+also written to disk after session_idle_ns, and every idle cache at shutdown (persist_idle)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from llama_grpc_server.core import prefix_cache
-from llama_grpc_server.core.api import CacheCleared
+from llama_grpc_server.core.api import CacheCleared, DiskTierStats
 from llama_grpc_server.core.kv_cells import CellMap
 from llama_grpc_server.core.plan import Chunk, SeqOp, SeqOpKind, StepResult
 from llama_grpc_server.core.request import Request
@@ -25,6 +30,26 @@ an entry only when it beats what the slots offer by at least this many tokens.""
 CountCached = Callable[[Request, int], None]  # record a request's cached prompt tokens
 
 
+class DiskTier(Protocol):
+    """Saved states on disk (kv_disk.KvDiskStore), verified before they are handed out."""
+
+    def lookup(self, scope: str, tokens: Sequence[int]) -> tuple[str, int]:
+        """(key, usable prefix) of the saved state sharing the longest prefix; ("", 0)."""
+        ...
+
+    def load(self, key: str, scope: str) -> tuple[list[int], bytes] | None:
+        """(tokens, state) when the saved state is intact; None otherwise."""
+        ...
+
+    def put(self, scope: str, tokens: Sequence[int], blob: bytes) -> None: ...
+
+    def record_miss(self) -> None: ...
+
+    def clear(self) -> tuple[int, int]: ...
+
+    def stats(self) -> DiskTierStats: ...
+
+
 class KvCacheManager:
     def __init__(
         self,
@@ -34,15 +59,20 @@ class KvCacheManager:
         supports_partial_removal: bool = True,
         ram_cache_bytes: int = 0,
         ram_min_tokens: int = 64,
+        disk: DiskTier | None = None,
+        session_idle_ns: int = 0,
     ) -> None:
         self.slots = slots
         self.cells = CellMap()  # cells shared through seq_cp count once
         self.ram = prefix_cache.RamTier(ram_cache_bytes) if ram_cache_bytes else None
+        self.disk = disk
+        self._session_idle_ns = session_idle_ns
         self._count_cached = count_cached
         self._supports_partial_removal = supports_partial_removal
         self._ram_min_tokens = ram_min_tokens
         self._ops: list[SeqOp] = []
-        self._saving: dict[int, tuple[str, list[int]]] = {}  # seq_id -> (scope, tokens)
+        # seq_id -> (scope, tokens, to disk only): the SAVE ops in flight
+        self._saving: dict[int, tuple[str, list[int], bool]] = {}
 
     # -- the op queue -----------------------------------------------------------------------------
 
@@ -80,7 +110,12 @@ class KvCacheManager:
                 cleared += 1
         self._saving.clear()  # a save still in flight is not kept either
         entries, num_bytes = self.ram.clear() if self.ram is not None else (0, 0)
-        return CacheCleared(cleared, used - self.cells.num_used(), entries, num_bytes)
+        files, file_bytes = self.disk.clear() if self.disk is not None else (0, 0)
+        for slot in self.slots:
+            slot.persisted_tokens = 0
+        return CacheCleared(
+            cleared, used - self.cells.num_used(), entries, num_bytes, files, file_bytes
+        )
 
     # -- placing a request ------------------------------------------------------------------------
 
@@ -95,18 +130,41 @@ class KvCacheManager:
         return self._reuse(slot, placement if request.spec.cache_prompt else None)
 
     def _try_restore(self, slot: Slot, request: Request, num_cached: int) -> int:
-        """Restore a saved state from the RAM tier when it beats what the slots offer; returns
-        the prefix length it will provide (0 = no restore)."""
-        if self.ram is None or not request.spec.cache_prompt or request.num_preemptions:
+        """Restore a saved state from the RAM or disk tier when it beats what the slots offer
+        (the longer verified prefix wins; RAM on a tie); returns the prefix length it will
+        provide (0 = no restore)."""
+        spec = request.spec
+        if not spec.cache_prompt or request.num_preemptions:
             return 0
-        key, n = self.ram.best(request.spec.cache_scope, request.tokens)
-        if key < 0 or n < num_cached + MIN_RAM_TIER_TOKENS:
+        if self.ram is None and self.disk is None:
+            return 0
+        ram_key, ram_n = self.ram.best(spec.cache_scope, request.tokens) if self.ram else (-1, 0)
+        if self.disk is not None:
+            disk_key, disk_n = self.disk.lookup(spec.cache_scope, request.tokens)
+            if disk_n > ram_n and disk_n >= num_cached + MIN_RAM_TIER_TOKENS:
+                loaded = self.disk.load(disk_key, spec.cache_scope)
+                if loaded is not None:
+                    if self.ram is not None:
+                        self.ram.misses += 1
+                    return self._restore(slot, request, *loaded)
+            self.disk.record_miss()
+        if self.ram is None:
+            return 0
+        if ram_key < 0 or ram_n < num_cached + MIN_RAM_TIER_TOKENS:
             self.ram.misses += 1
             return 0
-        entry = self.ram.take(key)
+        entry = self.ram.take(ram_key)
+        return self._restore(slot, request, list(entry.tokens), entry.data)
+
+    def _restore(self, slot: Slot, request: Request, tokens: list[int], data: bytes) -> int:
+        """Load a saved state into the slot and keep only the prefix it shares with the
+        request (verified here, token by token: never trust what a lookup said)."""
+        n = min(prefix_cache.common_prefix_length(tokens, request.tokens), len(request.tokens) - 1)
+        if n <= 0:
+            return 0
         self.drop_cache(slot)
-        self._queue(SeqOp(SeqOpKind.RESTORE, slot.slot_id, data=entry.data), len(entry.tokens))
-        if len(entry.tokens) > n:
+        self._queue(SeqOp(SeqOpKind.RESTORE, slot.slot_id, data=data), len(tokens))
+        if len(tokens) > n:
             self._queue(SeqOp(SeqOpKind.REMOVE, slot.slot_id, n, -1))
         return n
 
@@ -133,17 +191,51 @@ class KvCacheManager:
         held = slot.idle_cache if slot.is_idle else slot.kv_tokens()
         if not held or len(held) <= keep:
             return
+        on_disk = self.ram is None and slot.persisted_tokens >= len(held)
         if (
-            self.ram is not None
+            (self.ram is not None or self.disk is not None)
             and slot.is_idle
+            and not on_disk
             and len(held) >= self._ram_min_tokens
             and len(held) - keep >= MIN_RAM_TIER_TOKENS
         ):
-            self._saving[slot.slot_id] = (slot.cache_scope, list(held))
+            self._saving[slot.slot_id] = (slot.cache_scope, list(held), self.ram is None)
             self._queue(SeqOp(SeqOpKind.SAVE, slot.slot_id))
         self._queue(SeqOp(SeqOpKind.REMOVE, slot.slot_id, keep, -1))
         if slot.is_idle:
             slot.idle_cache = held[:keep]
+
+    # -- the disk tier's writes -------------------------------------------------------------------
+
+    def persist_idle(self, now_ns: int, *, everything: bool = False) -> bool:
+        """Queue a save to the disk tier of every idle cache not yet written whose session has
+        been idle session_idle_ns (of every one, at shutdown: `everything`). True if any."""
+        if self.disk is None or (self._session_idle_ns <= 0 and not everything):
+            return False
+        queued = False
+        for slot in self.slots:
+            if not self._wants_persist(slot):
+                continue
+            if everything or now_ns - slot.last_used_ns >= self._session_idle_ns:
+                self._saving[slot.slot_id] = (slot.cache_scope, list(slot.idle_cache), True)
+                self._queue(SeqOp(SeqOpKind.SAVE, slot.slot_id))
+                slot.persisted_tokens = len(slot.idle_cache)
+                queued = True
+        return queued
+
+    def next_persist_ns(self) -> int | None:
+        """When the next idle session is due for the disk tier (scheduler clock), or None."""
+        if self.disk is None or self._session_idle_ns <= 0:
+            return None
+        due = [s.last_used_ns + self._session_idle_ns for s in self.slots if self._wants_persist(s)]
+        return min(due) if due else None
+
+    def _wants_persist(self, slot: Slot) -> bool:
+        return (
+            slot.is_idle
+            and len(slot.idle_cache) >= self._ram_min_tokens
+            and slot.persisted_tokens < len(slot.idle_cache)
+        )
 
     # -- sharing a prefix a busy slot is computing ------------------------------------------------
 
@@ -203,9 +295,15 @@ class KvCacheManager:
         for seq_id in result.reset:
             self._reset(seq_id)
         for seq_id, data in result.saved.items():
-            scope, tokens = self._saving.pop(seq_id, ("", []))
-            if self.ram is not None and tokens:
-                self.ram.put(scope, tokens, data)
+            scope, tokens, disk_only = self._saving.pop(seq_id, ("", [], False))
+            if not tokens:
+                continue
+            if self.ram is not None and not disk_only:
+                for evicted in self.ram.put(scope, tokens, data):
+                    if self.disk is not None:
+                        self.disk.put(evicted.scope, evicted.tokens, evicted.data)
+            elif self.disk is not None:
+                self.disk.put(scope, tokens, data)
         for seq_id, ok in result.restored.items():
             request = self.slots[seq_id].request
             if request is None or not request.restoring_tokens:

@@ -116,20 +116,24 @@ class RamTier:
     def num_entries(self) -> int:
         return len(self._entries)
 
-    def put(self, scope: str, tokens: Sequence[int], data: bytes) -> None:
+    def put(self, scope: str, tokens: Sequence[int], data: bytes) -> list[RamEntry]:
+        """Store a state; returns the entries evicted to make room (for the disk tier). Entries
+        it supersedes (prefixes of it) are dropped, not returned: the new one covers them."""
         if not data or len(data) > self.max_bytes:
-            return
+            return []
         tokens = tuple(tokens)
         for key, entry in list(self._entries.items()):
             # an entry whose tokens are a prefix of the new one is superseded by it
             if entry.scope == scope and tokens[: len(entry.tokens)] == entry.tokens:
                 self._drop(key)
+        evicted: list[RamEntry] = []
         while self.num_bytes + len(data) > self.max_bytes and self._entries:
-            self._drop(next(iter(self._entries)))
+            evicted.append(self._drop(next(iter(self._entries))))
             self.evictions += 1
         self._entries[self._next_key] = RamEntry(scope, tokens, data)
         self._next_key += 1
         self.num_bytes += len(data)
+        return evicted
 
     def clear(self) -> tuple[int, int]:
         """Drop every entry; (entries, bytes) dropped."""
@@ -138,9 +142,10 @@ class RamTier:
         self.num_bytes = 0
         return dropped
 
-    def _drop(self, key: int) -> None:
+    def _drop(self, key: int) -> RamEntry:
         entry = self._entries.pop(key)
         self.num_bytes -= len(entry.data)
+        return entry
 
     def best(self, scope: str, tokens: Sequence[int]) -> tuple[int, int]:
         """(key, usable prefix length) of the entry sharing the longest verified prefix."""

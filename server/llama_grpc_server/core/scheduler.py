@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from llama_grpc_server import errors
 from llama_grpc_server.core import context_fit, prefix_cache, stats
 from llama_grpc_server.core.api import CacheCleared, StatsSnapshot
-from llama_grpc_server.core.kv_manager import KvCacheManager
+from llama_grpc_server.core.kv_manager import DiskTier, KvCacheManager
 from llama_grpc_server.core.outputs import Outputs
 from llama_grpc_server.core.plan import (
     DECODE_KV_FULL,
@@ -63,6 +63,7 @@ class SchedulerLimits:
     supports_partial_removal: bool = True
     ram_cache_bytes: int = 0  # 0 = no RAM tier
     ram_min_tokens: int = 64  # smaller caches are not worth saving
+    session_idle_s: float = 0.0  # an idle session's cache goes to the disk tier after this
     tenants: Mapping[str, TenantLimits] = field(default_factory=dict)  # others: TenantLimits()
 
 
@@ -76,6 +77,7 @@ class Scheduler:
         pieces: Sequence[bytes],
         eog_ids: frozenset[int],
         strategy: BatchStrategy | None = None,
+        disk: DiskTier | None = None,
         clock_ns: Callable[[], int] = time.perf_counter_ns,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -92,6 +94,8 @@ class Scheduler:
             supports_partial_removal=limits.supports_partial_removal,
             ram_cache_bytes=limits.ram_cache_bytes,
             ram_min_tokens=limits.ram_min_tokens,
+            disk=disk,
+            session_idle_ns=int(limits.session_idle_s * 1e9),
         )
         self.outputs = Outputs(pieces, eog_ids, limits.n_ctx)
         self._clock_ns = clock_ns
@@ -157,8 +161,20 @@ class Scheduler:
         return []
 
     def clear_cache(self) -> CacheCleared:
-        """Forget the idle slots' prefix caches and the RAM tier (an admin's ClearCache)."""
+        """Forget the idle slots' prefix caches, the RAM tier and the disk tier (an admin's
+        ClearCache)."""
         return self.kv.clear_idle()
+
+    def idle_wait_s(self) -> float | None:
+        """How long the idle engine may sleep before an idle session is due for the disk tier
+        (None: until something arrives)."""
+        due = self.kv.next_persist_ns()
+        return None if due is None else max(0.0, (due - self._clock_ns()) / 1e9)
+
+    def persist_idle(self, *, everything: bool = False) -> bool:
+        """Queue the disk-tier saves that are due (all of them at shutdown); True if any (the
+        next schedule() carries them)."""
+        return self.kv.persist_idle(self._clock_ns(), everything=everything)
 
     def fail_all(self, error: errors.ServiceError) -> Emitted:
         """Fail everything queued or running (engine shutdown)."""
@@ -187,6 +203,7 @@ class Scheduler:
         events = self._expire()
         self._admit()
         self.kv.resolve_waits()
+        self.kv.persist_idle(self._clock_ns())
         plan = StepPlan(
             tick=self._tick,
             chunks=tuple(self._chunks()),
@@ -246,7 +263,7 @@ class Scheduler:
         )
         slot = self.slots[placement.slot_id]
         kept = self.kv.prepare(slot, request, placement)
-        slot.request, slot.idle_cache = request, []
+        slot.request, slot.idle_cache, slot.persisted_tokens = request, [], 0
         slot.cache_scope, slot.session_id = spec.cache_scope, spec.session_id
         request.slot_id, request.num_computed = slot.slot_id, kept
         request.state = RequestState.PREFILLING
@@ -492,4 +509,5 @@ class Scheduler:
             self.strategy.name,
             self.kv.ram,
             (self._clock_ns() - self._started_ns) / 1e9,
+            self.kv.disk.stats() if self.kv.disk is not None else None,
         )

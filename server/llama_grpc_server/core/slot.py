@@ -17,6 +17,7 @@ class Slot:
     cache_scope: str = ""
     session_id: str = ""
     last_used_ns: int = 0
+    persisted_tokens: int = 0  # of idle_cache already saved to the disk tier
 
     @property
     def is_idle(self) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from llama_grpc_server.core.api import SlotSnapshot, StatsSnapshot
+from llama_grpc_server.core.api import DiskTierStats, SlotSnapshot, StatsSnapshot
 from llama_grpc_server.core.prefix_cache import RamTier
 from llama_grpc_server.core.slot import Slot
 
@@ -40,6 +40,7 @@ def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact
     batch_strategy: str,
     ram: RamTier | None,
     uptime_s: float,
+    disk: DiskTierStats | None = None,
 ) -> StatsSnapshot:
     slot_views = tuple(
         SlotSnapshot(
@@ -84,4 +85,5 @@ def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact
         ram_cache_hits=ram.hits if ram is not None else 0,
         ram_cache_misses=ram.misses if ram is not None else 0,
         ram_cache_evictions=ram.evictions if ram is not None else 0,
+        disk_cache=disk,
     )

@@ -12,8 +12,9 @@ from llama_grpc_server.core.strategies import load_strategy
 from llama_grpc_server.engine import logs
 from llama_grpc_server.engine.llama import LlamaModel
 from llama_grpc_server.engine.runner import Runner
+from llama_grpc_server.kv_disk import KvDiskStore
 from llama_grpc_server.loop import DoneHook, EngineLoop, TickHook
-from llama_grpc_server.model_files import DEFAULT_MODEL_NAME, default_model_path
+from llama_grpc_server.model_files import DEFAULT_MODEL_NAME, default_model_path, file_sha256
 
 
 def resolve_model(settings: Settings) -> tuple[str, str]:
@@ -45,6 +46,13 @@ def build_engine(
     strategy = load_strategy(sched.batch_strategy)
     model = LlamaModel(settings.model, path, sched.n_parallel)
     runner = Runner(model)
+    disk = None
+    if sched.kv_cache_dir:
+        disk = KvDiskStore(
+            sched.kv_cache_dir,
+            model.kv_fingerprint(file_sha256(path)),
+            sched.kv_cache_disk_mb * 1024 * 1024,
+        )
     scheduler = Scheduler(
         SchedulerLimits(
             n_parallel=sched.n_parallel,
@@ -54,14 +62,18 @@ def build_engine(
             max_queue=sched.max_queue,
             supports_partial_removal=model.supports_partial_removal,
             ram_cache_bytes=sched.prompt_cache_ram_mb * 1024 * 1024,
+            session_idle_s=sched.session_idle_s,
             tenants=sched.tenant_limits,
         ),
         pieces=model.pieces,
         eog_ids=model.eog_ids,
         strategy=strategy,
+        disk=disk,
     )
 
     def close() -> None:
+        if disk is not None:
+            disk.close()  # the saves queued at shutdown reach the disk first
         runner.close()
         model.close()
 

@@ -170,6 +170,22 @@ class LlamaModel:
             ),
         )
 
+    def kv_fingerprint(self, model_sha256: str) -> dict[str, object]:
+        """Everything that decides what a saved sequence state means: a disk-tier file made under
+        any other value is never restored here (kv_disk.py)."""
+        params = self._context_params(self.n_seq_max)
+        return {
+            "model_sha256": model_sha256,
+            "n_ctx": self.n_ctx,
+            "type_k": int(params.type_k),
+            "type_v": int(params.type_v),
+            "flash_attn": self.settings.flash_attn,
+            "swa_full": bool(params.swa_full),
+            "kv_unified": bool(params.kv_unified),
+            "n_gpu_layers": self.settings.n_gpu_layers,
+            "llama_cpp_python": llama_cpp.__version__,
+        }
+
     # -- memory (engine thread only) -------------------------------------------------------------
 
     def seq_remove(self, seq_id: int, p0: int, p1: int = -1) -> bool:

@@ -105,10 +105,19 @@ def generate_tokens_response(
     return pb.GenerateTokensResponse(done=generation_done(event, request_id))
 
 
+DISK = "disk_cache_"  # GetStatsResponse's disk-tier fields: StatsSnapshot.disk_cache's, by name
+
+
 def stats_response(snapshot: StatsSnapshot) -> pb.GetStatsResponse:
     """Field for field by name; snapshot fields the proto does not carry (yet) are left out."""
     names = [f.name for f in pb.GetStatsResponse.DESCRIPTOR.fields if f.name != "slots"]
-    fields = {name: getattr(snapshot, name) for name in names}
+    fields = {name: getattr(snapshot, name) for name in names if not name.startswith(DISK)}
+    if snapshot.disk_cache is not None:
+        fields |= {
+            name: getattr(snapshot.disk_cache, name.removeprefix(DISK))
+            for name in names
+            if name.startswith(DISK)
+        }
     slots = [pb.SlotStats(**dataclasses.asdict(slot)) for slot in snapshot.slots]
     return pb.GetStatsResponse(**fields, slots=slots)
 
