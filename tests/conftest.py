@@ -3,10 +3,15 @@ as `from ..conftest import ...`)."""
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -17,6 +22,44 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.model)
         if "e2e" in parts:
             item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """Undo configure_logging(): structlog defaults and the root logger's handlers and level."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    structlog.reset_defaults()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+# -- a second real model ---------------------------------------------------------------------------
+
+SECOND_MODEL_TYPE = "Q8_0"
+
+
+def built_models_dir() -> Path:
+    """Where built test models are kept between sessions (one build per machine)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "llama-grpc" / "test-models"
+
+
+@pytest.fixture(scope="session")
+def second_model_path() -> Path:
+    """The embedded model re-quantized to Q8_0 by llama.cpp: a second real model, with its own
+    file, size, sha256 and quantization (same architecture and vocabulary). Built once per
+    machine (1.6 s on the 2-core dev box), cached under ~/.cache/llama-grpc/test-models/ by
+    the source's sha256; the write is atomic."""
+    from llama_grpc_server.engine.quantize import quantize
+    from llama_grpc_server.model_files import default_model_path, file_sha256
+
+    source = default_model_path()
+    path = built_models_dir() / f"embedded-{file_sha256(source)[:16]}-{SECOND_MODEL_TYPE}.gguf"
+    if not path.is_file():
+        quantize(source, path, SECOND_MODEL_TYPE)
+    return path
 
 
 def free_port() -> int:

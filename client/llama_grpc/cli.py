@@ -1,7 +1,8 @@
-"""`llama-grpc` command line: call a server (generate, stream, tokenize...) or `serve` one.
+"""`llama-grpc` command line: call a server (generate, stream, tokenize...), `serve` one, or
+list and check local `models`.
 
-Reads LLAMA_GRPC_TARGET and LLAMA_GRPC_TOKEN; `serve` is handed to llama_grpc_server.cli,
-imported only when asked.
+Reads LLAMA_GRPC_TARGET and LLAMA_GRPC_TOKEN; `serve` and `models` are handed to
+llama_grpc_server.cli and llama_grpc_server.models_cli, imported only when asked.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from llama_grpc.types import Delta, Done
 TARGET_ENV = "LLAMA_GRPC_TARGET"
 TOKEN_ENV = "LLAMA_GRPC_TOKEN"
 SERVE_HINT = "llama-grpc serve needs the server extra: pip install 'llama-grpc[server]'"
+# Commands run by the server package, given the rest of the command line: name -> module.
+SERVER_COMMANDS = {"serve": "llama_grpc_server.cli", "models": "llama_grpc_server.models_cli"}
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -215,18 +218,25 @@ def build_parser(default_target: str = DEFAULT_TARGET) -> argparse.ArgumentParse
     health = _add_command(commands, "health", run_health, [connection])
     health.add_argument("--service", default="", help='service name ("" = whole server)')
     commands.add_parser("serve", help="run a server (needs the [server] extra; see serve --help)")
+    commands.add_parser(
+        "models",
+        help="list, inspect, verify and name local GGUF models: list | info | verify | add "
+        "(needs the [server] extra; see models --help)",
+    )
     return parser
 
 
-def serve(argv: Sequence[str]) -> int:
-    """Hand `llama-grpc serve ARGS` to the server's CLI, when the server extra is installed."""
+def server_command(command: str, argv: Sequence[str]) -> int:
+    """Hand `llama-grpc serve|models ARGS` to the server package's CLI, when the server extra
+    is installed."""
     try:
-        server_cli = importlib.import_module("llama_grpc_server.cli")
+        module = importlib.import_module(SERVER_COMMANDS[command])
     except ImportError as error:
-        print(f"{SERVE_HINT}\n({error})", file=sys.stderr)
+        hint = SERVE_HINT.replace("llama-grpc serve", f"llama-grpc {command}")
+        print(f"{hint}\n({error})", file=sys.stderr)
         return EXIT_USAGE
-    serve_main: Callable[[list[str]], int | None] = server_cli.main
-    return int(serve_main(list(argv)) or 0)
+    command_main: Callable[[list[str]], int | None] = module.main
+    return int(command_main(list(argv)) or 0)
 
 
 def _tls(args: argparse.Namespace) -> bool | TlsConfig:
@@ -256,8 +266,8 @@ def _client(args: argparse.Namespace) -> Client:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI on `argv` (default: sys.argv[1:]) and return the exit status."""
     arguments = list(sys.argv[1:] if argv is None else argv)
-    if arguments[:1] == ["serve"]:
-        return serve(arguments[1:])
+    if arguments[:1] and arguments[0] in SERVER_COMMANDS:
+        return server_command(arguments[0], arguments[1:])
     args = build_parser(os.environ.get(TARGET_ENV, DEFAULT_TARGET)).parse_args(arguments)
     try:
         client = _client(args)

@@ -18,7 +18,14 @@ from typing import Any, NoReturn
 
 from llama_grpc_server import telemetry, tracing
 from llama_grpc_server.auth import AuthFileError, load_auth_file
-from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSettings, Settings
+from llama_grpc_server.catalog import MODELS_DIR_ENV
+from llama_grpc_server.config import (
+    AUTO,
+    ModelSettings,
+    SchedulerSettings,
+    ServerSettings,
+    Settings,
+)
 from llama_grpc_server.core.api import EngineApi
 from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
 from llama_grpc_server.core.request import SamplingParams
@@ -29,7 +36,8 @@ from llama_grpc_server.telemetry import configure_logging
 PROG = "llama-grpc serve"
 ENV_PREFIX = "LLAMA_GRPC_"
 CONFIG_ENV = "LLAMA_GRPC_CONFIG"
-CLIENT_ENV = frozenset({CONFIG_ENV, "LLAMA_GRPC_TARGET"})  # not server options
+# Not serve options: the client's target, and the models directory of `llama-grpc models`.
+CLIENT_ENV = frozenset({CONFIG_ENV, "LLAMA_GRPC_TARGET", MODELS_DIR_ENV})
 LOG_FORMATS = ("json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -67,6 +75,11 @@ def between(low: float, high: float) -> Check:
 
 def one_of(*choices: str) -> Check:
     return lambda v: None if v in choices else f"must be one of {', '.join(choices)}"
+
+
+def or_auto(check: Check) -> Check:
+    """`check`, but the word auto is fine too (an option with auto=True)."""
+    return lambda v: None if v == AUTO else check(v)
 
 
 def _is_file(v: Value) -> str | None:
@@ -108,6 +121,7 @@ class Option:
     help: str
     check: Check | None = None
     metavar: str = ""
+    auto: bool = False  # also takes the word "auto" (kept as the string "auto")
 
     @property
     def flag(self) -> str:
@@ -140,8 +154,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("threads", int, "model.n_threads", "generation threads (0 = all CPUs)", at_least(0)),
     Option("threads_batch", int, "model.n_threads_batch", "prompt threads (0 = --threads)",
            at_least(0)),
-    Option("n_gpu_layers", int, "model.n_gpu_layers", "layers offloaded to the GPU (-1 = all)",
-           at_least(-1)),
+    Option("n_gpu_layers", int, "model.n_gpu_layers",
+           "layers offloaded to the GPU (-1 = all; auto = all if this llama.cpp build has a GPU "
+           "backend and the GPUs have room for the model, else 0)", or_auto(at_least(-1)),
+           "N|auto", auto=True),
     Option("chat_template", str, "model.chat_template",
            "template for chat messages: " + " | ".join(BUILTIN_TEMPLATES)
            + " (default: the model's own, if it has one)", _chat_template, "NAME"),
@@ -273,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _from_text(opt: Option, text: str) -> Value:
     """An env var or flag string as the option's type; ValueError says what was expected."""
+    if opt.auto and text.strip().lower() == AUTO:
+        return AUTO
     if opt.kind is bool:
         word = text.strip().lower()
         if word not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
@@ -282,7 +300,8 @@ def _from_text(opt: Option, text: str) -> Value:
         try:
             return int(text)
         except ValueError:
-            raise ValueError(f"expected an integer, got {text!r}") from None
+            expected = "an integer or auto" if opt.auto else "an integer"
+            raise ValueError(f"expected {expected}, got {text!r}") from None
     if opt.kind is float:
         try:
             number = float(text)
@@ -296,6 +315,8 @@ def _from_text(opt: Option, text: str) -> Value:
 
 def _from_toml(opt: Option, raw: object) -> Value:
     """A TOML value as the option's type: no strings for numbers, ints are fine for floats."""
+    if opt.auto and raw == AUTO:
+        return AUTO
     same_boolness = isinstance(raw, bool) == (opt.kind is bool)
     if same_boolness and opt.kind is float and isinstance(raw, int | float) and math.isfinite(raw):
         return float(raw)
@@ -303,7 +324,8 @@ def _from_toml(opt: Option, raw: object) -> Value:
         return raw
     hint = "; the config file takes flat keys, not [sections]" if isinstance(raw, dict) else ""
     got = _TOML_NAMES.get(type(raw), type(raw).__name__)
-    raise ValueError(f"expected {_KIND_NAMES[opt.kind]}, got {got}{hint}")
+    expected = _KIND_NAMES[opt.kind] + (' or "auto"' if opt.auto else "")
+    raise ValueError(f"expected {expected}, got {got}{hint}")
 
 
 _KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}

@@ -6,9 +6,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 from llama_grpc_server.core.request import SamplingParams
 from llama_grpc_server.core.tenants import TenantLimits
+
+AUTO: Literal["auto"] = "auto"
+# Layers to offload: a number (-1 = all), or "auto": all when the build and a GPU allow, else 0
+# (resolved when the model loads: engine/offload.py).
+GpuLayers = int | Literal["auto"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +28,7 @@ class ModelSettings:
     n_ubatch: int = 512
     n_threads: int = 0  # 0 = every CPU this process may run on (resolved when the model loads)
     n_threads_batch: int = 0  # 0 = n_threads
-    n_gpu_layers: int = 0
+    n_gpu_layers: GpuLayers = 0
     flash_attn: bool = True
     chat_template: str = ""  # a built-in for messages ("gemma", "chatml"); "" = the model's own
 

@@ -3,28 +3,15 @@ grpc.aio server on 127.0.0.1 around the FakeEngine `engine`); `channel` and `stu
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import pytest
-import structlog
 
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.rpc.server import RunningServer
 from llama_grpc_server.testing import FakeEngine
-
-
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    """Undo configure_logging(): structlog defaults and the root logger's handlers and level."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    structlog.reset_defaults()
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 @pytest.fixture

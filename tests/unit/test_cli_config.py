@@ -194,6 +194,26 @@ def test_toml_model_path_is_relative_to_the_file(tmp_path: Path) -> None:
     assert Path(got.model.model_path) == tmp_path / "x.gguf"
 
 
+@pytest.mark.parametrize(
+    ("argv", "env", "toml", "expected"),
+    [
+        (["--n-gpu-layers", "auto"], {}, "", "auto"),
+        (["--n-gpu-layers", "-1"], {}, "", -1),
+        ([], {"LLAMA_GRPC_N_GPU_LAYERS": "Auto"}, "", "auto"),
+        ([], {}, 'n_gpu_layers = "auto"\n', "auto"),
+        ([], {}, "n_gpu_layers = 12\n", 12),
+        ([], {"LLAMA_GRPC_MODELS_DIR": "/m"}, "", 0),  # `models`' variable, not a serve option
+    ],
+)
+def test_n_gpu_layers_takes_auto_everywhere(
+    tmp_path: Path, argv: list[str], env: dict[str, str], toml: str, expected: object
+) -> None:
+    """--n-gpu-layers is a number or the word auto, from flags, env and TOML alike."""
+    if toml:
+        argv = [*argv, "--config", str(write_toml(tmp_path, toml))]
+    assert settings(*argv, env=env).model.n_gpu_layers == expected
+
+
 def test_toml_ints_accepted_for_floats(tmp_path: Path) -> None:
     """temperature = 1 in TOML is the float 1.0."""
     got = settings("--config", str(write_toml(tmp_path, "temperature = 1\n")))
@@ -238,6 +258,8 @@ def test_custom_batch_strategy_accepted() -> None:
         (["--batch-strategy", "fastest"], {}, ["--batch-strategy", "unknown batch strategy"]),
         (["--batch-strategy", "no_such_mod_xyz:S"], {}, ["--batch-strategy", "cannot import"]),
         (["--batch-strategy", "json:dumps"], {}, ["--batch-strategy", "command line"]),
+        (["--n-gpu-layers", "-2"], {}, ["--n-gpu-layers", ">= -1"]),
+        (["--n-gpu-layers", "all"], {}, ["--n-gpu-layers", "an integer or auto, got 'all'"]),
     ],
 )
 def test_invalid_option_names_option_and_source(
@@ -261,6 +283,7 @@ def test_invalid_option_names_option_and_source(
         ("config = 'x.toml'\n", ["unknown option", "key config"]),
         ("n_ctx = \n", ["invalid TOML"]),
         ("n_ctx = 100\nn_batch = 200\n", ["--n-batch=200", "key n_batch", "key n_ctx"]),
+        ('n_gpu_layers = "all"\n', ["--n-gpu-layers", 'an integer or "auto", got a string']),
     ],
 )
 def test_invalid_toml_names_key_and_file(tmp_path: Path, toml: str, expected: list[str]) -> None:

@@ -16,6 +16,7 @@ from llama_grpc_server.core.api import ModelInfo
 from llama_grpc_server.core.chat import ChatMessage, template_in_use
 from llama_grpc_server.engine import grammar
 from llama_grpc_server.engine.chat import ChatRenderer
+from llama_grpc_server.engine.offload import resolve_n_gpu_layers
 
 
 @functools.cache
@@ -44,7 +45,8 @@ class LlamaModel:
         self.path = model_path
         self.settings = settings
         mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = settings.n_gpu_layers
+        self.n_gpu_layers = resolve_n_gpu_layers(settings.n_gpu_layers, model_path, settings.n_ctx)
+        mparams.n_gpu_layers = self.n_gpu_layers
         self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {model_path}")

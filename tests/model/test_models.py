@@ -1,0 +1,50 @@
+"""The model catalog on real files: the embedded model's header, and the second test model
+(the embedded one re-quantized to Q8_0) read by header and run by `models verify`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llama_grpc_server import models_cli
+from llama_grpc_server.engine import offload
+from llama_grpc_server.gguf_header import read_header
+from llama_grpc_server.model_files import default_model_path, file_sha256
+
+
+def test_embedded_model_header() -> None:
+    """gemma3, a 32k training context, Q4_K_M, 268M parameters (llama.cpp counts the same:
+    see the verify test). This GGUF carries no chat template (nor does ModelInfo say so)."""
+    header = read_header(default_model_path())
+    assert header.architecture == "gemma3"
+    assert header.context_length == 32768
+    assert header.quantization == "Q4_K_M"
+    assert header.n_params == 268_098_176
+    assert not header.has_chat_template
+
+
+def test_second_model_is_a_requantized_copy(second_model_path: Path) -> None:
+    embedded, second = read_header(default_model_path()), read_header(second_model_path)
+    assert second.quantization == "Q8_0"
+    assert second.architecture == embedded.architecture
+    assert second.n_params == embedded.n_params
+    assert second.file_size != embedded.file_size
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_verify_runs_the_second_model_with_auto_gpu_layers(
+    second_model_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`models verify PATH --sha256 ... --n-gpu-layers auto`: hash matches, loads, generates 4
+    tokens, exit 0; llama.cpp counts the parameters the header reader does; auto resolves to 0
+    layers on a CPU-only build of llama.cpp."""
+    argv = ["verify", str(second_model_path), "--sha256", file_sha256(second_model_path)]
+    assert models_cli.main([*argv, "--n-gpu-layers", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "(matches)" in out and out.endswith("ok\n")
+    assert f"{read_header(second_model_path).n_params} parameters)" in out
+    tokens = next(line for line in out.splitlines() if line.startswith("tokens:"))
+    assert len(tokens.split(",")) == 4
+    if not offload.llama_cpp.llama_supports_gpu_offload():
+        assert "(n_gpu_layers=0, " in out
