@@ -23,10 +23,13 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int
-    # Prompt tokens whose KV came from the prefix cache instead of being computed.
+    # Prompt tokens whose KV came from the prefix cache instead of being computed (all of them
+    # when cached_response is True).
     cached_prompt_tokens: int
     # Prompt tokens dropped by context_overflow="truncate_left" (not in prompt_tokens).
     truncated_prompt_tokens: int = 0
+    # The whole result was replayed from the server's response cache (--response-cache-mb).
+    cached_response: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +176,13 @@ class Stats:
     # Wall time inside llama_decode since start, and the engine thread's CPU time in it.
     decode_seconds: float = 0.0
     decode_cpu_seconds: float = 0.0
+    # Response cache (--response-cache-mb): stored results, their bytes (an estimate), requests
+    # answered from it, requests sent to the engine while it was on, entries evicted.
+    response_cache_entries: int = 0
+    response_cache_bytes: int = 0
+    response_cache_hits: int = 0
+    response_cache_misses: int = 0
+    response_cache_evictions: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,12 +206,15 @@ class LoadReport:
 
 @dataclass(frozen=True, slots=True)
 class CacheCleared:
-    """What ClearCache freed: idle slots' prefix caches and the server's RAM tier."""
+    """What ClearCache freed: idle slots' prefix caches, the server's RAM tier and its response
+    cache."""
 
     cleared_slots: int
     freed_kv_cells: int
     freed_ram_entries: int
     freed_ram_bytes: int
+    freed_response_entries: int = 0
+    freed_response_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +252,7 @@ def usage_from_proto(message: pb.Usage) -> Usage:
         message.completion_tokens,
         message.cached_prompt_tokens,
         message.truncated_prompt_tokens,
+        message.cached_response,
     )
 
 

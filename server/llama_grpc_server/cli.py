@@ -184,6 +184,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache_prompt", bool, "scheduler.cache_prompt", "reuse KV of a cached prefix"),
     Option("prompt_cache_ram_mb", int, "scheduler.prompt_cache_ram_mb",
            "RAM tier: MiB of saved slot caches kept after eviction (0 = off)", at_least(0)),
+    Option("response_cache_mb", int, "scheduler.response_cache_mb",
+           "exact response cache: MiB of whole results of greedy or seeded requests, replayed "
+           "for identical ones without the engine (0 = off)", at_least(0)),
     Option("default_max_tokens", int, "scheduler.default_max_tokens",
            "max_tokens when a request sets none", at_least(1)),
     Option("temperature", float, "sampling.temperature", "default temperature (0 = greedy)",

@@ -51,6 +51,7 @@ class SchedulerSettings:
     admission_window_ms: float = 2.0
     cache_prompt: bool = True
     prompt_cache_ram_mb: int = 0
+    response_cache_mb: int = 0  # exact response cache (core.response_cache); 0 = off
     default_max_tokens: int = 256
     max_stop_strings: int = 16
     max_stop_length: int = 256

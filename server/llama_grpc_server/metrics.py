@@ -198,6 +198,14 @@ class _SnapshotCollector:
             ),
             "ram_cache_entries": ("Slot caches saved in the RAM tier.", s.ram_cache_entries),
             "ram_cache_bytes": ("Bytes held by the RAM tier.", s.ram_cache_bytes),
+            "response_cache_entries": (
+                "Results stored in the response cache.",
+                s.response_cache_entries,
+            ),
+            "response_cache_bytes": (
+                "Bytes held by the response cache (an estimate of their memory).",
+                s.response_cache_bytes,
+            ),
             "engine_up": (
                 "1 while the engine thread serves; 0 once it has failed (see GetStats).",
                 0 if s.engine_state == "failed" else 1,
@@ -225,6 +233,18 @@ class _SnapshotCollector:
             "ram_cache_hits": ("RAM-tier restores.", s.ram_cache_hits),
             "ram_cache_misses": ("RAM-tier lookups without a restore.", s.ram_cache_misses),
             "ram_cache_evictions": ("RAM-tier entries evicted.", s.ram_cache_evictions),
+            "response_cache_hits": (
+                "Generation requests answered from the response cache.",
+                s.response_cache_hits,
+            ),
+            "response_cache_misses": (
+                "Generation requests sent to the engine while the response cache was on.",
+                s.response_cache_misses,
+            ),
+            "response_cache_evictions": (
+                "Response-cache entries evicted.",
+                s.response_cache_evictions,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
