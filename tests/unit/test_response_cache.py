@@ -75,6 +75,13 @@ def test_every_dataclass_inside_a_request_has_its_key_fields() -> None:
         if dataclasses.is_dataclass(value):
             assert type(value) in rc.KEYED, field.name
 
+    @dataclasses.dataclass(frozen=True)
+    class Unknown:
+        x: int = 1
+
+    with pytest.raises(TypeError, match="add it to KEYED"):
+        rc.response_key(MODEL, dataclasses.replace(BASE, constraint=Unknown()))  # type: ignore[arg-type]
+
 
 VARIATIONS: list[tuple[type | None, Any]] = [
     (bool, lambda v: not v),
@@ -196,7 +203,9 @@ def test_a_stored_result_comes_back_and_counts_a_hit() -> None:
 def test_size_grows_with_text_tokens_and_logprobs() -> None:
     small = rc.entry_size([delta("a")], finished())
     assert rc.entry_size([delta("a" * 100)], finished()) == small + 99
-    assert rc.entry_size([delta("a", logprobs=3)], finished()) > small + 3 * 160
+    assert (
+        rc.entry_size([delta("a", logprobs=3)], finished()) > small + 3 * rc.LOGPROB_OVERHEAD_BYTES
+    )
     assert rc.entry_size([delta("a"), delta("a")], finished()) > small
 
 
