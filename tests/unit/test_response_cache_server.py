@@ -6,7 +6,10 @@ GetStats; a stopped engine serves no hit."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -14,13 +17,13 @@ import pytest
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
-from llama_grpc_server import errors
+from llama_grpc_server import cli, errors
 from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings
 from llama_grpc_server.core.cached_engine import ResponseCachingEngine
 from llama_grpc_server.core.request import Finished, GenerationRequest, SamplingParams
 from llama_grpc_server.core.response_cache import ResponseCache
-from llama_grpc_server.rpc.server import RunningServer, start_server
-from llama_grpc_server.testing import BOS_ID, FakeEngine, encode
+from llama_grpc_server.rpc.server import RunningServer, start_server, with_response_cache
+from llama_grpc_server.testing import BOS_ID, FakeEngine, encode, fake_model_info
 
 SETTINGS = Settings(
     scheduler=SchedulerSettings(
@@ -200,6 +203,29 @@ async def test_without_the_option_nothing_is_cached(engine: FakeEngine) -> None:
     assert not any(a.usage.cached_response for a in answers)
     assert (got.response_cache_hits, got.response_cache_misses) == (0, 0)
     assert len(engine.submitted) == 2
+
+
+def test_the_option_sets_the_budget() -> None:
+    settings = cli.load_settings(["--response-cache-mb", "64"], {})
+    assert settings.scheduler.response_cache_mb == 64
+    assert cli.load_settings([], {}).scheduler.response_cache_mb == 0
+    with pytest.raises(cli.ConfigError, match="--response-cache-mb"):
+        cli.load_settings(["--response-cache-mb", "-1"], {})
+
+
+def test_the_model_file_sha256_is_in_every_key(tmp_path: Path) -> None:
+    """with_response_cache wraps the engine only when on; the model's identity is its file's
+    sha256 (a fake's path that is no file stands for itself)."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF not really")
+    engine = FakeEngine(dataclasses.replace(fake_model_info(), model_path=str(model)))
+    assert with_response_cache(lambda: engine, 0)() is engine
+    wrapped = with_response_cache(lambda: engine, 2)()
+    assert isinstance(wrapped, ResponseCachingEngine)
+    assert wrapped.model_id == hashlib.sha256(model.read_bytes()).hexdigest()
+    assert wrapped.cache.capacity_bytes == 2 * 1024 * 1024
+    fake = with_response_cache(FakeEngine, 1)()
+    assert isinstance(fake, ResponseCachingEngine) and fake.model_id == "path:/models/fake.gguf"
 
 
 async def test_a_stopped_engine_serves_no_hit() -> None:
