@@ -67,7 +67,8 @@ def _summary(done: Done) -> str:
     return (
         f"[done] finish_reason={done.finish_reason} prompt_tokens={usage.prompt_tokens} "
         f"completion_tokens={usage.completion_tokens} "
-        f"cached_prompt_tokens={usage.cached_prompt_tokens} ttft_ms={timings.ttft_ms:.1f} "
+        f"cached_prompt_tokens={usage.cached_prompt_tokens} "
+        f"{'cached_response=true ' if usage.cached_response else ''}ttft_ms={timings.ttft_ms:.1f} "
         f"total_ms={timings.total_ms:.1f} seed={done.seed} request_id={done.request_id}"
     )
 

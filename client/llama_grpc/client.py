@@ -72,6 +72,8 @@ class TokenGenerationParams(CallOptions, total=False):
     ignore_eos: bool | None
     time_limit_ms: int | None
     cache_prompt: bool | None
+    # False: the server's response cache neither answers nor stores this request.
+    cache_response: bool | None
     # Per-token log-probabilities in the result (top_logprobs > 0 implies logprobs).
     logprobs: bool | None
     top_logprobs: int | None
@@ -149,7 +151,7 @@ def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
         | _OVERFLOW_KEYS
         | _CALL_KEYS
         | request_keys
-        | {"cache_prompt", "priority"}
+        | {"cache_prompt", "cache_response", "priority"}
     )
     unknown = sorted(set(params) - allowed)
     if unknown:
@@ -158,7 +160,7 @@ def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
     _fill(request.params.sampling, _pick(params, _SAMPLING_KEYS))
     _fill(request.params.stopping, _pick(params, _STOPPING_KEYS))
     _fill(request.params.output, _pick(params, _OUTPUT_KEYS))
-    _fill(request.params, _pick(params, frozenset({"cache_prompt"})))
+    _fill(request.params, _pick(params, frozenset({"cache_prompt", "cache_response"})))
     _set_constraint(request.params, _pick(params, _CONSTRAINT_KEYS))
     _set_overflow(request.params.context_overflow, _pick(params, _OVERFLOW_KEYS))
     _set_priority(request.params, params.get("priority"))

@@ -23,10 +23,13 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int
-    # Prompt tokens whose KV came from the prefix cache instead of being computed.
+    # Prompt tokens whose KV came from the prefix cache instead of being computed (all of them
+    # when cached_response is True).
     cached_prompt_tokens: int
     # Prompt tokens dropped by context_overflow="truncate_left" (not in prompt_tokens).
     truncated_prompt_tokens: int = 0
+    # The whole result was replayed from the server's response cache (--response-cache-mb).
+    cached_response: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +186,13 @@ class Stats:
     disk_cache_evictions: int = 0
     disk_cache_verify_failures: int = 0
     disk_cache_read_seconds: float = 0.0
+    # Response cache (--response-cache-mb): stored results, their bytes (an estimate), requests
+    # answered from it, requests sent to the engine while it was on, entries evicted.
+    response_cache_entries: int = 0
+    response_cache_bytes: int = 0
+    response_cache_hits: int = 0
+    response_cache_misses: int = 0
+    response_cache_evictions: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,8 +216,8 @@ class LoadReport:
 
 @dataclass(frozen=True, slots=True)
 class CacheCleared:
-    """What ClearCache freed: idle slots' prefix caches, the server's RAM tier and its disk
-    tier's files."""
+    """What ClearCache freed: idle slots' prefix caches, the server's RAM tier, its disk tier's
+    files and its response cache."""
 
     cleared_slots: int
     freed_kv_cells: int
@@ -215,6 +225,8 @@ class CacheCleared:
     freed_ram_bytes: int
     freed_disk_entries: int = 0
     freed_disk_bytes: int = 0
+    freed_response_entries: int = 0
+    freed_response_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +264,7 @@ def usage_from_proto(message: pb.Usage) -> Usage:
         message.completion_tokens,
         message.cached_prompt_tokens,
         message.truncated_prompt_tokens,
+        message.cached_response,
     )
 
 

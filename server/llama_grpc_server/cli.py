@@ -210,6 +210,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("session_idle_s", float, "scheduler.session_idle_s",
            "disk tier: save an idle slot's cache after this many seconds without use "
            "(0 = only on eviction and shutdown)", at_least(0), "S"),
+    Option("response_cache_mb", int, "scheduler.response_cache_mb",
+           "exact response cache: MiB of whole results of greedy or seeded requests, replayed "
+           "for identical ones without the engine (0 = off)", at_least(0)),
     Option("default_max_tokens", int, "scheduler.default_max_tokens",
            "max_tokens when a request sets none", at_least(1)),
     Option("temperature", float, "sampling.temperature", "default temperature (0 = greedy)",

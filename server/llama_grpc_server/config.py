@@ -60,6 +60,7 @@ class SchedulerSettings:
     kv_cache_dir: str = ""  # the disk tier (kv_disk.py); "" = off
     kv_cache_disk_mb: int = 4096
     session_idle_s: float = 30.0
+    response_cache_mb: int = 0  # exact response cache (core.response_cache); 0 = off
     default_max_tokens: int = 256
     max_stop_strings: int = 16
     max_stop_length: int = 256

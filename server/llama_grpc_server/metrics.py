@@ -201,6 +201,14 @@ class _SnapshotCollector:
             "ram_cache_bytes": ("Bytes held by the RAM tier.", s.ram_cache_bytes),
             "disk_cache_entries": ("Files in the disk tier.", disk.entries),
             "disk_cache_bytes": ("Bytes of the disk tier's files.", disk.bytes),
+            "response_cache_entries": (
+                "Results stored in the response cache.",
+                s.response_cache_entries,
+            ),
+            "response_cache_bytes": (
+                "Bytes held by the response cache (an estimate of their memory).",
+                s.response_cache_bytes,
+            ),
             "engine_up": (
                 "1 while the engine thread serves; 0 once it has failed (see GetStats).",
                 0 if s.engine_state == "failed" else 1,
@@ -241,6 +249,18 @@ class _SnapshotCollector:
                 disk.read_seconds,
             ),
             "disk_cache_read_bytes": ("Bytes read for disk-tier restores.", disk.read_bytes),
+            "response_cache_hits": (
+                "Generation requests answered from the response cache.",
+                s.response_cache_hits,
+            ),
+            "response_cache_misses": (
+                "Generation requests sent to the engine while the response cache was on.",
+                s.response_cache_misses,
+            ),
+            "response_cache_evictions": (
+                "Response-cache entries evicted.",
+                s.response_cache_evictions,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)

@@ -174,6 +174,7 @@ def _record(  # noqa: PLR0917  # record_generation's arguments, passed on
             "gen_ai.usage.output_tokens": usage.completion_tokens,
             "gen_ai.response.finish_reasons": [finished.reason.value],
             "llama_grpc.cached_prompt_tokens": usage.cached_prompt_tokens,
+            "llama_grpc.cached_response": usage.cached_response,
             "llama_grpc.slot": finished.slot_id,
             "llama_grpc.queue_ms": timings.queue_ms,
         }

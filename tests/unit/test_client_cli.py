@@ -181,6 +181,7 @@ def test_generate_json_prints_the_whole_result(
         "completion_tokens",
         "cached_prompt_tokens",
         "truncated_prompt_tokens",
+        "cached_response",
     }
 
 

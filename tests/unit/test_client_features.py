@@ -176,3 +176,16 @@ def test_chat_sends_messages_in_any_accepted_shape(client: Client, unary: UnaryS
     ]
     assert request.chat_template == "gemma" and request.prompt == ""
     assert request.params.stopping.max_tokens == 3
+
+
+def test_cache_response_is_sent_only_when_given(client: Client, unary: UnaryScript) -> None:
+    """cache_response=False reaches params (set, so the server sees the opt-out); left out it
+    stays unset (the server's default: cache when possible); cached_response comes back."""
+    response = pb.GenerateResponse(usage=pb.Usage(prompt_tokens=3, cached_response=True))
+    _, request, result = unary(
+        lambda: client.generate("p", cache_response=False), "Generate", response
+    )
+    assert request.params.HasField("cache_response") and not request.params.cache_response
+    assert result.usage.cached_response
+    plain = build_request(pb.GenerateTokensRequest(token_ids=[1]), {})
+    assert not plain.params.HasField("cache_response")

@@ -109,6 +109,11 @@ def test_snapshot_series_equal_the_engine_stats() -> None:
         "llama_grpc:engine_ticks_total": stats.ticks,
         "llama_grpc:num_requests_running": stats.active_slots,
         "llama_grpc:num_requests_waiting": stats.queue_depth,
+        "llama_grpc:response_cache_entries": stats.response_cache_entries,
+        "llama_grpc:response_cache_bytes": stats.response_cache_bytes,
+        "llama_grpc:response_cache_hits_total": stats.response_cache_hits,
+        "llama_grpc:response_cache_misses_total": stats.response_cache_misses,
+        "llama_grpc:response_cache_evictions_total": stats.response_cache_evictions,
     }
     assert {name: value(got, name) for name in expected} == expected
     kv_use = stats.kv_cells_used / stats.kv_cells_total

@@ -141,6 +141,8 @@ class ClearCacheResponse(_message.Message):
     FREED_RAM_BYTES_FIELD_NUMBER: _builtins.int
     FREED_DISK_ENTRIES_FIELD_NUMBER: _builtins.int
     FREED_DISK_BYTES_FIELD_NUMBER: _builtins.int
+    FREED_RESPONSE_ENTRIES_FIELD_NUMBER: _builtins.int
+    FREED_RESPONSE_BYTES_FIELD_NUMBER: _builtins.int
     cleared_slots: _builtins.int
     """Idle slots whose prefix cache was dropped."""
     freed_kv_cells: _builtins.int
@@ -151,6 +153,9 @@ class ClearCacheResponse(_message.Message):
     freed_disk_entries: _builtins.int
     """Files deleted from the disk tier (--kv-cache-dir), and their bytes."""
     freed_disk_bytes: _builtins.int
+    freed_response_entries: _builtins.int
+    """Stored responses dropped from the response cache (--response-cache-mb), and their bytes."""
+    freed_response_bytes: _builtins.int
     def __init__(
         self,
         *,
@@ -160,10 +165,12 @@ class ClearCacheResponse(_message.Message):
         freed_ram_bytes: _builtins.int = ...,
         freed_disk_entries: _builtins.int = ...,
         freed_disk_bytes: _builtins.int = ...,
+        freed_response_entries: _builtins.int = ...,
+        freed_response_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared_slots", b"cleared_slots", "freed_disk_bytes", b"freed_disk_bytes", "freed_disk_entries", b"freed_disk_entries", "freed_kv_cells", b"freed_kv_cells", "freed_ram_bytes", b"freed_ram_bytes", "freed_ram_entries", b"freed_ram_entries"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared_slots", b"cleared_slots", "freed_disk_bytes", b"freed_disk_bytes", "freed_disk_entries", b"freed_disk_entries", "freed_kv_cells", b"freed_kv_cells", "freed_ram_bytes", b"freed_ram_bytes", "freed_ram_entries", b"freed_ram_entries", "freed_response_bytes", b"freed_response_bytes", "freed_response_entries", b"freed_response_entries"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -341,6 +348,7 @@ class GenerationParams(_message.Message):
     JSON_SCHEMA_FIELD_NUMBER: _builtins.int
     CONTEXT_OVERFLOW_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    CACHE_RESPONSE_FIELD_NUMBER: _builtins.int
     cache_prompt: _builtins.bool
     """Reuse and keep KV cache for this request's prefix (server default: true)."""
     json_schema: _builtins.str
@@ -348,6 +356,12 @@ class GenerationParams(_message.Message):
     priority: Global___Priority.ValueType
     """Queue order within the caller's tenant (default: normal). Waiting raises a request's
     priority over time, so low-priority work is never starved.
+    """
+    cache_response: _builtins.bool
+    """With the server's response cache on (--response-cache-mb): false neither answers this
+    request from the cache nor stores its result (default: true). Only requests whose output is
+    a function of their inputs are cached: greedy (temperature 0) or with a seed, and no
+    time_limit_ms.
     """
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
@@ -376,17 +390,22 @@ class GenerationParams(_message.Message):
         json_schema: _builtins.str = ...,
         context_overflow: Global___ContextOverflow | None = ...,
         priority: Global___Priority.ValueType = ...,
+        cache_response: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "cache_prompt", b"cache_prompt", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "_cache_response", b"_cache_response", "cache_prompt", b"cache_prompt", "cache_response", b"cache_response", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "cache_prompt", b"cache_prompt", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "priority", b"priority", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "_cache_response", b"_cache_response", "cache_prompt", b"cache_prompt", "cache_response", b"cache_response", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "priority", b"priority", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cache_prompt: _TypeAlias = _typing.Literal["cache_prompt"]  # noqa: Y015
     _WhichOneofArgType__cache_prompt: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt"]  # noqa: Y015
+    _WhichOneofReturnType__cache_response: _TypeAlias = _typing.Literal["cache_response"]  # noqa: Y015
+    _WhichOneofArgType__cache_response: _TypeAlias = _typing.Literal["_cache_response", b"_cache_response"]  # noqa: Y015
     _WhichOneofReturnType_constraint: _TypeAlias = _typing.Literal["grammar", "json_schema"]  # noqa: Y015
     _WhichOneofArgType_constraint: _TypeAlias = _typing.Literal["constraint", b"constraint"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__cache_prompt) -> _WhichOneofReturnType__cache_prompt | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cache_response) -> _WhichOneofReturnType__cache_response | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_constraint) -> _WhichOneofReturnType_constraint | None: ...
 
@@ -541,12 +560,20 @@ class Usage(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     TRUNCATED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_RESPONSE_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     completion_tokens: _builtins.int
     cached_prompt_tokens: _builtins.int
-    """Prompt tokens whose KV came from the prefix cache instead of being computed."""
+    """Prompt tokens whose KV came from the prefix cache instead of being computed (all of them
+    when cached_response is true).
+    """
     truncated_prompt_tokens: _builtins.int
     """Prompt tokens dropped by OVERFLOW_POLICY_TRUNCATE_LEFT (not counted in prompt_tokens)."""
+    cached_response: _builtins.bool
+    """The whole result came from the response cache (--response-cache-mb): the stored output of
+    an earlier identical request, replayed without touching the scheduler. Token counts are the
+    stored result's.
+    """
     def __init__(
         self,
         *,
@@ -554,10 +581,11 @@ class Usage(_message.Message):
         completion_tokens: _builtins.int = ...,
         cached_prompt_tokens: _builtins.int = ...,
         truncated_prompt_tokens: _builtins.int = ...,
+        cached_response: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "truncated_prompt_tokens", b"truncated_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "cached_response", b"cached_response", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "truncated_prompt_tokens", b"truncated_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -565,7 +593,10 @@ Global___Usage: _TypeAlias = Usage  # noqa: Y015
 
 @_typing.final
 class Timings(_message.Message):
-    """Timings of one request, in milliseconds from its arrival at the server."""
+    """Timings of one request, in milliseconds from its arrival at the server. A cached response
+    (usage.cached_response) waited for no slot and computed nothing: queue_ms and prefill_ms are 0,
+    and the rest measure the replay (milliseconds or less).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1206,6 +1237,11 @@ class GetStatsResponse(_message.Message):
     DISK_CACHE_EVICTIONS_FIELD_NUMBER: _builtins.int
     DISK_CACHE_VERIFY_FAILURES_FIELD_NUMBER: _builtins.int
     DISK_CACHE_READ_SECONDS_FIELD_NUMBER: _builtins.int
+    RESPONSE_CACHE_ENTRIES_FIELD_NUMBER: _builtins.int
+    RESPONSE_CACHE_BYTES_FIELD_NUMBER: _builtins.int
+    RESPONSE_CACHE_HITS_FIELD_NUMBER: _builtins.int
+    RESPONSE_CACHE_MISSES_FIELD_NUMBER: _builtins.int
+    RESPONSE_CACHE_EVICTIONS_FIELD_NUMBER: _builtins.int
     n_parallel: _builtins.int
     active_slots: _builtins.int
     idle_slots: _builtins.int
@@ -1264,6 +1300,16 @@ class GetStatsResponse(_message.Message):
     """
     disk_cache_read_seconds: _builtins.float
     """Time spent reading and verifying files for restores, in all (divide by hits for the mean)."""
+    response_cache_entries: _builtins.int
+    """Response cache (--response-cache-mb): stored results and their bytes (an estimate of the
+    memory they take); generation requests answered from it (hits) and sent to the engine
+    while it was on (misses, including requests that cannot be cached); entries evicted to
+    stay within the budget.
+    """
+    response_cache_bytes: _builtins.int
+    response_cache_hits: _builtins.int
+    response_cache_misses: _builtins.int
+    response_cache_evictions: _builtins.int
     @_builtins.property
     def slots(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotStats]: ...
     def __init__(
@@ -1309,10 +1355,15 @@ class GetStatsResponse(_message.Message):
         disk_cache_evictions: _builtins.int = ...,
         disk_cache_verify_failures: _builtins.int = ...,
         disk_cache_read_seconds: _builtins.float = ...,
+        response_cache_entries: _builtins.int = ...,
+        response_cache_bytes: _builtins.int = ...,
+        response_cache_hits: _builtins.int = ...,
+        response_cache_misses: _builtins.int = ...,
+        response_cache_evictions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "decode_cpu_seconds", b"decode_cpu_seconds", "decode_seconds", b"decode_seconds", "disk_cache_bytes", b"disk_cache_bytes", "disk_cache_entries", b"disk_cache_entries", "disk_cache_evictions", b"disk_cache_evictions", "disk_cache_hits", b"disk_cache_hits", "disk_cache_misses", b"disk_cache_misses", "disk_cache_read_seconds", b"disk_cache_read_seconds", "disk_cache_verify_failures", b"disk_cache_verify_failures", "disk_cache_writes", b"disk_cache_writes", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "n_parallel", b"n_parallel", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "slots", b"slots", "ticks", b"ticks", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "decode_cpu_seconds", b"decode_cpu_seconds", "decode_seconds", b"decode_seconds", "disk_cache_bytes", b"disk_cache_bytes", "disk_cache_entries", b"disk_cache_entries", "disk_cache_evictions", b"disk_cache_evictions", "disk_cache_hits", b"disk_cache_hits", "disk_cache_misses", b"disk_cache_misses", "disk_cache_read_seconds", b"disk_cache_read_seconds", "disk_cache_verify_failures", b"disk_cache_verify_failures", "disk_cache_writes", b"disk_cache_writes", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "n_parallel", b"n_parallel", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "response_cache_bytes", b"response_cache_bytes", "response_cache_entries", b"response_cache_entries", "response_cache_evictions", b"response_cache_evictions", "response_cache_hits", b"response_cache_hits", "response_cache_misses", b"response_cache_misses", "slots", b"slots", "ticks", b"ticks", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

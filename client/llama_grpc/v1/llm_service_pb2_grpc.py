@@ -150,7 +150,8 @@ class LlmServiceServicer:
 
     def ClearCache(self, request, context):
         """Admin: forget cached KV that no request is using (idle slots' prefix caches and the RAM
-        tier); running requests keep theirs. Needs the admin role when --auth-tokens-file is set.
+        tier) and every stored response (--response-cache-mb); running requests keep theirs.
+        Needs the admin role when --auth-tokens-file is set.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -57,7 +57,8 @@ class LlmServiceStub:
     """Facts about the loaded model and context."""
     ClearCache: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.ClearCacheRequest, _llm_service_pb2.ClearCacheResponse]
     """Admin: forget cached KV that no request is using (idle slots' prefix caches and the RAM
-    tier); running requests keep theirs. Needs the admin role when --auth-tokens-file is set.
+    tier) and every stored response (--response-cache-mb); running requests keep theirs.
+    Needs the admin role when --auth-tokens-file is set.
     """
 
 @_typing.type_check_only
@@ -89,7 +90,8 @@ class LlmServiceAsyncStub(LlmServiceStub):
     """Facts about the loaded model and context."""
     ClearCache: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.ClearCacheRequest, _llm_service_pb2.ClearCacheResponse]  # type: ignore[assignment]
     """Admin: forget cached KV that no request is using (idle slots' prefix caches and the RAM
-    tier); running requests keep theirs. Needs the admin role when --auth-tokens-file is set.
+    tier) and every stored response (--response-cache-mb); running requests keep theirs.
+    Needs the admin role when --auth-tokens-file is set.
     """
 
 class LlmServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -172,7 +174,8 @@ class LlmServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_llm_service_pb2.ClearCacheResponse, _abc.Awaitable[_llm_service_pb2.ClearCacheResponse]]:
         """Admin: forget cached KV that no request is using (idle slots' prefix caches and the RAM
-        tier); running requests keep theirs. Needs the admin role when --auth-tokens-file is set.
+        tier) and every stored response (--response-cache-mb); running requests keep theirs.
+        Needs the admin role when --auth-tokens-file is set.
         """
 
 def add_LlmServiceServicer_to_server(servicer: LlmServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -80,6 +80,12 @@ class StatsSnapshot:
     decode_seconds: float = 0.0  # wall time inside llama_decode since start
     decode_cpu_seconds: float = 0.0  # the engine thread's CPU time inside llama_decode
     disk_cache: DiskTierStats | None = None  # None = no disk tier
+    # The response cache (core.response_cache), when it is on: filled in by its engine wrapper.
+    response_cache_entries: int = 0
+    response_cache_bytes: int = 0
+    response_cache_hits: int = 0
+    response_cache_misses: int = 0
+    response_cache_evictions: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +114,8 @@ class CacheCleared:
     freed_ram_bytes: int = 0
     freed_disk_entries: int = 0
     freed_disk_bytes: int = 0
+    freed_response_entries: int = 0
+    freed_response_bytes: int = 0
 
 
 class RequestStream(Protocol):
@@ -175,7 +183,8 @@ class EngineApi(Protocol):
         ...
 
     async def clear_cache(self) -> CacheCleared:
-        """Forget idle slots' prefix caches and the RAM tier at the next tick boundary."""
+        """Forget idle slots' prefix caches and the RAM tier at the next tick boundary (and the
+        stored responses, with the response cache on)."""
         ...
 
     def on_failure(self, listener: Callable[[str], None]) -> None:

@@ -115,6 +115,8 @@ class GenerationRequest:
     # carries the tenant (rpc layer), so tenants never share cache entries.
     tenant: str = ""
     priority: Priority = Priority.NORMAL
+    # False: the response cache (core.response_cache) neither answers nor stores this request.
+    cache_response: bool = True
 
     @property
     def key(self) -> str:
@@ -135,6 +137,7 @@ class Usage:
     completion_tokens: int
     cached_prompt_tokens: int
     truncated_prompt_tokens: int = 0
+    cached_response: bool = False  # replayed from the response cache: nothing was computed
 
 
 @dataclass(frozen=True, slots=True)

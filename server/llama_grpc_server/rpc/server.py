@@ -26,10 +26,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
-from llama_grpc_server import errors
+from llama_grpc_server import errors, model_files
 from llama_grpc_server.auth import AuthFileError, AuthTable, load_auth_file
 from llama_grpc_server.config import ServerSettings, Settings
 from llama_grpc_server.core.api import EngineApi
+from llama_grpc_server.core.cached_engine import ResponseCachingEngine
+from llama_grpc_server.core.response_cache import ResponseCache
 from llama_grpc_server.metrics import Metrics, MetricsServer, serve_metrics
 from llama_grpc_server.rpc import tls
 from llama_grpc_server.rpc.access import AccessControl
@@ -50,6 +52,7 @@ EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine thread died
 # grace period sends a bare UNAVAILABLE "Cancelling all calls" and the access log says CANCELLED).
 # The margin is a quarter of the grace period (at most 2 s): room for a slow tick to finish.
 MAX_END_MARGIN_S = 2.0
+MIB = 1024 * 1024
 
 log = structlog.get_logger("llama_grpc.server")
 
@@ -204,6 +207,33 @@ class RunningServer:
         log.info("stopped", port=self.port)
 
 
+def _model_identity(path: str) -> str:
+    """The model file's sha256; a path that is no file (a test's fake engine) stands for itself."""
+    try:
+        return model_files.file_sha256(path)
+    except OSError:
+        return f"path:{path}"
+
+
+def with_response_cache(factory: EngineFactory, megabytes: int) -> EngineFactory:
+    """The factory's engine behind the exact response cache (--response-cache-mb), when it is
+    on. The model's identity is hashed in the loading thread too (0.2 s for the embedded one)."""
+    if megabytes <= 0:
+        return factory
+
+    def build() -> EngineApi:
+        engine = factory()
+        try:
+            model_id = _model_identity(engine.model_info.model_path)
+        except BaseException:
+            engine.close()
+            raise
+        log.info("response_cache", capacity_mb=megabytes, model_sha256=model_id[:16])
+        return ResponseCachingEngine(engine, ResponseCache(megabytes * MIB), model_id)
+
+    return build
+
+
 async def _load_engine(
     factory: EngineFactory,
     servicer: LlmServicer,
@@ -321,7 +351,13 @@ async def _started(
     log.info("try", command=_try_command(settings.server, port))
     watch = EngineWatch()
     loading = asyncio.create_task(
-        _load_engine(engine_factory, servicer, health_servicer, metrics, watch)
+        _load_engine(
+            with_response_cache(engine_factory, settings.scheduler.response_cache_mb),
+            servicer,
+            health_servicer,
+            metrics,
+            watch,
+        )
     )
     grace_s = settings.server.grace_s
     return RunningServer(

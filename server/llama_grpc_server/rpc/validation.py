@@ -163,6 +163,7 @@ class Draft:
     messages: tuple[ChatMessage, ...] = ()  # a chat request: render these with chat_template
     chat_template: str = ""
     priority: Priority = Priority.NORMAL
+    cache_response: bool = True
 
 
 # -- public entry points ---------------------------------------------------------------------------
@@ -293,6 +294,7 @@ def complete_request(
         deadline=deadline,
         tenant=tenant,
         priority=draft.priority,
+        cache_response=draft.cache_response,
     )
 
 
@@ -333,6 +335,7 @@ def _draft(
         n_ctx=info.n_ctx,
         default_max_tokens=limits.default_max_tokens,
         prompt_field=prompt_field,
+        cache_response=params.cache_response if params.HasField("cache_response") else True,
     )
 
 
