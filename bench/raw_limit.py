@@ -4,6 +4,7 @@ one batched prefill, then one decode step per token with numpy argmax. No schedu
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import llama_cpp
 import numpy as np
@@ -34,8 +35,14 @@ class RawLoop:
         row = llama_cpp.llama_get_logits_ith(self.model.ctx, index)
         return int(np.ctypeslib.as_array(row, shape=(self.model.n_vocab,)).argmax())
 
-    def run(self, prompts: list[list[int]], n_generate: int) -> float:
-        """Wall seconds to prefill every prompt and generate n_generate tokens for each."""
+    def run(
+        self,
+        prompts: list[list[int]],
+        n_generate: int,
+        on_step: Callable[[list[int]], None] | None = None,
+    ) -> float:
+        """Wall seconds to prefill every prompt and generate n_generate tokens for each;
+        `on_step` gets each step's tokens, one per prompt (grpc_ceiling.py streams them)."""
         llama_cpp.llama_memory_clear(self.model.memory, True)
         t0 = time.perf_counter()
         entries = []
@@ -44,10 +51,14 @@ class RawLoop:
         self._decode(entries)
         out_idx = [i for i, e in enumerate(entries) if e[3]]
         last = [self._argmax(i) for i in out_idx]
+        if on_step is not None:
+            on_step(last)
         pos = [len(p) for p in prompts]
         for _ in range(n_generate - 1):
             self._decode([(last[s], pos[s], s, True) for s in range(len(prompts))])
             last = [self._argmax(s) for s in range(len(prompts))]
+            if on_step is not None:
+                on_step(last)
             pos = [p + 1 for p in pos]
         return time.perf_counter() - t0
 
