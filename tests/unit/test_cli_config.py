@@ -16,7 +16,13 @@ import structlog
 
 from llama_grpc_server import cli
 from llama_grpc_server.cli import OPTIONS, ConfigError, HelpRequested, load_settings
-from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSettings, Settings
+from llama_grpc_server.config import (
+    ModelSettings,
+    PoolSettings,
+    SchedulerSettings,
+    ServerSettings,
+    Settings,
+)
 from llama_grpc_server.core.request import SamplingParams
 
 
@@ -44,6 +50,7 @@ def field_default(dotted: str) -> object:
         "scheduler": SchedulerSettings,
         "server": ServerSettings,
         "sampling": SamplingParams,
+        "pool": PoolSettings,
     }[section]
     (found,) = [f for f in dataclasses.fields(owner) if f.name == name]
     assert found.default is not dataclasses.MISSING, dotted
@@ -202,7 +209,6 @@ def test_toml_model_path_is_relative_to_the_file(tmp_path: Path) -> None:
         ([], {"LLAMA_GRPC_N_GPU_LAYERS": "Auto"}, "", "auto"),
         ([], {}, 'n_gpu_layers = "auto"\n', "auto"),
         ([], {}, "n_gpu_layers = 12\n", 12),
-        ([], {"LLAMA_GRPC_MODELS_DIR": "/m"}, "", 0),  # `models`' variable, not a serve option
     ],
 )
 def test_n_gpu_layers_takes_auto_everywhere(
