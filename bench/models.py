@@ -11,7 +11,8 @@ model re-quantized to Q8_0 (built once and cached like the tests' second model).
   --response-cache-mb without the engine), wall time at the client.
 - Idle engine threads: --max-loaded-models 2, the second model loaded and idle while the default
   one generates: CPU seconds its engine thread and llama.cpp helper threads used per second of
-  wall time (schedstat), next to the busy engine's.
+  wall time (schedstat), next to the busy engine's; and the default model's tokens/s alone
+  versus beside the idle engine (a second llama.cpp thread team in the process).
 
     python bench/models.py --reps 5        # writes bench/results/models.{json,png}
 """
@@ -65,9 +66,7 @@ def second_model() -> Path:
 
 
 @contextlib.contextmanager
-def two_model_server(
-    threads: int, max_loaded: int, second: Path
-) -> Iterator[tuple[Client, int]]:
+def two_model_server(threads: int, max_loaded: int, second: Path) -> Iterator[tuple[Client, int]]:
     """A server with both models (the Q4 one the default), yielding a client and its pid."""
     args = server_args(
         threads,
@@ -149,32 +148,57 @@ def cpu_s(pid: int, tids: set[int]) -> float:
     return sum(ns for tid, (_, ns) in thread_cpu(pid).items() if tid in tids) / 1e9
 
 
-def measure_idle(client: Client, pid: int, gen_tokens: int) -> dict[str, Any]:
-    """The Q8 engine's threads (those that appear when it loads) while the default generates,
-    and both engines' threads while nothing runs."""
-    before = set(thread_cpu(pid))
-    client.load_model(SMALL)
+def generate_s(client: Client, gen_tokens: int) -> float:
+    started = time.perf_counter()
+    client.generate(PROMPT, model=SMALL, max_tokens=gen_tokens, ignore_eos=True, temperature=0)
+    return time.perf_counter() - started
+
+
+def measure_idle(client: Client, pid: int, gen_tokens: int, reps: int) -> dict[str, Any]:
+    """--max-loaded-models 2. Per repetition: the default model generates alone, then again
+    with the Q8 model loaded and idle beside it (its threads are those that appear when it
+    loads); then Q8 is unloaded. Also both engines idle for 3 s."""
+    client.unload_model(Q8)
     busy_tids = engine_threads(pid, set(thread_cpu(pid)))
+    alone, beside, idle_cpu, busy_cpu = [], [], [], []
+    idle_tids: set[int] = set()
+    for _ in range(reps):
+        alone.append(generate_s(client, gen_tokens))
+        before = set(thread_cpu(pid))
+        client.load_model(Q8)
+        first_token_s(client, Q8)  # warm, then idle
+        idle_tids = engine_threads(pid, set(thread_cpu(pid)) - before)
+        time.sleep(0.5)
+        idle0, busy0 = cpu_s(pid, idle_tids), cpu_s(pid, busy_tids)
+        wall = generate_s(client, gen_tokens)
+        beside.append(wall)
+        idle_cpu.append((cpu_s(pid, idle_tids) - idle0) / wall)
+        busy_cpu.append((cpu_s(pid, busy_tids) - busy0) / wall)
+        client.unload_model(Q8)
     client.load_model(Q8)
-    first_token_s(client, Q8)  # warm, then idle
-    idle_tids = engine_threads(pid, set(thread_cpu(pid)) - before - busy_tids)
-    busy_tids -= idle_tids
-    time.sleep(1.0)
-    rows: dict[str, Any] = {"idle_threads": len(idle_tids), "busy_threads": len(busy_tids)}
-    for phase in ("other_generating", "all_idle"):
-        idle0, busy0, started = cpu_s(pid, idle_tids), cpu_s(pid, busy_tids), time.perf_counter()
-        if phase == "other_generating":
-            client.generate(PROMPT, model=SMALL, max_tokens=gen_tokens, ignore_eos=True)
-        else:
-            time.sleep(3.0)
-        wall = time.perf_counter() - started
-        rows[phase] = {
-            "wall_s": wall,
-            "idle_engine_cpu_per_s": (cpu_s(pid, idle_tids) - idle0) / wall,
-            "busy_engine_cpu_per_s": (cpu_s(pid, busy_tids) - busy0) / wall,
-        }
-        progress(f"idle engine threads ({phase}): {rows[phase]['idle_engine_cpu_per_s']:.4f} s/s")
-    return rows
+    idle_tids = engine_threads(pid, set(thread_cpu(pid)) - busy_tids)
+    time.sleep(0.5)
+    both0, started = cpu_s(pid, idle_tids | busy_tids), time.perf_counter()
+    time.sleep(3.0)
+    all_idle = (cpu_s(pid, idle_tids | busy_tids) - both0) / (time.perf_counter() - started)
+    out = {
+        "idle_threads": len(idle_tids),
+        "busy_threads": len(busy_tids),
+        "gen_tokens": gen_tokens,
+        "alone_tok_s": spread([gen_tokens / s for s in alone]),
+        "beside_idle_engine_tok_s": spread([gen_tokens / s for s in beside]),
+        "other_generating": {
+            "idle_engine_cpu_per_s": spread(idle_cpu),
+            "busy_engine_cpu_per_s": spread(busy_cpu),
+        },
+        "all_idle_cpu_per_s": all_idle,
+    }
+    progress(
+        f"idle engine: {out['other_generating']['idle_engine_cpu_per_s']['median']:.4f} CPU s/s; "
+        f"tok/s alone {out['alone_tok_s']['median']:.1f}, beside an idle engine "
+        f"{out['beside_idle_engine_tok_s']['median']:.1f}"
+    )
+    return out
 
 
 def main() -> int:
@@ -190,7 +214,7 @@ def main() -> int:
         swap = measure_swap(client, args.reps)
         cache = measure_cache(client, args.reps, args.gen_tokens)
     with two_model_server(args.threads, 2, second) as (client, pid):
-        idle = measure_idle(client, pid, args.gen_tokens)
+        idle = measure_idle(client, pid, args.gen_tokens, args.reps)
     data = {
         "benchmark": "models",
         "command": "python bench/models.py " + " ".join(sys.argv[1:]),

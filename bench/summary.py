@@ -304,9 +304,11 @@ def models(data: dict[str, Any]) -> list[str]:
         f"{cache['hit_s']['median'] * 1e3:.2f} ms vs {cache['miss_s']['median'] * 1e3:.0f} ms "
         "through the engine.",
         f"An idle second engine's {idle['idle_threads']} threads used "
-        f"{busy['idle_engine_cpu_per_s']:.4f} CPU s per s while the other engine generated "
-        f"(the busy one: {busy['busy_engine_cpu_per_s']:.2f}), and "
-        f"{idle['all_idle']['idle_engine_cpu_per_s']:.4f} with nothing running.",
+        f"{busy['idle_engine_cpu_per_s']['median']:.4f} CPU s per s while the other engine "
+        f"generated (the busy one's: {busy['busy_engine_cpu_per_s']['median']:.2f}), and both "
+        f"engines {idle['all_idle_cpu_per_s']:.4f} with nothing running. The busy model's "
+        f"{idle['gen_tokens']}-token generation: {_range(idle['alone_tok_s'], 1)} tok/s alone, "
+        f"{_range(idle['beside_idle_engine_tok_s'], 1)} with the idle engine resident.",
         "",
     ]
     return lines
