@@ -517,8 +517,9 @@ def _check(values: Mapping[str, Resolved]) -> None:
     for opt in OPTIONS:
         got = values[opt.name]
         problem = opt.check(got.value) if opt.check else None
-        if problem:
-            raise ConfigError(f"{opt.flag}={got.value!r} ({got.source}): {problem}")
+        if problem:  # a repeated option's problem names its entry
+            given = opt.flag if opt.repeat else f"{opt.flag}={got.value!r}"
+            raise ConfigError(f"{given} ({got.source}): {problem}")
     for small, large in _AT_MOST:
         low, high = values[small], values[large]
         if isinstance(low.value, int) and isinstance(high.value, int) and low.value > high.value:
