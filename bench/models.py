@@ -140,8 +140,18 @@ def measure_cache(client: Client, reps: int, gen_tokens: int) -> dict[str, Any]:
 
 
 def engine_threads(pid: int, tids: set[int]) -> set[int]:
+    """Those of `tids` that are engine or llama.cpp helper threads."""
     names = {DECODE_THREAD_NAME, ENGINE_THREAD_NAME}
     return {tid for tid, (name, _) in thread_cpu(pid).items() if tid in tids and name in names}
+
+
+def new_threads(pid: int, before: set[int]) -> set[int]:
+    """Threads started since `before`, but asyncio's worker threads (which ran the load)."""
+    return {
+        tid
+        for tid, (name, _) in thread_cpu(pid).items()
+        if tid not in before and not name.startswith("asyncio_")
+    }
 
 
 def cpu_s(pid: int, tids: set[int]) -> float:
@@ -150,14 +160,17 @@ def cpu_s(pid: int, tids: set[int]) -> float:
 
 def generate_s(client: Client, gen_tokens: int) -> float:
     started = time.perf_counter()
-    client.generate(PROMPT, model=SMALL, max_tokens=gen_tokens, ignore_eos=True, temperature=0)
+    client.generate(
+        PROMPT, model=SMALL, max_tokens=gen_tokens, ignore_eos=True, temperature=0.0,
+        cache_response=False,
+    )  # fmt: skip
     return time.perf_counter() - started
 
 
 def measure_idle(client: Client, pid: int, gen_tokens: int, reps: int) -> dict[str, Any]:
     """--max-loaded-models 2. Per repetition: the default model generates alone, then again
     with the Q8 model loaded and idle beside it (its threads are those that appear when it
-    loads); then Q8 is unloaded. Also both engines idle for 3 s."""
+    loads); then Q8 is unloaded. Then the whole process's CPU for 3 s with both loaded, idle."""
     client.unload_model(Q8)
     busy_tids = engine_threads(pid, set(thread_cpu(pid)))
     alone, beside, idle_cpu, busy_cpu = [], [], [], []
@@ -167,7 +180,7 @@ def measure_idle(client: Client, pid: int, gen_tokens: int, reps: int) -> dict[s
         before = set(thread_cpu(pid))
         client.load_model(Q8)
         first_token_s(client, Q8)  # warm, then idle
-        idle_tids = engine_threads(pid, set(thread_cpu(pid)) - before)
+        idle_tids = new_threads(pid, before)
         time.sleep(0.5)
         idle0, busy0 = cpu_s(pid, idle_tids), cpu_s(pid, busy_tids)
         wall = generate_s(client, gen_tokens)
@@ -176,11 +189,11 @@ def measure_idle(client: Client, pid: int, gen_tokens: int, reps: int) -> dict[s
         busy_cpu.append((cpu_s(pid, busy_tids) - busy0) / wall)
         client.unload_model(Q8)
     client.load_model(Q8)
-    idle_tids = engine_threads(pid, set(thread_cpu(pid)) - busy_tids)
     time.sleep(0.5)
-    both0, started = cpu_s(pid, idle_tids | busy_tids), time.perf_counter()
+    every = set(thread_cpu(pid))
+    process0, started = cpu_s(pid, every), time.perf_counter()
     time.sleep(3.0)
-    all_idle = (cpu_s(pid, idle_tids | busy_tids) - both0) / (time.perf_counter() - started)
+    all_idle = (cpu_s(pid, every) - process0) / (time.perf_counter() - started)
     out = {
         "idle_threads": len(idle_tids),
         "busy_threads": len(busy_tids),
@@ -191,7 +204,7 @@ def measure_idle(client: Client, pid: int, gen_tokens: int, reps: int) -> dict[s
             "idle_engine_cpu_per_s": spread(idle_cpu),
             "busy_engine_cpu_per_s": spread(busy_cpu),
         },
-        "all_idle_cpu_per_s": all_idle,
+        "all_idle_process_cpu_per_s": all_idle,
     }
     progress(
         f"idle engine: {out['other_generating']['idle_engine_cpu_per_s']['median']:.4f} CPU s/s; "

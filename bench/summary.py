@@ -305,8 +305,8 @@ def models(data: dict[str, Any]) -> list[str]:
         "through the engine.",
         f"An idle second engine's {idle['idle_threads']} threads used "
         f"{busy['idle_engine_cpu_per_s']['median']:.4f} CPU s per s while the other engine "
-        f"generated (the busy one's: {busy['busy_engine_cpu_per_s']['median']:.2f}), and both "
-        f"engines {idle['all_idle_cpu_per_s']:.4f} with nothing running. The busy model's "
+        f"generated (the busy one's: {busy['busy_engine_cpu_per_s']['median']:.2f}); the whole "
+        f"process {idle['all_idle_process_cpu_per_s']:.4f} with both idle. The busy model's "
         f"{idle['gen_tokens']}-token generation: {_range(idle['alone_tok_s'], 1)} tok/s alone, "
         f"{_range(idle['beside_idle_engine_tok_s'], 1)} with the idle engine resident.",
         "",
