@@ -254,10 +254,13 @@ def hook_cost_us(batch: int, iterations: int = 20_000) -> dict[str, float]:
 
 
 def metric_value(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return float("nan")
+    """The series' value summed over its labels (engine series carry a `model` label)."""
+    values = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith((name + " ", name + "{"))
+    ]
+    return sum(values) if values else float("nan")
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
