@@ -8,6 +8,7 @@ with the `model` label on /metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator
@@ -115,6 +116,32 @@ async def test_streams_to_two_models_interleave_and_equal_their_solo_runs(
     first_q8, last_default = order.index(Q8), len(order) - 1 - order[::-1].index("")
     first_default, last_q8 = order.index(""), len(order) - 1 - order[::-1].index(Q8)
     assert first_q8 < last_default and first_default < last_q8, "one stream ran after the other"
+
+
+async def test_loading_a_model_does_not_stop_another_models_stream(client: AsyncClient) -> None:
+    """q8 loads (in a thread) while a stream runs on the default model: the stream's deltas
+    keep arriving during the load."""
+    await client.unload_model(Q8)
+    arrivals: list[float] = []
+
+    async def run() -> None:
+        stream = client.stream(PROMPT_DEFAULT, max_tokens=400, ignore_eos=True)
+        async for event in stream:
+            if isinstance(event, Delta):
+                arrivals.append(time.monotonic())
+
+    streaming = asyncio.create_task(run())
+    while not arrivals:
+        await asyncio.sleep(0.01)
+    started = time.monotonic()
+    await client.load_model(Q8)
+    ended = time.monotonic()
+    during = [t for t in arrivals if started < t < ended]
+    streaming.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await streaming
+    assert ended - started > 0.2, "the load was too quick to tell"
+    assert len(during) >= 2, (ended - started, len(arrivals))
 
 
 async def test_stats_and_model_info_name_the_model(client: AsyncClient) -> None:
