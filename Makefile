@@ -13,7 +13,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install run serve test test-unit test-model test-e2e check lint format types proto proto-check \
 	proto-lint proto-breaking check-min-deps model cluster bench bench-single bench-concurrency bench-strategies bench-prefix \
-	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-security bench-cluster bench-kv-tiers bench-peers bench-soak clean
+	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-security bench-models bench-cluster bench-kv-tiers bench-peers bench-soak clean
 
 install: $(STAMP)
 
@@ -141,6 +141,8 @@ bench-grpc-floor: $(BENCH_STAMP)
 	$(PY) bench/grpc_floor.py $(ARGS)
 bench-security: $(BENCH_STAMP)
 	$(PY) bench/security_overhead.py $(ARGS)
+bench-models: $(BENCH_STAMP)
+	$(PY) bench/models.py $(ARGS)
 bench-cluster: $(BENCH_STAMP)
 	$(PY) bench/cluster.py $(ARGS)
 bench-kv-tiers: $(BENCH_STAMP)

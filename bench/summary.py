@@ -348,6 +348,48 @@ def chat_turns(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def models(data: dict[str, Any]) -> list[str]:
+    lines = header(data, "Multi-model serving: load, swap, response-cache hit", "models.png")
+    w = data["workload"]["models"]
+    lines += [
+        f"Two models: {', '.join(f'{k} = {v}' for k, v in w.items())}. Cold: LoadModel with "
+        "nothing resident. Swap: --max-loaded-models 1, the other model resident and idle, "
+        "time to the first token of a 1-token stream (unload + load + prefill); warm: the same "
+        "once resident. Medians (min–max).",
+        "",
+        "| model | size MiB | cold LoadModel s | server load s | first token after swap s "
+        "| first token resident s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, cold in data["cold_load"].items():
+        swap = data["swap"][name]
+        lines.append(
+            f"| {name} | {cold['size_bytes'] / 2**20:.0f} | {_range(cold['wall_s'])} | "
+            f"{_range(cold['server_load_s'])} | {_range(swap['swap_ttft_s'])} | "
+            f"{_range(swap['warm_ttft_s'], 3)} |"
+        )
+    cache, idle = data["response_cache"], data["idle_threads"]
+    busy = idle["other_generating"]
+    lines += [
+        "",
+        f"Response cache ({cache['gen_tokens']} greedy tokens): hit "
+        f"{cache['hit_s']['median'] * 1e3:.2f} ms vs {cache['miss_s']['median'] * 1e3:.0f} ms "
+        "through the engine.",
+        f"An idle second engine's {idle['idle_threads']} threads used "
+        f"{busy['idle_engine_cpu_per_s']['median']:.4f} CPU s per s while the other engine "
+        f"generated (the busy one's: {busy['busy_engine_cpu_per_s']['median']:.2f}); the whole "
+        f"process {idle['all_idle_process_cpu_per_s']:.4f} with both idle. The busy model's "
+        f"{idle['gen_tokens']}-token generation: {_range(idle['alone_tok_s'], 1)} tok/s alone, "
+        f"{_range(idle['beside_idle_engine_tok_s'], 1)} with the idle engine resident.",
+        "",
+    ]
+    return lines
+
+
+def _range(s: dict[str, Any], digits: int = 2) -> str:
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
+
+
 def cluster(data: dict[str, Any]) -> list[str]:
     lines = header(data, "Scale-out: session affinity through Envoy", "cluster.png")
     w = data["workload"]
@@ -471,6 +513,7 @@ def main() -> int:
         ("prefix_cache", prefix),
         ("tokenize_overhead", tokenize),
         ("security_overhead", security),
+        ("models", models),
         ("cluster", cluster),
         ("kv_tiers", kv_tiers),
         ("chat_turns", chat_turns),

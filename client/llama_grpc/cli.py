@@ -100,21 +100,21 @@ def run_tokenize(client: Client, args: argparse.Namespace) -> int:
     """Print the token ids as JSON (with their pieces when --pieces is given)."""
     flags = {"add_special": not args.no_add_special, "parse_special": args.parse_special}
     if args.pieces:
-        _print_json(client.tokenize(args.text, return_pieces=True, **flags))
+        _print_json(client.tokenize(args.text, return_pieces=True, model=args.model, **flags))
     else:
-        print(json.dumps(client.tokenize(args.text, **flags)))
+        print(json.dumps(client.tokenize(args.text, model=args.model, **flags)))
     return 0
 
 
 def run_detokenize(client: Client, args: argparse.Namespace) -> int:
     """Print the text of the given token ids."""
-    print(client.detokenize(args.token_ids, render_special=args.render_special))
+    print(client.detokenize(args.token_ids, render_special=args.render_special, model=args.model))
     return 0
 
 
 def run_stats(client: Client, args: argparse.Namespace) -> int:
-    """Print the server's stats as JSON."""
-    _print_json(client.stats())
+    """Print a model's stats (the default model's without --model) as JSON."""
+    _print_json(client.stats(model=args.model))
     return 0
 
 
@@ -128,8 +128,26 @@ def run_load(client: Client, args: argparse.Namespace) -> int:
 
 
 def run_info(client: Client, args: argparse.Namespace) -> int:
-    """Print the model info as JSON."""
-    _print_json(client.model_info())
+    """Print a model's info (the default model's without --model) as JSON."""
+    _print_json(client.model_info(model=args.model))
+    return 0
+
+
+def run_list_models(client: Client, args: argparse.Namespace) -> int:
+    """Admin: print the models the server may serve, with their state, as JSON."""
+    _print_json(client.list_models())
+    return 0
+
+
+def run_load_model(client: Client, args: argparse.Namespace) -> int:
+    """Admin: load a model on the server now; print its status as JSON."""
+    _print_json(client.load_model(args.name))
+    return 0
+
+
+def run_unload_model(client: Client, args: argparse.Namespace) -> int:
+    """Admin: unload a model (refused while it has requests in flight, unless --force)."""
+    _print_json(client.unload_model(args.name, force=args.force))
     return 0
 
 
@@ -210,8 +228,17 @@ def build_parser(default_target: str = DEFAULT_TARGET) -> argparse.ArgumentParse
     detokenize = _add_command(commands, "detokenize", run_detokenize, [connection])
     detokenize.add_argument("token_ids", type=int, nargs="+")
     detokenize.add_argument("--render-special", action="store_true")
-    _add_command(commands, "stats", run_stats, [connection])
-    _add_command(commands, "info", run_info, [connection])
+    for command in (tokenize, detokenize):
+        command.add_argument("--model", help="the model's name (default: the default model)")
+    for name, run in (("stats", run_stats), ("info", run_info)):
+        command = _add_command(commands, name, run, [connection])
+        command.add_argument("--model", help="the model's name (default: the default model)")
+    _add_command(commands, "list-models", run_list_models, [connection])
+    load_model = _add_command(commands, "load-model", run_load_model, [connection])
+    load_model.add_argument("name")
+    unload_model = _add_command(commands, "unload-model", run_unload_model, [connection])
+    unload_model.add_argument("name")
+    unload_model.add_argument("--force", action="store_true", help="end its requests first")
     load = _add_command(commands, "load", run_load, [connection])
     load.add_argument(
         "--interval", type=float, default=1.0, help="seconds between reports (at least 0.1)"

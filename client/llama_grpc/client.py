@@ -690,9 +690,11 @@ class Client:
         response, _ = self._unary(self._stub.Detokenize, request, options)
         return response.text
 
-    def stats(self, **options: Unpack[CallOptions]) -> t.Stats:
-        """The server's live scheduler snapshot and cumulative counters."""
-        response, _ = self._unary(self._stub.GetStats, pb.GetStatsRequest(), options)
+    def stats(self, *, model: str | None = None, **options: Unpack[CallOptions]) -> t.Stats:
+        """A model's (the default one's) live scheduler snapshot and cumulative counters;
+        ModelNotLoadedError when that model is not loaded."""
+        request = pb.GetStatsRequest(model=model or "")
+        response, _ = self._unary(self._stub.GetStats, request, options)
         return t.stats_from_proto(response)
 
     def watch_load(self, interval_s: float = 1.0, **options: Unpack[CallOptions]) -> LoadStream:
@@ -704,15 +706,41 @@ class Client:
         call = self._stub.WatchLoad(request, timeout=timeout, metadata=metadata)
         return LoadStream(call, iter(call))
 
-    def model_info(self, **options: Unpack[CallOptions]) -> t.ModelInfo:
-        """Facts about the loaded model and context."""
-        response, _ = self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), options)
+    def model_info(
+        self, *, model: str | None = None, **options: Unpack[CallOptions]
+    ) -> t.ModelInfo:
+        """Facts about a model (the default one) and its context; loads it if need be."""
+        request = pb.GetModelInfoRequest(model=model or "")
+        response, _ = self._unary(self._stub.GetModelInfo, request, options)
         return t.model_info_from_proto(response)
 
-    def clear_cache(self, **options: Unpack[CallOptions]) -> t.CacheCleared:
+    def clear_cache(
+        self, *, model: str | None = None, **options: Unpack[CallOptions]
+    ) -> t.CacheCleared:
         """Admin: forget cached KV no request is using (PermissionDeniedError for a user)."""
-        response, _ = self._unary(self._stub.ClearCache, pb.ClearCacheRequest(), options)
+        request = pb.ClearCacheRequest(model=model or "")
+        response, _ = self._unary(self._stub.ClearCache, request, options)
         return t.cache_cleared_from_proto(response)
+
+    def list_models(self, **options: Unpack[CallOptions]) -> t.ModelList:
+        """Admin: every model the server may serve, with its state."""
+        response, _ = self._unary(self._stub.ListModels, pb.ListModelsRequest(), options)
+        return t.model_list_from_proto(response)
+
+    def load_model(self, model: str, **options: Unpack[CallOptions]) -> t.ModelStatus:
+        """Admin: load a model now (waits for it, within the call's timeout)."""
+        request = pb.LoadModelRequest(model=model)
+        response, _ = self._unary(self._stub.LoadModel, request, options)
+        return t.model_status_from_proto(response.model)
+
+    def unload_model(
+        self, model: str, *, force: bool = False, **options: Unpack[CallOptions]
+    ) -> t.ModelUnloaded:
+        """Admin: unload a model. ModelBusyError while it has requests in flight, unless
+        force (they then end with UnavailableError, reason MODEL_UNLOADED)."""
+        request = pb.UnloadModelRequest(model=model, force=force)
+        response, _ = self._unary(self._stub.UnloadModel, request, options)
+        return t.model_unloaded_from_proto(response)
 
     def health(self, service: str = "", **options: Unpack[CallOptions]) -> str:
         """The grpc.health.v1 status of `service` ("" = whole server): "SERVING", "NOT_SERVING"."""
@@ -871,9 +899,11 @@ class AsyncClient:
         response, _ = await self._unary(self._stub.Detokenize, request, options)
         return response.text
 
-    async def stats(self, **options: Unpack[CallOptions]) -> t.Stats:
-        """The server's live scheduler snapshot and cumulative counters."""
-        response, _ = await self._unary(self._stub.GetStats, pb.GetStatsRequest(), options)
+    async def stats(self, *, model: str | None = None, **options: Unpack[CallOptions]) -> t.Stats:
+        """A model's (the default one's) live scheduler snapshot and cumulative counters;
+        ModelNotLoadedError when that model is not loaded."""
+        request = pb.GetStatsRequest(model=model or "")
+        response, _ = await self._unary(self._stub.GetStats, request, options)
         return t.stats_from_proto(response)
 
     def watch_load(
@@ -887,17 +917,41 @@ class AsyncClient:
         call = self._stub.WatchLoad(request, timeout=timeout, metadata=metadata)
         return AsyncLoadStream(call, aiter(call))
 
-    async def model_info(self, **options: Unpack[CallOptions]) -> t.ModelInfo:
-        """Facts about the loaded model and context."""
-        request = pb.GetModelInfoRequest()
+    async def model_info(
+        self, *, model: str | None = None, **options: Unpack[CallOptions]
+    ) -> t.ModelInfo:
+        """Facts about a model (the default one) and its context; loads it if need be."""
+        request = pb.GetModelInfoRequest(model=model or "")
         response, _ = await self._unary(self._stub.GetModelInfo, request, options)
         return t.model_info_from_proto(response)
 
-    async def clear_cache(self, **options: Unpack[CallOptions]) -> t.CacheCleared:
+    async def clear_cache(
+        self, *, model: str | None = None, **options: Unpack[CallOptions]
+    ) -> t.CacheCleared:
         """Admin: forget cached KV no request is using (PermissionDeniedError for a user)."""
-        request = pb.ClearCacheRequest()
+        request = pb.ClearCacheRequest(model=model or "")
         response, _ = await self._unary(self._stub.ClearCache, request, options)
         return t.cache_cleared_from_proto(response)
+
+    async def list_models(self, **options: Unpack[CallOptions]) -> t.ModelList:
+        """Admin: every model the server may serve, with its state."""
+        response, _ = await self._unary(self._stub.ListModels, pb.ListModelsRequest(), options)
+        return t.model_list_from_proto(response)
+
+    async def load_model(self, model: str, **options: Unpack[CallOptions]) -> t.ModelStatus:
+        """Admin: load a model now (waits for it, within the call's timeout)."""
+        request = pb.LoadModelRequest(model=model)
+        response, _ = await self._unary(self._stub.LoadModel, request, options)
+        return t.model_status_from_proto(response.model)
+
+    async def unload_model(
+        self, model: str, *, force: bool = False, **options: Unpack[CallOptions]
+    ) -> t.ModelUnloaded:
+        """Admin: unload a model. ModelBusyError while it has requests in flight, unless
+        force (they then end with UnavailableError, reason MODEL_UNLOADED)."""
+        request = pb.UnloadModelRequest(model=model, force=force)
+        response, _ = await self._unary(self._stub.UnloadModel, request, options)
+        return t.model_unloaded_from_proto(response)
 
     async def health(self, service: str = "", **options: Unpack[CallOptions]) -> str:
         """The grpc.health.v1 status of `service` ("" = whole server): "SERVING", "NOT_SERVING"."""

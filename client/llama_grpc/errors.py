@@ -79,6 +79,15 @@ class FailedPreconditionError(LlamaGrpcError):
     default_code = "FAILED_PRECONDITION"
 
 
+class ModelNotLoadedError(FailedPreconditionError):
+    """GetStats or ClearCache named a model that is not loaded (a generation request or
+    load_model() loads it)."""
+
+
+class ModelBusyError(FailedPreconditionError):
+    """unload_model() without force on a model with requests in flight (or still loading)."""
+
+
 class ResourceExhaustedError(LlamaGrpcError):
     """The server is out of capacity; `.retry_after_s` says when to retry, when known."""
 
@@ -135,6 +144,8 @@ _BY_REASON: dict[str, type[LlamaGrpcError]] = {
     "CONTEXT_LENGTH_EXCEEDED": ContextLengthExceededError,
     "MODEL_NOT_FOUND": ModelNotFoundError,
     "FAILED_PRECONDITION": FailedPreconditionError,
+    "MODEL_NOT_LOADED": ModelNotLoadedError,
+    "MODEL_BUSY": ModelBusyError,
     "REQUEST_ID_IN_FLIGHT": RequestIdInFlightError,
     "QUEUE_FULL": QueueFullError,
     "KV_CACHE_FULL": KvCacheFullError,

@@ -15,6 +15,7 @@ from google.protobuf.message import Message
 from llama_grpc.v1 import llm_service_pb2 as pb
 
 _FINISH_PREFIX = "FINISH_REASON_"
+_MODEL_STATE_PREFIX = "MODEL_STATE_"
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +194,7 @@ class Stats:
     response_cache_hits: int = 0
     response_cache_misses: int = 0
     response_cache_evictions: int = 0
+    model_name: str = ""  # the model these figures are of
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +252,41 @@ class ModelInfo:
     add_bos: bool
     # The template chat messages are rendered with ("gemma", "chatml", "gguf"), "" for none.
     chat_template: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStatus:
+    """One model a server may serve (ListModels, LoadModel, UnloadModel)."""
+
+    name: str  # what requests put in `model`
+    path: str
+    size_bytes: int  # the file's size: what counts against --max-loaded-bytes
+    state: str  # "loaded", "loading", "unloaded" or "unloading"
+    is_default: bool  # requests naming no model are served by it
+    last_used_unix_ms: int  # 0 = never used
+    slots_busy: int  # its engine's slots running a request
+    in_flight: int  # requests holding it (queued or running): it is not unloaded for room
+    waiting: int  # requests waiting for it to be loaded
+    loads: int  # times loaded since the server started
+    load_seconds: float  # how long its last load took
+    last_error: str  # why its last load or its engine failed ("" when neither did)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelList:
+    """ListModels: every model, the default first, and the server's bounds (0 = no limit)."""
+
+    models: tuple[ModelStatus, ...]
+    max_loaded_models: int
+    max_loaded_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelUnloaded:
+    """UnloadModel: the model after, and how many requests in flight were ended (force)."""
+
+    model: ModelStatus
+    cancelled_requests: int
 
 
 def finish_reason_name(value: int) -> str:
@@ -377,3 +414,22 @@ def load_report_from_proto(message: pb.LoadReport) -> LoadReport:
 
 def cache_cleared_from_proto(message: pb.ClearCacheResponse) -> CacheCleared:
     return CacheCleared(**_same_named_fields(message, CacheCleared))
+
+
+def model_status_from_proto(message: pb.ModelStatus) -> ModelStatus:
+    """Convert a ModelStatus; the state enum as its lower-case name ("loaded")."""
+    values = _same_named_fields(message, ModelStatus)
+    values["state"] = pb.ModelState.Name(message.state).removeprefix(_MODEL_STATE_PREFIX).lower()
+    return ModelStatus(**values)
+
+
+def model_list_from_proto(message: pb.ListModelsResponse) -> ModelList:
+    return ModelList(
+        tuple(model_status_from_proto(m) for m in message.models),
+        message.max_loaded_models,
+        message.max_loaded_bytes,
+    )
+
+
+def model_unloaded_from_proto(message: pb.UnloadModelResponse) -> ModelUnloaded:
+    return ModelUnloaded(model_status_from_proto(message.model), message.cancelled_requests)

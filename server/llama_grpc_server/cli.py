@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from llama_grpc_server import telemetry, tracing
+from llama_grpc_server import catalog, telemetry, tracing
 from llama_grpc_server.auth import AuthFileError, load_auth_file
-from llama_grpc_server.catalog import MODELS_DIR_ENV
 from llama_grpc_server.config import (
     AUTO,
     ModelSettings,
+    PoolSettings,
     SchedulerSettings,
     ServerSettings,
     Settings,
@@ -31,17 +31,19 @@ from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
 from llama_grpc_server.core.request import SamplingParams
 from llama_grpc_server.core.strategies import load_strategy
 from llama_grpc_server.core.tenants import TenantLimits
+from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
 from llama_grpc_server.telemetry import configure_logging
 
 PROG = "llama-grpc serve"
 ENV_PREFIX = "LLAMA_GRPC_"
 CONFIG_ENV = "LLAMA_GRPC_CONFIG"
-# Not serve options: the client's target, and the models directory of `llama-grpc models`.
-CLIENT_ENV = frozenset({CONFIG_ENV, "LLAMA_GRPC_TARGET", MODELS_DIR_ENV})
+# Not serve options: the config file and the client's target. (LLAMA_GRPC_MODELS_DIR is both
+# `llama-grpc models`' directory and serve's --models-dir.)
+CLIENT_ENV = frozenset({CONFIG_ENV, "LLAMA_GRPC_TARGET"})
 LOG_FORMATS = ("json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
-Value = str | int | float | bool | None
+Value = str | int | float | bool | tuple[str, ...] | None
 Check = Callable[[Value], str | None]  # the problem with a value, or None when it is fine
 
 
@@ -86,6 +88,35 @@ def _is_file(v: Value) -> str | None:
     return None if v == "" or Path(str(v)).is_file() else "no such file"
 
 
+def _is_dir(v: Value) -> str | None:
+    return None if v == "" or Path(str(v)).is_dir() else "no such directory"
+
+
+def _model_entries(v: Value) -> str | None:
+    """Each --model entry: NAME=PATH, a path to a file, or a model name (resolved later, with
+    --models-dir)."""
+    for entry in v if isinstance(v, tuple) else ((str(v),) if v else ()):
+        name, sep, path = entry.partition("=")
+        if not sep and (catalog.looks_like_path(entry) or Path(entry).is_file()):
+            name, path = "", entry
+        elif not sep:
+            name, path = entry, ""
+        problem = _name_problem(name) if name else None
+        if problem is None and path and not Path(path).is_file():
+            problem = "no such file"
+        if problem is not None:
+            return f"{entry!r}: {problem}"
+    return None
+
+
+def _name_problem(name: str) -> str | None:
+    try:
+        catalog.check_name(name)
+    except catalog.CatalogError as exc:
+        return str(exc)
+    return None
+
+
 def _non_empty(v: Value) -> str | None:
     return None if v else "must not be empty"
 
@@ -108,6 +139,7 @@ _DEFAULTS: dict[str, object] = {
     "scheduler": SchedulerSettings(),
     "server": ServerSettings(),
     "sampling": SamplingParams(),
+    "pool": PoolSettings(),
 }
 
 
@@ -122,6 +154,9 @@ class Option:
     check: Check | None = None
     metavar: str = ""
     auto: bool = False  # also takes the word "auto" (kept as the string "auto")
+    # Given several times (flags), or as a TOML array; the value is then a tuple of strings
+    # (env: one entry). _build turns it into its field(s).
+    repeat: bool = False
 
     @property
     def flag(self) -> str:
@@ -136,10 +171,21 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("model", str, "model.model_path", "GGUF file (default: embedded Gemma 3 270M)",
-           _is_file, "PATH"),
-    Option("model_name", str, "model.model_name", "name shown to clients (default: file stem)",
-           metavar="NAME"),
+    Option("model", str, "model.model_path",
+           "a GGUF file, NAME=PATH, or a model name of --models-dir; repeat it to serve several "
+           "models (requests pick one by name): the first is the default (default: embedded "
+           "Gemma 3 270M)", _model_entries, "[NAME=]PATH", repeat=True),
+    Option("model_name", str, "model.model_name",
+           "name of the default model shown to clients (default: file stem)", metavar="NAME"),
+    Option("models_dir", str, "pool.models_dir",
+           "serve this directory's models too: its *.gguf files (named by file stem) and the "
+           "names of its catalog.toml (llama-grpc models add)", _is_dir, "DIR"),
+    Option("max_loaded_models", int, "pool.max_loaded_models",
+           "models resident at once: a request for another loads it, unloading the least "
+           "recently used idle one (0 = no limit)", at_least(0), "N"),
+    Option("max_loaded_bytes", int, "pool.max_loaded_bytes",
+           "bound on the summed file sizes of the resident models (0 = no limit)",
+           at_least(0), "BYTES"),
     Option("host", str, "server.host", "address to listen on", _non_empty, "HOST"),
     Option("port", int, "server.port", "gRPC port (0 = any free port)", between(0, 65535)),
     Option("n_ctx", int, "model.n_ctx", "KV cache tokens, shared by all slots", at_least(1)),
@@ -228,6 +274,7 @@ OPTIONS: tuple[Option, ...] = (
 BY_NAME: dict[str, Option] = {opt.name: opt for opt in OPTIONS}
 PATH_OPTIONS = (
     "model",
+    "models_dir",
     "tls_cert",
     "tls_key",
     "tls_client_ca",
@@ -284,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
         kwargs: dict[str, Any] = {"dest": opt.name, "default": argparse.SUPPRESS}
         if opt.kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif opt.repeat:
+            kwargs["action"] = "append"
+            kwargs["metavar"] = opt.metavar
         else:
             kwargs["metavar"] = opt.metavar or opt.kind.__name__.upper()
         parser.add_argument(opt.flag, help=opt.help + default, **kwargs)
@@ -292,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _from_text(opt: Option, text: str) -> Value:
     """An env var or flag string as the option's type; ValueError says what was expected."""
+    if opt.repeat:
+        return (text,)
     if opt.auto and text.strip().lower() == AUTO:
         return AUTO
     if opt.kind is bool:
@@ -318,6 +370,10 @@ def _from_text(opt: Option, text: str) -> Value:
 
 def _from_toml(opt: Option, raw: object) -> Value:
     """A TOML value as the option's type: no strings for numbers, ints are fine for floats."""
+    if opt.repeat and isinstance(raw, list) and all(isinstance(item, str) for item in raw):
+        return tuple(raw)
+    if opt.repeat and isinstance(raw, str):
+        return (raw,)
     if opt.auto and raw == AUTO:
         return AUTO
     same_boolness = isinstance(raw, bool) == (opt.kind is bool)
@@ -328,6 +384,7 @@ def _from_toml(opt: Option, raw: object) -> Value:
     hint = "; the config file takes flat keys, not [sections]" if isinstance(raw, dict) else ""
     got = _TOML_NAMES.get(type(raw), type(raw).__name__)
     expected = _KIND_NAMES[opt.kind] + (' or "auto"' if opt.auto else "")
+    expected += " or an array of strings" if opt.repeat else ""
     raise ValueError(f"expected {expected}, got {got}{hint}")
 
 
@@ -391,12 +448,28 @@ def _file_layer(path: Path, via: str) -> dict[str, Resolved]:
     layer = _read_layer(data, str, lambda key: f"config file {path}, key {key}", _from_toml)
     for name in PATH_OPTIONS:
         given = layer.get(name)
-        if given is not None and given.value:
-            # Relative to the file, so a config file and its files can move together.
+        if given is None or not given.value:
+            continue
+        # Relative to the file, so a config file and its files can move together.
+        if isinstance(given.value, tuple):
+            entries = tuple(_beside(path.parent, entry) for entry in given.value)
+            layer[name] = Resolved(entries, given.source)
+        else:
             layer[name] = Resolved(
                 str(path.parent / Path(str(given.value)).expanduser()), given.source
             )
     return layer
+
+
+def _beside(base: Path, entry: str) -> str:
+    """A model entry of a config file with its path made relative to the file: NAME=PATH and
+    paths are; a bare model name stays a name."""
+    name, sep, model_path = entry.partition("=")
+    if sep:
+        return f"{name}={base / Path(model_path).expanduser()}"
+    if catalog.looks_like_path(entry) or (base / entry).is_file():
+        return str(base / Path(entry).expanduser())
+    return entry
 
 
 def _flag_layer(args: argparse.Namespace) -> dict[str, Resolved]:
@@ -405,6 +478,9 @@ def _flag_layer(args: argparse.Namespace) -> dict[str, Resolved]:
         if opt.name not in vars(args):
             continue
         raw = getattr(args, opt.name)
+        if opt.repeat:
+            out[opt.name] = Resolved(tuple(raw), "command line")
+            continue
         try:
             value = raw if opt.kind is bool else _from_text(opt, raw)
         except ValueError as exc:
@@ -426,7 +502,11 @@ def _fit_defaults(values: dict[str, Resolved]) -> None:
     for small, large in _AT_MOST:
         low, high = values[small], values[large]
         if low.source == "default" and isinstance(high.value, int):
-            values[small] = Resolved(min(int(low.value or 0), high.value), "default")
+            values[small] = Resolved(min(_int(low.value), high.value), "default")
+
+
+def _int(value: Value) -> int:
+    return value if isinstance(value, int) else 0
 
 
 _AT_MOST = (("n_batch", "n_ctx"), ("n_ubatch", "n_batch"))  # (option, option it may not exceed)
@@ -437,8 +517,9 @@ def _check(values: Mapping[str, Resolved]) -> None:
     for opt in OPTIONS:
         got = values[opt.name]
         problem = opt.check(got.value) if opt.check else None
-        if problem:
-            raise ConfigError(f"{opt.flag}={got.value!r} ({got.source}): {problem}")
+        if problem:  # a repeated option's problem names its entry
+            given = opt.flag if opt.repeat else f"{opt.flag}={got.value!r}"
+            raise ConfigError(f"{given} ({got.source}): {problem}")
     for small, large in _AT_MOST:
         low, high = values[small], values[large]
         if isinstance(low.value, int) and isinstance(high.value, int) and low.value > high.value:
@@ -476,10 +557,15 @@ def _build(values: Mapping[str, Resolved]) -> Settings:
         "scheduler": {},
         "server": {},
         "sampling": {},
+        "pool": {},
     }
     for opt in OPTIONS:
-        section, field = opt.target.split(".")
-        sections[section][field] = values[opt.name].value
+        if not opt.repeat:
+            section, field = opt.target.split(".")
+            sections[section][field] = values[opt.name].value
+    (name, path), others = _served_models(values)
+    sections["model"] |= {"model_path": path, "model_name": name}
+    sections["pool"]["models"] = others
     sampling = sections["sampling"]
     sampling["seed"] = None if sampling["seed"] == -1 else sampling["seed"]
     return Settings(
@@ -490,7 +576,59 @@ def _build(values: Mapping[str, Resolved]) -> Settings:
             tenant_limits=_tenant_limits(values),
         ),
         server=ServerSettings(**sections["server"]),
+        pool=PoolSettings(**sections["pool"]),
     )
+
+
+NamedPath = tuple[str, str]  # (name, path); name "" = the file stem, path "" = embedded
+
+
+def _served_models(values: Mapping[str, Resolved]) -> tuple[NamedPath, tuple[NamedPath, ...]]:
+    """The default model ("" for the name given by --model-name or the file stem) and the
+    others, named: the --model entries in order, then --models-dir's models (catalog.toml
+    names, then *.gguf files by stem) under names not taken yet. The embedded model is served
+    when no --model is given, or when one names it."""
+    given, name_flag = values["model"], values["model_name"]
+    raw = given.value
+    entries = raw if isinstance(raw, tuple) else ((str(raw),) if raw else ())
+    directory = values["models_dir"].value
+    models_dir = Path(str(directory)) if directory else None
+    try:
+        named = [_named(entry, models_dir) for entry in entries]
+        listed = catalog.list_models(models_dir)[1:] if models_dir else []
+    except catalog.CatalogError as exc:
+        raise ConfigError(f"--model ({given.source}): {exc}") from None
+    default = named[0] if named else ("", "")
+    if default[0] and name_flag.value and default[0] != name_flag.value:
+        raise ConfigError(
+            f"--model-name={name_flag.value!r} ({name_flag.source}): the default model is "
+            f"already named {default[0]!r} by --model ({given.source})"
+        )
+    default_name = default[0] or str(name_flag.value or "")
+    others = [(n or Path(p).stem, p) for n, p in named[1:]]
+    taken = {default_name or _stem(default[1])}
+    for model_name, _ in others:
+        if model_name in taken:
+            raise ConfigError(f"--model ({given.source}): two models are named {model_name!r}")
+        taken.add(model_name)
+    others += [(e.name, str(e.path)) for e in listed if e.name not in taken]
+    return (default_name, default[1]), tuple(others)
+
+
+def _named(entry: str, models_dir: Path | None) -> NamedPath:
+    """One --model entry as (name, path): NAME=PATH, a path (name "": its stem), or a name
+    looked up in the catalog (CatalogError lists the known names)."""
+    name, sep, path = entry.partition("=")
+    if sep:
+        return name, path
+    if catalog.looks_like_path(entry) or Path(entry).is_file():
+        return "", entry
+    found = catalog.lookup(entry, models_dir)
+    return found.name, str(found.path)
+
+
+def _stem(path: str) -> str:
+    return Path(path).stem if path else DEFAULT_MODEL_NAME
 
 
 def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
@@ -516,10 +654,12 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
 
 
 def run(settings: Settings) -> int:
-    """Load the model inside serve() (so health can report NOT_SERVING meanwhile) and serve,
-    with telemetry events feeding Prometheus (--metrics-port) and, at debug, the logs."""
+    """Load the default model inside serve() (so health can report NOT_SERVING meanwhile) and
+    serve, the other models loading on demand; each engine's telemetry events feed Prometheus
+    (--metrics-port) and, at debug, the logs, labelled with its model's name."""
     from llama_grpc_server.engine.build import build_engine
     from llama_grpc_server.metrics import Metrics
+    from llama_grpc_server.models import ModelSpec, model_specs, settings_for
     from llama_grpc_server.rpc.server import serve
 
     debug_logs = settings.server.log_level == "debug"
@@ -527,14 +667,21 @@ def run(settings: Settings) -> int:
     sinks: list[telemetry.EventSink] = [] if metrics is None else [metrics]
     if debug_logs:
         sinks.append(telemetry.LogSink())
-    events = telemetry.Telemetry(sink=telemetry.Sinks(*sinks) if sinks else None)
+    sink = telemetry.Sinks(*sinks) if sinks else None
 
-    def factory() -> EngineApi:
+    def build(spec: ModelSpec) -> EngineApi:
+        events = telemetry.Telemetry(sink=sink, model=spec.name)
         return build_engine(
-            settings, on_tick=events.on_tick, on_done=events.on_done, debug_logs=debug_logs
+            settings_for(settings, spec),
+            on_tick=events.on_tick,
+            on_done=events.on_done,
+            debug_logs=debug_logs,
         )
 
-    return asyncio.run(serve(settings, factory, metrics=metrics))
+    default = model_specs(settings)[0]
+    return asyncio.run(
+        serve(settings, lambda: build(default), model_factory=build, metrics=metrics)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

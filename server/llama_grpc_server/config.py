@@ -91,7 +91,22 @@ class ServerSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """The models served besides the default one (ModelSettings.model_path) and how many may be
+    resident at once (models.ModelPool). Every model is loaded with the same ModelSettings and
+    SchedulerSettings; each resident one has its own engine (context, slots, thread)."""
+
+    models: tuple[tuple[str, str], ...] = ()  # (name, path) of the other models, in order
+    models_dir: str = ""  # where `models` were partly found (--models-dir); informational
+    # At most this many engines at once (0 = no limit). 1 by default: a server configured with
+    # several models never holds more than one model's memory unless told it may.
+    max_loaded_models: int = 1
+    max_loaded_bytes: int = 0  # sum of the resident models' file sizes (0 = no limit)
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     model: ModelSettings = field(default_factory=ModelSettings)
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
+    pool: PoolSettings = field(default_factory=PoolSettings)

@@ -53,6 +53,35 @@ class FailedPrecondition(ServiceError):
     reason = "FAILED_PRECONDITION"
 
 
+class ModelNotLoaded(FailedPrecondition):
+    """The request reads the state of a model that is not resident (GetStats, ClearCache); a
+    generation request would load it, LoadModel does."""
+
+    reason = "MODEL_NOT_LOADED"
+
+
+class ModelBusy(FailedPrecondition):
+    """UnloadModel without force on a model with requests in flight, or one still loading."""
+
+    reason = "MODEL_BUSY"
+
+
+class ModelLoadFailed(ServiceError):
+    """Loading the requested model failed (the message says why); the next request tries
+    again."""
+
+    code = "UNAVAILABLE"
+    reason = "MODEL_LOAD_FAILED"
+
+
+class ModelUnloaded(ServiceError):
+    """An admin unloaded the model with force while this request ran or waited; retrying loads
+    it again."""
+
+    code = "UNAVAILABLE"
+    reason = "MODEL_UNLOADED"
+
+
 class DuplicateRequest(ServiceError):
     """A request with this id is still in flight (ids key the engine's per-request state)."""
 

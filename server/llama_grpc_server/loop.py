@@ -364,10 +364,12 @@ class EngineLoop:
         if not done.set_running_or_notify_cancel():
             return
         try:
-            done.set_result(self._scheduler.clear_cache())
+            cleared = self._scheduler.clear_cache()
         except BaseException as exc:  # the caller hears why, then the engine fails as usual
             done.set_exception(errors.EngineFailed(f"clearing the cache failed: {describe(exc)}"))
             raise
+        self._publish()  # before the answer: the caller's next GetStats sees the cleared cache
+        done.set_result(cleared)
 
     def _gather_burst(self) -> None:
         """The engine was idle and something arrived: wait (with _wake held) until arrivals

@@ -1,11 +1,13 @@
 """Prometheus export for one server, in its own CollectorRegistry: vLLM-style engine series fed by
-telemetry events (histograms) and by the engine's StatsSnapshot at scrape time (the same
+telemetry events (histograms) and by the engines' StatsSnapshots at scrape time (the same
 cumulative counters GetStats returns), plus per-RPC grpc_server_* series (an RpcRecorder).
+Every engine series has a `model` label (the model's name: one value per resident model, and
+per model that has served since start for the event-fed ones); the RPC series do not.
 Imports prometheus_client; never llama_cpp or grpc."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from threading import Thread
 from typing import Any
@@ -23,10 +25,13 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from llama_grpc_server.core.api import DiskTierStats, StatsSnapshot
+from llama_grpc_server.models import ModelState, ModelStatus
 from llama_grpc_server.telemetry import RequestEvent, TickEvent
 
 PREFIX = "llama_grpc:"
-StatsSource = Callable[[], StatsSnapshot]
+MODEL = "model"
+StatsSource = Callable[[], Mapping[str, StatsSnapshot]]  # model name -> its engine's snapshot
+ModelsSource = Callable[[], Sequence[ModelStatus]]
 
 # Buckets follow vLLM's where it has them (seconds / tokens).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -51,11 +56,13 @@ def split_method(method: str) -> tuple[str, str]:
 
 class Metrics:
     """Every series of one server. An EventSink for telemetry.Telemetry and an RpcRecorder for
-    the request interceptor; `watch(engine.stats)` once the engine is loaded."""
+    the request interceptor; `watch(pool.snapshots, pool.statuses)` once the default model is
+    loaded."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._stats: StatsSource | None = None
+        self._models: ModelsSource | None = None
         self._rpc_children: dict[tuple[str, str], Any] = {}
         reg = self.registry
         ProcessCollector(registry=reg)
@@ -63,7 +70,7 @@ class Metrics:
         GCCollector(registry=reg)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, buckets=buckets, registry=reg)
+            return Histogram(PREFIX + name, doc, [MODEL], buckets=buckets, registry=reg)
 
         self.ttft = histogram(
             "time_to_first_token_seconds", "From arrival to the first token.", TTFT_BUCKETS
@@ -98,12 +105,14 @@ class Metrics:
         self.success = Counter(
             PREFIX + "request_success",
             "Finished requests by finish reason.",
-            ["finished_reason"],
+            [MODEL, "finished_reason"],
             registry=reg,
         )
-        self.eval_seconds = Counter(PREFIX + "eval_seconds", "Time in llama_decode.", registry=reg)
+        self.eval_seconds = Counter(
+            PREFIX + "eval_seconds", "Time in llama_decode.", [MODEL], registry=reg
+        )
         self.sample_seconds = Counter(
-            PREFIX + "sample_seconds", "Time sampling after llama_decode.", registry=reg
+            PREFIX + "sample_seconds", "Time sampling after llama_decode.", [MODEL], registry=reg
         )
         self.rpc_started_total = Counter(
             "grpc_server_started",
@@ -126,12 +135,17 @@ class Metrics:
         )
         reg.register(_SnapshotCollector(self))
 
-    def watch(self, stats: StatsSource) -> None:
-        """Read live state and cumulative counters from `stats` (engine.stats) at each scrape."""
+    def watch(self, stats: StatsSource, models: ModelsSource | None = None) -> None:
+        """Read live state and cumulative counters from `stats` (each resident engine's, by
+        model name) and the models' states from `models` at each scrape."""
         self._stats = stats
+        self._models = models
 
-    def snapshot(self) -> StatsSnapshot | None:
-        return self._stats() if self._stats is not None else None
+    def snapshots(self) -> Mapping[str, StatsSnapshot]:
+        return self._stats() if self._stats is not None else {}
+
+    def models(self) -> Sequence[ModelStatus]:
+        return self._models() if self._models is not None else ()
 
     def render(self) -> bytes:
         """The text exposition, as /metrics serves it."""
@@ -140,29 +154,34 @@ class Metrics:
     # -- EventSink (engine thread) ----------------------------------------------------------------
 
     def on_tick(self, event: TickEvent) -> None:
-        self.eval_seconds.inc(event.eval_ms / 1000)
-        self.sample_seconds.inc(event.sample_ms / 1000)
+        model = event.model
+        self.eval_seconds.labels(model).inc(event.eval_ms / 1000)
+        self.sample_seconds.labels(model).inc(event.sample_ms / 1000)
         if not event.is_ok:
             return
-        self.iteration_tokens.observe(event.batch_size)
-        self.iteration_sequences.observe(event.num_sequences)
+        self.iteration_tokens.labels(model).observe(event.batch_size)
+        self.iteration_sequences.labels(model).observe(event.num_sequences)
+        inter_token = self.inter_token.labels(model)
         for gap_ms in event.inter_token_ms:
-            self.inter_token.observe(gap_ms / 1000)
+            inter_token.observe(gap_ms / 1000)
 
     def on_request(self, event: RequestEvent) -> None:
         """Latency histograms describe requests that finished; failures are counted by the
         snapshot (requests_failed / cancelled / rejected)."""
         if event.is_failed:
             return
-        self.success.labels(event.finish_reason).inc()
+        model = event.model
+        self.success.labels(model, event.finish_reason).inc()
         if event.ttft_ms is not None:
-            self.ttft.observe(event.ttft_ms / 1000)
-            self.prefill_time.observe(max(0.0, event.ttft_ms - event.queue_ms) / 1000)
-            self.decode_time.observe(max(0.0, event.duration_ms - event.ttft_ms) / 1000)
-        self.e2e.observe(event.duration_ms / 1000)
-        self.queue_time.observe(event.queue_ms / 1000)
-        self.prompt_tokens.observe(event.prompt_tokens)
-        self.generation_tokens.observe(event.generated_tokens)
+            self.ttft.labels(model).observe(event.ttft_ms / 1000)
+            prefill_s = max(0.0, event.ttft_ms - event.queue_ms) / 1000
+            self.prefill_time.labels(model).observe(prefill_s)
+            decode_s = max(0.0, event.duration_ms - event.ttft_ms) / 1000
+            self.decode_time.labels(model).observe(decode_s)
+        self.e2e.labels(model).observe(event.duration_ms / 1000)
+        self.queue_time.labels(model).observe(event.queue_ms / 1000)
+        self.prompt_tokens.labels(model).observe(event.prompt_tokens)
+        self.generation_tokens.labels(model).observe(event.generated_tokens)
 
     # -- RpcRecorder (event loop) -----------------------------------------------------------------
 
@@ -176,8 +195,8 @@ class Metrics:
 
 
 class _SnapshotCollector:
-    """Gauges and counters read from one StatsSnapshot per scrape, so /metrics and GetStats
-    agree by construction."""
+    """Gauges and counters read from each resident engine's StatsSnapshot per scrape (so
+    /metrics and GetStats agree by construction), and the models' residency."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
@@ -186,84 +205,130 @@ class _SnapshotCollector:
         return []  # the series exist only once an engine is watched
 
     def collect(self) -> Iterator[Metric]:
-        s = self._metrics.snapshot()
-        if s is None:
-            return
-        disk = s.disk_cache or DiskTierStats()
-        gauges = {
-            "num_requests_running": ("Requests holding a slot.", s.active_slots),
-            "num_requests_waiting": ("Requests in the queue.", s.queue_depth),
-            "kv_cache_usage_perc": (
-                "KV cache usage (0-1): distinct cells in use (shared prefixes once) over n_ctx.",
-                s.kv_cells_used / s.kv_cells_total if s.kv_cells_total else 0.0,
-            ),
-            "ram_cache_entries": ("Slot caches saved in the RAM tier.", s.ram_cache_entries),
-            "ram_cache_bytes": ("Bytes held by the RAM tier.", s.ram_cache_bytes),
-            "disk_cache_entries": ("Files in the disk tier.", disk.entries),
-            "disk_cache_bytes": ("Bytes of the disk tier's files.", disk.bytes),
-            "response_cache_entries": (
-                "Results stored in the response cache.",
-                s.response_cache_entries,
-            ),
-            "response_cache_bytes": (
-                "Bytes held by the response cache (an estimate of their memory).",
-                s.response_cache_bytes,
-            ),
-            "engine_up": (
-                "1 while the engine thread serves; 0 once it has failed (see GetStats).",
-                0 if s.engine_state == "failed" else 1,
-            ),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
-        slots = GaugeMetricFamily(PREFIX + "num_slots", "Slots by state.", labels=["state"])
-        slots.add_metric(["idle"], s.idle_slots)
-        slots.add_metric(["prefilling"], s.prefilling_slots)
-        slots.add_metric(["generating"], s.generating_slots)
-        yield slots
-        counters = {
-            "prompt_tokens": ("Prompt tokens of admitted requests.", s.prompt_tokens),
-            "generation_tokens": ("Generated tokens.", s.generated_tokens),
-            "prefix_cache_queries": ("Prompt tokens looked up in the cache.", s.prompt_tokens),
-            "prefix_cache_hits": ("Prompt tokens found in the cache.", s.cached_prompt_tokens),
-            "num_preemptions": ("Requests preempted under KV pressure.", s.preemptions),
-            "requests_started": ("Requests admitted to a slot.", s.requests_started),
-            "requests_finished": ("Requests that finished normally.", s.requests_finished),
-            "requests_failed": ("Requests that failed.", s.requests_failed),
-            "requests_cancelled": ("Requests cancelled by the client.", s.requests_cancelled),
-            "requests_rejected": ("Requests refused by the scheduler.", s.requests_rejected),
-            "engine_ticks": ("Forward passes that succeeded.", s.ticks),
-            "ram_cache_hits": ("RAM-tier restores.", s.ram_cache_hits),
-            "ram_cache_misses": ("RAM-tier lookups without a restore.", s.ram_cache_misses),
-            "ram_cache_evictions": ("RAM-tier entries evicted.", s.ram_cache_evictions),
-            "disk_cache_hits": ("Disk-tier restores.", disk.hits),
-            "disk_cache_misses": ("Disk-tier lookups without a restore.", disk.misses),
-            "disk_cache_writes": ("Disk-tier files written.", disk.writes),
-            "disk_cache_evictions": ("Disk-tier files deleted for the budget.", disk.evictions),
-            "disk_cache_verify_failures": (
-                "Disk-tier files rejected (corrupt, truncated, another model).",
-                disk.verify_failures,
-            ),
-            "disk_cache_read_seconds": (
-                "Time reading and verifying disk-tier files for restores.",
-                disk.read_seconds,
-            ),
-            "disk_cache_read_bytes": ("Bytes read for disk-tier restores.", disk.read_bytes),
-            "response_cache_hits": (
-                "Generation requests answered from the response cache.",
-                s.response_cache_hits,
-            ),
-            "response_cache_misses": (
-                "Generation requests sent to the engine while the response cache was on.",
-                s.response_cache_misses,
-            ),
-            "response_cache_evictions": (
-                "Response-cache entries evicted.",
-                s.response_cache_evictions,
-            ),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        snapshots = self._metrics.snapshots()
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for model, snapshot in snapshots.items():
+            for kind, name, doc, labels, value in _snapshot_series(snapshot):
+                family = families.get(name)
+                if family is None:
+                    names = [MODEL, *labels]
+                    family = (GaugeMetricFamily if kind == GAUGE else CounterMetricFamily)(
+                        PREFIX + name, doc, labels=names
+                    )
+                    families[name] = family
+                family.add_metric([model, *labels.values()], value)
+        yield from families.values()
+        yield from _model_series(self._metrics.models())
+
+
+GAUGE, COUNTER = "gauge", "counter"
+Series = tuple[str, str, str, dict[str, str], float]  # kind, name, help, labels, value
+
+
+def _snapshot_series(s: StatsSnapshot) -> Iterator[Series]:
+    """One engine's series, labelled by model in collect()."""
+    disk = s.disk_cache or DiskTierStats()
+    gauges = {
+        "num_requests_running": ("Requests holding a slot.", s.active_slots),
+        "num_requests_waiting": ("Requests in the queue.", s.queue_depth),
+        "kv_cache_usage_perc": (
+            "KV cache usage (0-1): distinct cells in use (shared prefixes once) over n_ctx.",
+            s.kv_cells_used / s.kv_cells_total if s.kv_cells_total else 0.0,
+        ),
+        "ram_cache_entries": ("Slot caches saved in the RAM tier.", s.ram_cache_entries),
+        "ram_cache_bytes": ("Bytes held by the RAM tier.", s.ram_cache_bytes),
+        "disk_cache_entries": ("Files in the disk tier.", disk.entries),
+        "disk_cache_bytes": ("Bytes of the disk tier's files.", disk.bytes),
+        "response_cache_entries": (
+            "Results stored in the response cache.",
+            s.response_cache_entries,
+        ),
+        "response_cache_bytes": (
+            "Bytes held by the response cache (an estimate of their memory).",
+            s.response_cache_bytes,
+        ),
+        "engine_up": (
+            "1 while the engine thread serves; 0 once it has failed (see GetStats).",
+            0 if s.engine_state == "failed" else 1,
+        ),
+    }
+    for name, (doc, value) in gauges.items():
+        yield GAUGE, name, doc, {}, value
+    for state, count in (
+        ("idle", s.idle_slots),
+        ("prefilling", s.prefilling_slots),
+        ("generating", s.generating_slots),
+    ):
+        yield GAUGE, "num_slots", "Slots by state.", {"state": state}, count
+    counters = {
+        "prompt_tokens": ("Prompt tokens of admitted requests.", s.prompt_tokens),
+        "generation_tokens": ("Generated tokens.", s.generated_tokens),
+        "prefix_cache_queries": ("Prompt tokens looked up in the cache.", s.prompt_tokens),
+        "prefix_cache_hits": ("Prompt tokens found in the cache.", s.cached_prompt_tokens),
+        "num_preemptions": ("Requests preempted under KV pressure.", s.preemptions),
+        "requests_started": ("Requests admitted to a slot.", s.requests_started),
+        "requests_finished": ("Requests that finished normally.", s.requests_finished),
+        "requests_failed": ("Requests that failed.", s.requests_failed),
+        "requests_cancelled": ("Requests cancelled by the client.", s.requests_cancelled),
+        "requests_rejected": ("Requests refused by the scheduler.", s.requests_rejected),
+        "engine_ticks": ("Forward passes that succeeded.", s.ticks),
+        "ram_cache_hits": ("RAM-tier restores.", s.ram_cache_hits),
+        "ram_cache_misses": ("RAM-tier lookups without a restore.", s.ram_cache_misses),
+        "ram_cache_evictions": ("RAM-tier entries evicted.", s.ram_cache_evictions),
+        "disk_cache_hits": ("Disk-tier restores.", disk.hits),
+        "disk_cache_misses": ("Disk-tier lookups without a restore.", disk.misses),
+        "disk_cache_writes": ("Disk-tier files written.", disk.writes),
+        "disk_cache_evictions": ("Disk-tier files deleted for the budget.", disk.evictions),
+        "disk_cache_verify_failures": (
+            "Disk-tier files rejected (corrupt, truncated, another model).",
+            disk.verify_failures,
+        ),
+        "disk_cache_read_seconds": (
+            "Time reading and verifying disk-tier files for restores.",
+            disk.read_seconds,
+        ),
+        "disk_cache_read_bytes": ("Bytes read for disk-tier restores.", disk.read_bytes),
+        "response_cache_hits": (
+            "Generation requests answered from the response cache.",
+            s.response_cache_hits,
+        ),
+        "response_cache_misses": (
+            "Generation requests sent to the engine while the response cache was on.",
+            s.response_cache_misses,
+        ),
+        "response_cache_evictions": (
+            "Response-cache entries evicted.",
+            s.response_cache_evictions,
+        ),
+    }
+    for name, (doc, value) in counters.items():
+        yield COUNTER, name, doc, {}, value
+
+
+def _model_series(models: Sequence[ModelStatus]) -> Iterator[Metric]:
+    """Every configured model's residency (models.ModelPool), also of those not loaded."""
+    if not models:
+        return
+    loaded = GaugeMetricFamily(
+        PREFIX + "model_loaded", "1 while the model is loaded, else 0.", labels=[MODEL]
+    )
+    waiting = GaugeMetricFamily(
+        PREFIX + "model_requests_waiting",
+        "Requests waiting for the model to be loaded.",
+        labels=[MODEL],
+    )
+    loads = CounterMetricFamily(
+        PREFIX + "model_loads", "Times the model was loaded since start.", labels=[MODEL]
+    )
+    load_seconds = GaugeMetricFamily(
+        PREFIX + "model_load_seconds", "How long the model's last load took.", labels=[MODEL]
+    )
+    for m in models:
+        loaded.add_metric([m.name], 1 if m.state == ModelState.LOADED.value else 0)
+        waiting.add_metric([m.name], m.waiting)
+        loads.add_metric([m.name], m.loads)
+        load_seconds.add_metric([m.name], m.load_seconds)
+    yield from (loaded, waiting, loads, load_seconds)
 
 
 @dataclass(eq=False)

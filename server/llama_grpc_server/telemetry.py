@@ -46,6 +46,7 @@ class TickEvent:
     sample_ms: float  # sampling of every row, after the decode
     is_ok: bool  # llama_decode returned 0 (a KV-full retry is not ok)
     inter_token_ms: tuple[float, ...] = ()  # one per request that sampled again this tick
+    model: str = ""  # the engine's model name (Telemetry(model=...))
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -70,6 +71,7 @@ class RequestEvent:
     error_reason: str = ""  # the ErrorInfo reason of a failed request ("CANCELLED", ...)
     preemptions: int = 0
     tenant: str = ""  # who asked ("" without authentication)
+    model: str = ""  # the engine's model name (Telemetry(model=...))
 
     @property
     def is_failed(self) -> bool:
@@ -160,7 +162,9 @@ def _rate(tokens: int, ms: float) -> float:
     return tokens * 1000.0 / ms if tokens > 0 and ms > 0 else 0.0
 
 
-def request_event(request: Request, event: Finished | Failed, now_ns: int) -> RequestEvent:
+def request_event(
+    request: Request, event: Finished | Failed, now_ns: int, model: str = ""
+) -> RequestEvent:
     """The request_done / request_failed payload. A Finished event carries the scheduler's own
     usage and timings; a failed request's are taken from it at `now_ns`."""
     if isinstance(event, Finished):
@@ -189,6 +193,7 @@ def request_event(request: Request, event: Finished | Failed, now_ns: int) -> Re
         error_reason=error,
         preemptions=request.num_preemptions,
         tenant=request.spec.tenant,
+        model=model,
     )
 
 
@@ -227,8 +232,8 @@ class Sinks:
 
 class Telemetry:
     """One engine's telemetry: turns EngineLoop hooks into events for a sink (metrics, logs) and
-    a bus (the process-wide one by default). Pass `on_tick`/`on_done` to build_engine. Costs a
-    dict lookup per tick when nobody listens."""
+    a bus (the process-wide one by default), each event naming `model`. Pass `on_tick`/`on_done`
+    to build_engine. Costs a dict lookup per tick when nobody listens."""
 
     def __init__(
         self,
@@ -236,9 +241,11 @@ class Telemetry:
         bus: Bus | None = None,
         sink: EventSink | None = None,
         clock_ns: Callable[[], int] = time.perf_counter_ns,
+        model: str = "",
     ) -> None:
         self.bus = bus if bus is not None else BUS
         self.sink = sink
+        self.model = model
         self._clock_ns = clock_ns
         self._last_token_ns: dict[str, int] = {}  # request key -> when its last token was sampled
 
@@ -266,7 +273,7 @@ class Telemetry:
         if self.sink is None and not self.bus.has_handlers(name):
             return
         try:
-            payload = request_event(request, event, self._clock_ns())
+            payload = request_event(request, event, self._clock_ns(), self.model)
             if self.sink is not None:
                 self.sink.on_request(payload)
             self.bus.emit(name, payload)
@@ -293,6 +300,7 @@ class Telemetry:
             sample_ms=result.sample_ms,
             is_ok=result.status == DECODE_OK,
             inter_token_ms=self._inter_token_ms(plan, result, now_ns),
+            model=self.model,
         )
         if self.sink is not None:
             self.sink.on_tick(event)

@@ -194,11 +194,14 @@ class Reference:
         assert got[:n] == list(self.token_ids[:n]), (n, got, self.token_ids)
 
 
-async def reference(client: AsyncClient, prompt: str, max_tokens: int) -> Reference:
+async def reference(
+    client: AsyncClient, prompt: str, max_tokens: int, model: str | None = None
+) -> Reference:
     """The solo run (nothing else on the server) of `prompt`, greedy, EOS ignored."""
     result = await client.generate(
-        prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0, top_logprobs=2
-    )
+        prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0, top_logprobs=2,
+        model=model,
+    )  # fmt: skip
     margins = []
     for token, lp in zip(result.token_ids, result.logprobs, strict=True):
         assert lp.top[0].token_id == token, "greedy takes the top token"

@@ -150,6 +150,13 @@ async def call_every_rpc(
         "WatchLoad": lambda: _first(stub.WatchLoad(pb.WatchLoadRequest(), metadata=metadata)),
         "GetModelInfo": lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata),
         "ClearCache": lambda: stub.ClearCache(pb.ClearCacheRequest(), metadata=metadata),
+        "ListModels": lambda: stub.ListModels(pb.ListModelsRequest(), metadata=metadata),
+        "LoadModel": lambda: stub.LoadModel(pb.LoadModelRequest(), metadata=metadata),
+        # a name the server does not know: past the role check it is NOT_FOUND (unloading the
+        # one model would make the next calls load it again)
+        "UnloadModel": lambda: stub.UnloadModel(
+            pb.UnloadModelRequest(model="no-such-model"), metadata=metadata
+        ),
     }
     assert set(calls) == set(SERVICE.methods_by_name), "a new RPC needs a case here"
     codes: dict[str, grpc.StatusCode] = {}
@@ -205,8 +212,12 @@ async def test_every_rpc_needs_a_known_token(stub: pb_grpc.LlmServiceStub) -> No
     assert await call_every_rpc(stub, ()) == unauthenticated
     assert await call_every_rpc(stub, bearer("not-a-token-0123456789")) == unauthenticated
     assert await call_every_rpc(stub, (("authorization", f"Basic {USER_A}"),)) == unauthenticated
-    ok = dict.fromkeys(SERVICE.methods_by_name, grpc.StatusCode.OK)
-    user_ok = {**ok, "ClearCache": grpc.StatusCode.PERMISSION_DENIED}  # the one admin RPC
+    ok = {
+        **dict.fromkeys(SERVICE.methods_by_name, grpc.StatusCode.OK),
+        "UnloadModel": grpc.StatusCode.NOT_FOUND,
+    }
+    admin_only = ("ClearCache", "ListModels", "LoadModel", "UnloadModel")
+    user_ok = {**ok, **dict.fromkeys(admin_only, grpc.StatusCode.PERMISSION_DENIED)}
     assert await call_every_rpc(stub, bearer(USER_A)) == user_ok
     assert await call_every_rpc(stub, bearer(ADMIN)) == ok
 

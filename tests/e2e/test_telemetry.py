@@ -17,6 +17,7 @@ import structlog
 from llama_grpc import AsyncClient, Delta
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.metrics import Metrics
+from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
 from llama_grpc_server.rpc.server import RunningServer, start_server
 from llama_grpc_server.telemetry import (
     Bus,
@@ -31,6 +32,7 @@ from ..conftest import Samples, free_port, scrape, value
 from .conftest import settings
 
 PROMPT = "The history of the printing press begins"
+MODEL = DEFAULT_MODEL_NAME  # the `model` label of every engine series
 
 
 class Recorder:
@@ -75,7 +77,7 @@ async def observed() -> AsyncIterator[Observed]:
     bus, recorder, metrics = Bus(), Recorder(), Metrics()
     for name in ("tick", "request_done", "request_failed"):
         bus.attach(name, recorder)
-    hooks = Telemetry(bus=bus, sink=metrics)
+    hooks = Telemetry(bus=bus, sink=metrics, model=MODEL)
     base = settings(n_parallel=4)
     conf = replace(base, server=replace(base.server, metrics_port=free_port()))
 
@@ -115,29 +117,46 @@ async def test_metrics_after_real_requests(observed: Observed) -> None:
     stats = await client.stats()
     got = await asyncio.to_thread(scrape, observed.metrics_port)
 
-    assert value(got, "llama_grpc:generation_tokens_total") == stats.generated_tokens >= 36
-    assert value(got, "llama_grpc:prompt_tokens_total") == stats.prompt_tokens > 0
-    assert value(got, "llama_grpc:prefix_cache_queries_total") == stats.prompt_tokens
-    assert value(got, "llama_grpc:prefix_cache_hits_total") == stats.cached_prompt_tokens > 0
-    assert value(got, "llama_grpc:requests_finished_total") == stats.requests_finished >= 5
+    assert (
+        value(got, "llama_grpc:generation_tokens_total", model=MODEL)
+        == stats.generated_tokens
+        >= 36
+    )
+    assert value(got, "llama_grpc:prompt_tokens_total", model=MODEL) == stats.prompt_tokens > 0
+    assert value(got, "llama_grpc:prefix_cache_queries_total", model=MODEL) == stats.prompt_tokens
+    assert (
+        value(got, "llama_grpc:prefix_cache_hits_total", model=MODEL)
+        == stats.cached_prompt_tokens
+        > 0
+    )
+    assert (
+        value(got, "llama_grpc:requests_finished_total", model=MODEL)
+        == stats.requests_finished
+        >= 5
+    )
     assert total(got, "llama_grpc:request_success_total") == stats.requests_finished
-    assert value(got, "llama_grpc:num_preemptions_total") == stats.preemptions == 0
-    assert value(got, "llama_grpc:num_requests_running") == stats.active_slots == 0
-    assert value(got, "llama_grpc:num_requests_waiting") == 0
-    assert 0 < value(got, "llama_grpc:kv_cache_usage_perc") <= 1  # finished slots keep KV
+    assert value(got, "llama_grpc:num_preemptions_total", model=MODEL) == stats.preemptions == 0
+    assert value(got, "llama_grpc:num_requests_running", model=MODEL) == stats.active_slots == 0
+    assert value(got, "llama_grpc:num_requests_waiting", model=MODEL) == 0
+    assert (
+        0 < value(got, "llama_grpc:kv_cache_usage_perc", model=MODEL) <= 1
+    )  # finished slots keep KV
 
     finished = stats.requests_finished
-    ttft_sum = value(got, "llama_grpc:time_to_first_token_seconds_sum")
-    e2e_sum = value(got, "llama_grpc:e2e_request_latency_seconds_sum")
-    assert value(got, "llama_grpc:time_to_first_token_seconds_count") == finished
-    assert value(got, "llama_grpc:e2e_request_latency_seconds_count") == finished
+    ttft_sum = value(got, "llama_grpc:time_to_first_token_seconds_sum", model=MODEL)
+    e2e_sum = value(got, "llama_grpc:e2e_request_latency_seconds_sum", model=MODEL)
+    assert value(got, "llama_grpc:time_to_first_token_seconds_count", model=MODEL) == finished
+    assert value(got, "llama_grpc:e2e_request_latency_seconds_count", model=MODEL) == finished
     assert 0 < ttft_sum < e2e_sum
-    assert value(got, "llama_grpc:request_generation_tokens_sum") == stats.generated_tokens
-    gaps = value(got, "llama_grpc:inter_token_latency_seconds_count")
+    assert (
+        value(got, "llama_grpc:request_generation_tokens_sum", model=MODEL)
+        == stats.generated_tokens
+    )
+    gaps = value(got, "llama_grpc:inter_token_latency_seconds_count", model=MODEL)
     assert gaps >= stats.generated_tokens - finished  # one per token after each first
-    assert value(got, "llama_grpc:inter_token_latency_seconds_sum") > 0
-    assert 0 < value(got, "llama_grpc:iteration_tokens_total_count") <= stats.ticks
-    assert value(got, "llama_grpc:eval_seconds_total") > 0
+    assert value(got, "llama_grpc:inter_token_latency_seconds_sum", model=MODEL) > 0
+    assert 0 < value(got, "llama_grpc:iteration_tokens_total_count", model=MODEL) <= stats.ticks
+    assert value(got, "llama_grpc:eval_seconds_total", model=MODEL) > 0
 
     labels = {
         "grpc_service": "llama_grpc.v1.LlmService",
@@ -212,8 +231,8 @@ async def test_getstats_counters_move(observed: Observed) -> None:
     assert after.generated_tokens == before.generated_tokens + 7
     assert after.ticks > before.ticks
     got = await asyncio.to_thread(scrape, observed.metrics_port)
-    assert value(got, "llama_grpc:requests_started_total") == after.requests_started
-    assert value(got, "llama_grpc:generation_tokens_total") == after.generated_tokens
+    assert value(got, "llama_grpc:requests_started_total", model=MODEL) == after.requests_started
+    assert value(got, "llama_grpc:generation_tokens_total", model=MODEL) == after.generated_tokens
 
 
 async def test_raising_handler_is_detached_and_serving_continues(observed: Observed) -> None:

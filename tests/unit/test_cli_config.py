@@ -16,7 +16,13 @@ import structlog
 
 from llama_grpc_server import cli
 from llama_grpc_server.cli import OPTIONS, ConfigError, HelpRequested, load_settings
-from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSettings, Settings
+from llama_grpc_server.config import (
+    ModelSettings,
+    PoolSettings,
+    SchedulerSettings,
+    ServerSettings,
+    Settings,
+)
 from llama_grpc_server.core.request import SamplingParams
 
 
@@ -44,6 +50,7 @@ def field_default(dotted: str) -> object:
         "scheduler": SchedulerSettings,
         "server": ServerSettings,
         "sampling": SamplingParams,
+        "pool": PoolSettings,
     }[section]
     (found,) = [f for f in dataclasses.fields(owner) if f.name == name]
     assert found.default is not dataclasses.MISSING, dotted
@@ -202,7 +209,6 @@ def test_toml_model_path_is_relative_to_the_file(tmp_path: Path) -> None:
         ([], {"LLAMA_GRPC_N_GPU_LAYERS": "Auto"}, "", "auto"),
         ([], {}, 'n_gpu_layers = "auto"\n', "auto"),
         ([], {}, "n_gpu_layers = 12\n", 12),
-        ([], {"LLAMA_GRPC_MODELS_DIR": "/m"}, "", 0),  # `models`' variable, not a serve option
     ],
 )
 def test_n_gpu_layers_takes_auto_everywhere(
@@ -448,3 +454,75 @@ def test_bad_security_options_name_the_flag(
     with pytest.raises(ConfigError) as caught:
         settings(*given)
     assert expected in str(caught.value)
+
+
+# -- several models --------------------------------------------------------------------------------
+
+
+def gguf(directory: Path, name: str) -> Path:
+    path = directory / name
+    path.write_bytes(b"GGUF")
+    return path
+
+
+def test_repeated_model_flags_name_the_default_and_the_others(tmp_path: Path) -> None:
+    """The first --model is the default (its NAME= names it); the others keep their order, a
+    bare path named by its stem."""
+    a, b, c = gguf(tmp_path, "a.gguf"), gguf(tmp_path, "b.gguf"), gguf(tmp_path, "c.gguf")
+    got = settings("--model", f"first={a}", "--model", f"second={b}", "--model", str(c))
+    assert (got.model.model_path, got.model.model_name) == (str(a), "first")
+    assert got.pool.models == (("second", str(b)), ("c", str(c)))
+    plain = settings("--model", str(a), "--model-name", "mine")
+    assert (plain.model.model_name, plain.pool.models) == ("mine", ())
+
+
+def test_models_dir_adds_its_models_after_the_named_ones(tmp_path: Path) -> None:
+    """--models-dir (or LLAMA_GRPC_MODELS_DIR) adds its *.gguf files by stem; a name already
+    given wins; the embedded model is not added (it is the default only without --model)."""
+    models = tmp_path / "models"
+    models.mkdir()
+    x, y = gguf(models, "x.gguf"), gguf(models, "y.gguf")
+    other = gguf(tmp_path, "other.gguf")
+    got = settings("--model", f"x={other}", "--models-dir", str(models))
+    assert got.model.model_name == "x" and got.pool.models == (("y", str(y)),)
+    from_env = settings(env={"LLAMA_GRPC_MODELS_DIR": str(models)})
+    assert from_env.model.model_path == ""  # the embedded default
+    assert from_env.pool.models == (("x", str(x)), ("y", str(y)))
+    assert from_env.pool.models_dir == str(models)
+    by_name = settings("--model", "y", "--models-dir", str(models))
+    assert (by_name.model.model_path, by_name.model.model_name) == (str(y), "y")
+
+
+def test_model_list_in_a_config_file_is_relative_to_it(tmp_path: Path) -> None:
+    gguf(tmp_path, "a.gguf")
+    gguf(tmp_path, "b.gguf")
+    path = write_toml(tmp_path, 'model = ["a.gguf", "bee=b.gguf"]\nmax_loaded_models = 2\n')
+    got = settings("--config", str(path))
+    assert Path(got.model.model_path) == tmp_path / "a.gguf"
+    assert got.pool.models == (("bee", str(tmp_path / "b.gguf")),)
+    assert got.pool.max_loaded_models == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--model", "a=A", "--model", "a=B"], "two models are named 'a'"),
+        (["--model", "bad name=A"], "invalid model name"),
+        (["--model", "a=/nonexistent.gguf"], "no such file"),
+        (["--model", "a=A", "--model-name", "b"], "already named 'a'"),
+        (["--model", "nosuchname"], "unknown model 'nosuchname'"),
+        (["--models-dir", "/nonexistent-dir"], "no such directory"),
+        (["--max-loaded-models", "-1"], "--max-loaded-models"),
+    ],
+)
+def test_bad_model_lists_are_refused(tmp_path: Path, argv: list[str], expected: str) -> None:
+    a, b = gguf(tmp_path, "a.gguf"), gguf(tmp_path, "b.gguf")
+    argv = [arg.replace("=A", f"={a}").replace("=B", f"={b}") for arg in argv]
+    with pytest.raises(ConfigError, match=expected):
+        settings(*argv)
+
+
+def test_loaded_model_bounds() -> None:
+    got = settings("--max-loaded-models", "3", "--max-loaded-bytes", "1000000")
+    assert (got.pool.max_loaded_models, got.pool.max_loaded_bytes) == (3, 1_000_000)
+    assert settings().pool == PoolSettings()

@@ -495,7 +495,7 @@ class _ClientSpy:
     def __exit__(self, *exc_info: object) -> None:
         pass
 
-    def model_info(self) -> Any:
+    def model_info(self, **options: Any) -> Any:
         raise UnavailableError("spy")
 
 

@@ -104,14 +104,15 @@ def test_stats_round_trip_every_field() -> None:
     """Every snapshot field, slots included, arrives under the same name (the disk tier's as
     disk_cache_<name>); the snapshot's DiskTierStats fields the proto lacks are named here."""
     snapshot = make_snapshot()
-    message = convert.stats_response(snapshot)
+    message = convert.stats_response(snapshot, "m")
+    assert message.model_name == "m"
     carried = set()
     for f in pb.GetStatsResponse.DESCRIPTOR.fields:
         if f.name.startswith("disk_cache_"):
             name = f.name.removeprefix("disk_cache_")
             assert getattr(message, f.name) == getattr(snapshot.disk_cache, name), f.name
             carried.add(name)
-        elif f.name != "slots":
+        elif f.name not in convert.NOT_SNAPSHOT:
             assert getattr(message, f.name) == getattr(snapshot, f.name), f.name
     assert {f.name for f in dataclasses.fields(DiskTierStats)} - carried == {"read_bytes"}
     assert [(s.slot_id, s.state, s.request_id, s.cached_tokens) for s in message.slots] == [
@@ -122,8 +123,9 @@ def test_stats_round_trip_every_field() -> None:
 
 def test_every_stats_proto_field_comes_from_the_snapshot() -> None:
     """Each GetStatsResponse field has a snapshot field of the same name, or a DiskTierStats
-    field for disk_cache_<name> (none left at zero)."""
-    proto_fields = {f.name for f in pb.GetStatsResponse.DESCRIPTOR.fields}
+    field for disk_cache_<name> (none left at zero); only the model's name and the slots are
+    filled otherwise."""
+    proto_fields = {f.name for f in pb.GetStatsResponse.DESCRIPTOR.fields} - {"model_name"}
     sources = {f.name for f in dataclasses.fields(StatsSnapshot)}
     sources |= {"disk_cache_" + f.name for f in dataclasses.fields(DiskTierStats)}
     assert proto_fields <= sources

@@ -21,6 +21,7 @@ from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import cli
 from llama_grpc_server.config import ServerSettings, Settings
 from llama_grpc_server.metrics import Metrics, serve_metrics, split_method
+from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
 from llama_grpc_server.rpc.server import RunningServer, ServerStartError, start_server
 from llama_grpc_server.telemetry import RequestEvent, TickEvent
 from llama_grpc_server.testing import FakeEngine
@@ -34,7 +35,7 @@ def done_event(**overrides: Any) -> RequestEvent:
         "request_id": "r", "slot": 0, "prompt_tokens": 40, "generated_tokens": 8,
         "prefix_cache_tokens": 10, "prefix_cache_ratio": 0.25, "queue_ms": 20.0,
         "duration_ms": 900.0, "ttft_ms": 120.0, "prompt_eval_rate": 300.0,
-        "generation_rate": 9.0, "finish_reason": "eos",
+        "generation_rate": 9.0, "finish_reason": "eos", "model": "m",
     }  # fmt: skip
     return RequestEvent(**(fields | overrides))
 
@@ -43,7 +44,7 @@ def tick(**overrides: Any) -> TickEvent:
     fields: dict[str, Any] = {
         "tick": 1, "batch_size": 40, "decode_tokens": 2, "prefill_tokens": 38,
         "num_sequences": 3, "active_slots": 3, "queue_depth": 1, "eval_ms": 30.0,
-        "sample_ms": 2.0, "is_ok": True, "inter_token_ms": (30.0, 45.0),
+        "sample_ms": 2.0, "is_ok": True, "inter_token_ms": (30.0, 45.0), "model": "m",
     }  # fmt: skip
     return TickEvent(**(fields | overrides))
 
@@ -56,19 +57,27 @@ def test_request_events_feed_latency_histograms() -> None:
     metrics.on_request(done_event(finish_reason="max_tokens", ttft_ms=None))
     metrics.on_request(done_event(finish_reason="", error_reason="CANCELLED"))
     got = samples(metrics.render())
-    assert value(got, "llama_grpc:request_success_total", finished_reason="eos") == 1
-    assert value(got, "llama_grpc:request_success_total", finished_reason="max_tokens") == 1
-    assert value(got, "llama_grpc:time_to_first_token_seconds_count") == 1
-    assert value(got, "llama_grpc:time_to_first_token_seconds_sum") == pytest.approx(0.12)
-    assert value(got, "llama_grpc:time_to_first_token_seconds_bucket", le="0.25") == 1
-    assert value(got, "llama_grpc:time_to_first_token_seconds_bucket", le="0.1") == 0
-    assert value(got, "llama_grpc:e2e_request_latency_seconds_count") == 2
-    assert value(got, "llama_grpc:e2e_request_latency_seconds_sum") == pytest.approx(1.8)
-    assert value(got, "llama_grpc:request_queue_time_seconds_sum") == pytest.approx(0.04)
-    assert value(got, "llama_grpc:request_prefill_time_seconds_sum") == pytest.approx(0.1)
-    assert value(got, "llama_grpc:request_decode_time_seconds_sum") == pytest.approx(0.78)
-    assert value(got, "llama_grpc:request_prompt_tokens_sum") == 80
-    assert value(got, "llama_grpc:request_generation_tokens_sum") == 16
+    assert value(got, "llama_grpc:request_success_total", model="m", finished_reason="eos") == 1
+    assert (
+        value(got, "llama_grpc:request_success_total", model="m", finished_reason="max_tokens") == 1
+    )
+    assert value(got, "llama_grpc:time_to_first_token_seconds_count", model="m") == 1
+    assert value(got, "llama_grpc:time_to_first_token_seconds_sum", model="m") == pytest.approx(
+        0.12
+    )
+    assert value(got, "llama_grpc:time_to_first_token_seconds_bucket", model="m", le="0.25") == 1
+    assert value(got, "llama_grpc:time_to_first_token_seconds_bucket", model="m", le="0.1") == 0
+    assert value(got, "llama_grpc:e2e_request_latency_seconds_count", model="m") == 2
+    assert value(got, "llama_grpc:e2e_request_latency_seconds_sum", model="m") == pytest.approx(1.8)
+    assert value(got, "llama_grpc:request_queue_time_seconds_sum", model="m") == pytest.approx(0.04)
+    assert value(got, "llama_grpc:request_prefill_time_seconds_sum", model="m") == pytest.approx(
+        0.1
+    )
+    assert value(got, "llama_grpc:request_decode_time_seconds_sum", model="m") == pytest.approx(
+        0.78
+    )
+    assert value(got, "llama_grpc:request_prompt_tokens_sum", model="m") == 80
+    assert value(got, "llama_grpc:request_generation_tokens_sum", model="m") == 16
 
 
 def test_tick_events_feed_batch_and_inter_token_series() -> None:
@@ -78,14 +87,16 @@ def test_tick_events_feed_batch_and_inter_token_series() -> None:
     metrics.on_tick(tick())
     metrics.on_tick(tick(is_ok=False, inter_token_ms=()))
     got = samples(metrics.render())
-    assert value(got, "llama_grpc:iteration_tokens_total_count") == 1
-    assert value(got, "llama_grpc:iteration_tokens_total_sum") == 40
-    assert value(got, "llama_grpc:iteration_tokens_total_bucket", le="64.0") == 1
-    assert value(got, "llama_grpc:iteration_sequences_sum") == 3
-    assert value(got, "llama_grpc:inter_token_latency_seconds_count") == 2
-    assert value(got, "llama_grpc:inter_token_latency_seconds_sum") == pytest.approx(0.075)
-    assert value(got, "llama_grpc:eval_seconds_total") == pytest.approx(0.06)
-    assert value(got, "llama_grpc:sample_seconds_total") == pytest.approx(0.004)
+    assert value(got, "llama_grpc:iteration_tokens_total_count", model="m") == 1
+    assert value(got, "llama_grpc:iteration_tokens_total_sum", model="m") == 40
+    assert value(got, "llama_grpc:iteration_tokens_total_bucket", model="m", le="64.0") == 1
+    assert value(got, "llama_grpc:iteration_sequences_sum", model="m") == 3
+    assert value(got, "llama_grpc:inter_token_latency_seconds_count", model="m") == 2
+    assert value(got, "llama_grpc:inter_token_latency_seconds_sum", model="m") == pytest.approx(
+        0.075
+    )
+    assert value(got, "llama_grpc:eval_seconds_total", model="m") == pytest.approx(0.06)
+    assert value(got, "llama_grpc:sample_seconds_total", model="m") == pytest.approx(0.004)
 
 
 def test_snapshot_series_equal_the_engine_stats() -> None:
@@ -94,7 +105,7 @@ def test_snapshot_series_equal_the_engine_stats() -> None:
     stats = replace(make_snapshot(), engine_state="running", engine_error="")
     metrics = Metrics()
     assert not any(name.startswith("llama_grpc:num_") for name, _ in samples(metrics.render()))
-    metrics.watch(lambda: stats)
+    metrics.watch(lambda: {"m": stats})
     got = samples(metrics.render())
     expected = {
         "llama_grpc:requests_started_total": stats.requests_started,
@@ -115,17 +126,17 @@ def test_snapshot_series_equal_the_engine_stats() -> None:
         "llama_grpc:response_cache_misses_total": stats.response_cache_misses,
         "llama_grpc:response_cache_evictions_total": stats.response_cache_evictions,
     }
-    assert {name: value(got, name) for name in expected} == expected
+    assert {name: value(got, name, model="m") for name in expected} == expected
     kv_use = stats.kv_cells_used / stats.kv_cells_total
-    assert value(got, "llama_grpc:kv_cache_usage_perc") == pytest.approx(kv_use)
-    assert value(got, "llama_grpc:num_slots", state="idle") == stats.idle_slots
-    assert value(got, "llama_grpc:engine_up") == 1
+    assert value(got, "llama_grpc:kv_cache_usage_perc", model="m") == pytest.approx(kv_use)
+    assert value(got, "llama_grpc:num_slots", model="m", state="idle") == stats.idle_slots
+    assert value(got, "llama_grpc:engine_up", model="m") == 1
 
 
 def test_engine_up_is_zero_once_the_engine_failed() -> None:
     metrics = Metrics()
-    metrics.watch(make_snapshot)  # engine_state "failed"
-    assert value(samples(metrics.render()), "llama_grpc:engine_up") == 0
+    metrics.watch(lambda: {"m": make_snapshot()})  # engine_state "failed"
+    assert value(samples(metrics.render()), "llama_grpc:engine_up", model="m") == 0
 
 
 def test_rpc_series_use_grpc_prometheus_names() -> None:
@@ -154,8 +165,10 @@ def test_two_registries_in_one_process() -> None:
     """Each Metrics has its own registry: creating two is fine and they count separately."""
     first, second = Metrics(), Metrics()
     first.on_tick(tick())
-    assert value(samples(first.render()), "llama_grpc:iteration_tokens_total_count") == 1
-    assert value(samples(second.render()), "llama_grpc:iteration_tokens_total_count") == 0
+    assert value(samples(first.render()), "llama_grpc:iteration_tokens_total_count", model="m") == 1
+    assert not any(
+        name.startswith("llama_grpc:iteration_tokens") for name, _ in samples(second.render())
+    )
 
 
 def test_serve_metrics_over_http() -> None:
@@ -164,7 +177,8 @@ def test_serve_metrics_over_http() -> None:
     metrics.on_tick(tick())
     served = serve_metrics(metrics, "127.0.0.1", 0)
     try:
-        assert value(scrape(served.port), "llama_grpc:iteration_tokens_total_count") == 1
+        got = scrape(served.port)
+        assert value(got, "llama_grpc:iteration_tokens_total_count", model="m") == 1
     finally:
         served.close()
     with pytest.raises(urllib.error.URLError):
@@ -204,8 +218,13 @@ async def test_server_serves_rpc_and_engine_series(
     assert value(got, "grpc_server_started_total", **labels) == 2
     assert value(got, "grpc_server_handled_total", grpc_code="OK", **labels) == 1
     assert value(got, "grpc_server_handled_total", grpc_code="INVALID_ARGUMENT", **labels) == 1
-    assert value(got, "llama_grpc:requests_finished_total") == stats.requests_finished == 1
-    assert value(got, "llama_grpc:prompt_tokens_total") == stats.prompt_tokens == 4
+    model = {"model": DEFAULT_MODEL_NAME}  # the pool's name of the default model
+    assert value(got, "llama_grpc:requests_finished_total", **model) == stats.requests_finished
+    assert value(got, "llama_grpc:prompt_tokens_total", **model) == stats.prompt_tokens == 4
+    assert stats.requests_finished == 1
+    assert value(got, "llama_grpc:model_loaded", **model) == 1
+    assert value(got, "llama_grpc:model_loads_total", **model) == 1
+    assert value(got, "llama_grpc:model_requests_waiting", **model) == 0
 
 
 async def test_metrics_port_in_use_fails_the_start() -> None:

@@ -19,6 +19,36 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _ModelState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ModelStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ModelState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MODEL_STATE_UNSPECIFIED: _ModelState.ValueType  # 0
+    MODEL_STATE_UNLOADED: _ModelState.ValueType  # 1
+    """Not in memory: the next request for it loads it."""
+    MODEL_STATE_LOADING: _ModelState.ValueType  # 2
+    """Waiting for room or being read; requests for it wait."""
+    MODEL_STATE_LOADED: _ModelState.ValueType  # 3
+    """Serving."""
+    MODEL_STATE_UNLOADING: _ModelState.ValueType  # 4
+    """Its engine is being closed; requests for it wait, then load it again."""
+
+class ModelState(_ModelState, metaclass=_ModelStateEnumTypeWrapper):
+    """Where a model is."""
+
+MODEL_STATE_UNSPECIFIED: ModelState.ValueType  # 0
+MODEL_STATE_UNLOADED: ModelState.ValueType  # 1
+"""Not in memory: the next request for it loads it."""
+MODEL_STATE_LOADING: ModelState.ValueType  # 2
+"""Waiting for room or being read; requests for it wait."""
+MODEL_STATE_LOADED: ModelState.ValueType  # 3
+"""Serving."""
+MODEL_STATE_UNLOADING: ModelState.ValueType  # 4
+"""Its engine is being closed; requests for it wait, then load it again."""
+Global___ModelState: _TypeAlias = ModelState  # noqa: Y015
+
 class _FinishReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -108,6 +138,220 @@ server's default_max_tokens); a leading BOS and the first n_keep tokens after it
 Global___OverflowPolicy: _TypeAlias = OverflowPolicy  # noqa: Y015
 
 @_typing.final
+class ModelStatus(_message.Message):
+    """One model of ListModels."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    IS_DEFAULT_FIELD_NUMBER: _builtins.int
+    LAST_USED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    SLOTS_BUSY_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    LOADS_FIELD_NUMBER: _builtins.int
+    LOAD_SECONDS_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name requests use in their `model` field."""
+    path: _builtins.str
+    """The GGUF file (empty for the embedded model until it is first loaded)."""
+    size_bytes: _builtins.int
+    """The file's size in bytes: what counts against --max-loaded-bytes."""
+    state: Global___ModelState.ValueType
+    is_default: _builtins.bool
+    """Requests naming no model are served by this one."""
+    last_used_unix_ms: _builtins.int
+    """When a request last took or released it, in ms since the Unix epoch (0 = never)."""
+    slots_busy: _builtins.int
+    """Its engine's slots running a request (0 unless loaded)."""
+    in_flight: _builtins.int
+    """Requests holding it: queued in its engine or running. A model with requests in flight is
+    never unloaded to make room.
+    """
+    waiting: _builtins.int
+    """Requests waiting for it to be loaded."""
+    loads: _builtins.int
+    """Times it was loaded since the server started, and how long its last load took."""
+    load_seconds: _builtins.float
+    last_error: _builtins.str
+    """Why its last load or its engine failed ("" when neither did)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        state: Global___ModelState.ValueType = ...,
+        is_default: _builtins.bool = ...,
+        last_used_unix_ms: _builtins.int = ...,
+        slots_busy: _builtins.int = ...,
+        in_flight: _builtins.int = ...,
+        waiting: _builtins.int = ...,
+        loads: _builtins.int = ...,
+        load_seconds: _builtins.float = ...,
+        last_error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_flight", b"in_flight", "is_default", b"is_default", "last_error", b"last_error", "last_used_unix_ms", b"last_used_unix_ms", "load_seconds", b"load_seconds", "loads", b"loads", "name", b"name", "path", b"path", "size_bytes", b"size_bytes", "slots_busy", b"slots_busy", "state", b"state", "waiting", b"waiting"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelStatus: _TypeAlias = ModelStatus  # noqa: Y015
+
+@_typing.final
+class ListModelsRequest(_message.Message):
+    """Input of ListModels."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListModelsRequest: _TypeAlias = ListModelsRequest  # noqa: Y015
+
+@_typing.final
+class ListModelsResponse(_message.Message):
+    """Output of ListModels."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODELS_FIELD_NUMBER: _builtins.int
+    MAX_LOADED_MODELS_FIELD_NUMBER: _builtins.int
+    MAX_LOADED_BYTES_FIELD_NUMBER: _builtins.int
+    max_loaded_models: _builtins.int
+    """The server's bounds on what is loaded at once (0 = no limit)."""
+    max_loaded_bytes: _builtins.int
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelStatus]:
+        """The default model first, then the others in the server's order."""
+
+    def __init__(
+        self,
+        *,
+        models: _abc.Iterable[Global___ModelStatus] | None = ...,
+        max_loaded_models: _builtins.int = ...,
+        max_loaded_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_loaded_bytes", b"max_loaded_bytes", "max_loaded_models", b"max_loaded_models", "models", b"models"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListModelsResponse: _TypeAlias = ListModelsResponse  # noqa: Y015
+
+@_typing.final
+class LoadModelRequest(_message.Message):
+    """Input of LoadModel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The model's name (or path, or file name); empty means the default model."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadModelRequest: _TypeAlias = LoadModelRequest  # noqa: Y015
+
+@_typing.final
+class LoadModelResponse(_message.Message):
+    """Output of LoadModel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def model(self) -> Global___ModelStatus:
+        """The model once loaded."""
+
+    def __init__(
+        self,
+        *,
+        model: Global___ModelStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadModelResponse: _TypeAlias = LoadModelResponse  # noqa: Y015
+
+@_typing.final
+class UnloadModelRequest(_message.Message):
+    """Input of UnloadModel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    FORCE_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The model's name (or path, or file name); empty means the default model."""
+    force: _builtins.bool
+    """Unload even with requests in flight: they end with UNAVAILABLE (MODEL_UNLOADED)."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        force: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["force", b"force", "model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadModelRequest: _TypeAlias = UnloadModelRequest  # noqa: Y015
+
+@_typing.final
+class UnloadModelResponse(_message.Message):
+    """Output of UnloadModel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    CANCELLED_REQUESTS_FIELD_NUMBER: _builtins.int
+    cancelled_requests: _builtins.int
+    """Requests that were in flight and were ended (0 without force)."""
+    @_builtins.property
+    def model(self) -> Global___ModelStatus:
+        """The model after unloading (state unloaded)."""
+
+    def __init__(
+        self,
+        *,
+        model: Global___ModelStatus | None = ...,
+        cancelled_requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled_requests", b"cancelled_requests", "model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadModelResponse: _TypeAlias = UnloadModelResponse  # noqa: Y015
+
+@_typing.final
 class ClearCacheRequest(_message.Message):
     """Input of ClearCache."""
 
@@ -115,7 +359,9 @@ class ClearCacheRequest(_message.Message):
 
     MODEL_FIELD_NUMBER: _builtins.int
     model: _builtins.str
-    """The model whose caches to clear; empty means the loaded one."""
+    """The model whose caches to clear; empty means the default one. FAILED_PRECONDITION
+    (MODEL_NOT_LOADED) when it is not loaded.
+    """
     def __init__(
         self,
         *,
@@ -677,7 +923,9 @@ class GenerateRequest(_message.Message):
     MESSAGES_FIELD_NUMBER: _builtins.int
     CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
-    """Optional: when set, it must name the loaded model."""
+    """Optional: the model to use, by name, path or file name (NOT_FOUND lists the names);
+    empty means the default model. A model that is not loaded is loaded first.
+    """
     prompt: _builtins.str
     session_id: _builtins.str
     """Keeps a conversation on the same slot (prefix-cache affinity)."""
@@ -1141,12 +1389,17 @@ class GetStatsRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The model whose stats to read; empty means the default one."""
     def __init__(
         self,
+        *,
+        model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1242,6 +1495,7 @@ class GetStatsResponse(_message.Message):
     RESPONSE_CACHE_HITS_FIELD_NUMBER: _builtins.int
     RESPONSE_CACHE_MISSES_FIELD_NUMBER: _builtins.int
     RESPONSE_CACHE_EVICTIONS_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
     n_parallel: _builtins.int
     active_slots: _builtins.int
     idle_slots: _builtins.int
@@ -1310,6 +1564,8 @@ class GetStatsResponse(_message.Message):
     response_cache_hits: _builtins.int
     response_cache_misses: _builtins.int
     response_cache_evictions: _builtins.int
+    model_name: _builtins.str
+    """The model these figures are of."""
     @_builtins.property
     def slots(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotStats]: ...
     def __init__(
@@ -1360,10 +1616,11 @@ class GetStatsResponse(_message.Message):
         response_cache_hits: _builtins.int = ...,
         response_cache_misses: _builtins.int = ...,
         response_cache_evictions: _builtins.int = ...,
+        model_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "decode_cpu_seconds", b"decode_cpu_seconds", "decode_seconds", b"decode_seconds", "disk_cache_bytes", b"disk_cache_bytes", "disk_cache_entries", b"disk_cache_entries", "disk_cache_evictions", b"disk_cache_evictions", "disk_cache_hits", b"disk_cache_hits", "disk_cache_misses", b"disk_cache_misses", "disk_cache_read_seconds", b"disk_cache_read_seconds", "disk_cache_verify_failures", b"disk_cache_verify_failures", "disk_cache_writes", b"disk_cache_writes", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "n_parallel", b"n_parallel", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "response_cache_bytes", b"response_cache_bytes", "response_cache_entries", b"response_cache_entries", "response_cache_evictions", b"response_cache_evictions", "response_cache_hits", b"response_cache_hits", "response_cache_misses", b"response_cache_misses", "slots", b"slots", "ticks", b"ticks", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "decode_cpu_seconds", b"decode_cpu_seconds", "decode_seconds", b"decode_seconds", "disk_cache_bytes", b"disk_cache_bytes", "disk_cache_entries", b"disk_cache_entries", "disk_cache_evictions", b"disk_cache_evictions", "disk_cache_hits", b"disk_cache_hits", "disk_cache_misses", b"disk_cache_misses", "disk_cache_read_seconds", b"disk_cache_read_seconds", "disk_cache_verify_failures", b"disk_cache_verify_failures", "disk_cache_writes", b"disk_cache_writes", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "model_name", b"model_name", "n_parallel", b"n_parallel", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "response_cache_bytes", b"response_cache_bytes", "response_cache_entries", b"response_cache_entries", "response_cache_evictions", b"response_cache_evictions", "response_cache_hits", b"response_cache_hits", "response_cache_misses", b"response_cache_misses", "slots", b"slots", "ticks", b"ticks", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1466,12 +1723,17 @@ class GetModelInfoRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The model to describe; empty means the default one."""
     def __init__(
         self,
+        *,
+        model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class LlmServiceStub:
-    """LlmService serves one local GGUF model. Every generation RPC is submitted to one shared
+    """LlmService serves local GGUF models: one by default, or several by name (the request's `model`
+    field; empty means the default model). Every generation RPC is submitted to its model's
     continuous-batching scheduler. Errors are gRPC status codes with google.rpc details
     (ErrorInfo with a reason, BadRequest naming the field, RetryInfo when overloaded).
     """
@@ -82,10 +83,26 @@ class LlmServiceStub:
                 request_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.ClearCacheRequest.SerializeToString,
                 response_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.ClearCacheResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/llama_grpc.v1.LlmService/ListModels',
+                request_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
+        self.LoadModel = channel.unary_unary(
+                '/llama_grpc.v1.LlmService/LoadModel',
+                request_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.LoadModelRequest.SerializeToString,
+                response_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.LoadModelResponse.FromString,
+                _registered_method=True)
+        self.UnloadModel = channel.unary_unary(
+                '/llama_grpc.v1.LlmService/UnloadModel',
+                request_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.UnloadModelRequest.SerializeToString,
+                response_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.UnloadModelResponse.FromString,
+                _registered_method=True)
 
 
 class LlmServiceServicer:
-    """LlmService serves one local GGUF model. Every generation RPC is submitted to one shared
+    """LlmService serves local GGUF models: one by default, or several by name (the request's `model`
+    field; empty means the default model). Every generation RPC is submitted to its model's
     continuous-batching scheduler. Errors are gRPC status codes with google.rpc details
     (ErrorInfo with a reason, BadRequest naming the field, RetryInfo when overloaded).
     """
@@ -126,7 +143,8 @@ class LlmServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Live scheduler snapshot and cumulative counters.
+        """Live scheduler snapshot and cumulative counters of one model (the default one unless
+        `model` names another): FAILED_PRECONDITION (MODEL_NOT_LOADED) when it is not loaded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -142,7 +160,8 @@ class LlmServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Facts about the loaded model and context.
+        """Facts about a model (the default one unless `model` names another) and its context; loads
+        the model if it is not loaded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -152,6 +171,31 @@ class LlmServiceServicer:
         """Admin: forget cached KV that no request is using (idle slots' prefix caches and the RAM
         tier) and every stored response (--response-cache-mb); running requests keep theirs.
         Needs the admin role when --auth-tokens-file is set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModels(self, request, context):
+        """Admin: every model this server may serve, with its state (loaded, loading, unloaded).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadModel(self, request, context):
+        """Admin: load a model now (no-op when it is loaded), unloading the least recently used idle
+        one when --max-loaded-models or --max-loaded-bytes needs room. Waits, within the call's
+        deadline, for the load (and for room while every loaded model is busy).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadModel(self, request, context):
+        """Admin: unload a model and free its memory. FAILED_PRECONDITION (MODEL_BUSY) while it has
+        requests in flight, unless `force`: they then end with UNAVAILABLE (MODEL_UNLOADED). A later
+        request for the model loads it again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -205,6 +249,21 @@ def add_LlmServiceServicer_to_server(servicer, server):
                     request_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.ClearCacheRequest.FromString,
                     response_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.ClearCacheResponse.SerializeToString,
             ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.ListModelsRequest.FromString,
+                    response_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'LoadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadModel,
+                    request_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.LoadModelRequest.FromString,
+                    response_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.LoadModelResponse.SerializeToString,
+            ),
+            'UnloadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadModel,
+                    request_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.UnloadModelRequest.FromString,
+                    response_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.UnloadModelResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'llama_grpc.v1.LlmService', rpc_method_handlers)
@@ -214,7 +273,8 @@ def add_LlmServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class LlmService:
-    """LlmService serves one local GGUF model. Every generation RPC is submitted to one shared
+    """LlmService serves local GGUF models: one by default, or several by name (the request's `model`
+    field; empty means the default model). Every generation RPC is submitted to its model's
     continuous-batching scheduler. Errors are gRPC status codes with google.rpc details
     (ErrorInfo with a reason, BadRequest naming the field, RetryInfo when overloaded).
     """
@@ -452,6 +512,87 @@ class LlmService:
             '/llama_grpc.v1.LlmService/ClearCache',
             llama__grpc_dot_v1_dot_llm__service__pb2.ClearCacheRequest.SerializeToString,
             llama__grpc_dot_v1_dot_llm__service__pb2.ClearCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llama_grpc.v1.LlmService/ListModels',
+            llama__grpc_dot_v1_dot_llm__service__pb2.ListModelsRequest.SerializeToString,
+            llama__grpc_dot_v1_dot_llm__service__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llama_grpc.v1.LlmService/LoadModel',
+            llama__grpc_dot_v1_dot_llm__service__pb2.LoadModelRequest.SerializeToString,
+            llama__grpc_dot_v1_dot_llm__service__pb2.LoadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llama_grpc.v1.LlmService/UnloadModel',
+            llama__grpc_dot_v1_dot_llm__service__pb2.UnloadModelRequest.SerializeToString,
+            llama__grpc_dot_v1_dot_llm__service__pb2.UnloadModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,7 +27,8 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class LlmServiceStub:
-    """LlmService serves one local GGUF model. Every generation RPC is submitted to one shared
+    """LlmService serves local GGUF models: one by default, or several by name (the request's `model`
+    field; empty means the default model). Every generation RPC is submitted to its model's
     continuous-batching scheduler. Errors are gRPC status codes with google.rpc details
     (ErrorInfo with a reason, BadRequest naming the field, RetryInfo when overloaded).
     """
@@ -47,23 +48,40 @@ class LlmServiceStub:
     Detokenize: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.DetokenizeRequest, _llm_service_pb2.DetokenizeResponse]
     """Token ids to text. Does not wait for the scheduler."""
     GetStats: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.GetStatsRequest, _llm_service_pb2.GetStatsResponse]
-    """Live scheduler snapshot and cumulative counters."""
+    """Live scheduler snapshot and cumulative counters of one model (the default one unless
+    `model` names another): FAILED_PRECONDITION (MODEL_NOT_LOADED) when it is not loaded.
+    """
     WatchLoad: _grpc.UnaryStreamMultiCallable[_llm_service_pb2.WatchLoadRequest, _llm_service_pb2.LoadReport]
     """Aggregate load as a stream, for routers and load balancers: one report at once, then one
     every interval. When the server drains (SIGTERM) the stream ends with a report whose
     `serving` is false, then OK. UNAVAILABLE (NOT_READY) while the model loads.
     """
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.GetModelInfoRequest, _llm_service_pb2.GetModelInfoResponse]
-    """Facts about the loaded model and context."""
+    """Facts about a model (the default one unless `model` names another) and its context; loads
+    the model if it is not loaded.
+    """
     ClearCache: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.ClearCacheRequest, _llm_service_pb2.ClearCacheResponse]
     """Admin: forget cached KV that no request is using (idle slots' prefix caches and the RAM
     tier) and every stored response (--response-cache-mb); running requests keep theirs.
     Needs the admin role when --auth-tokens-file is set.
     """
+    ListModels: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.ListModelsRequest, _llm_service_pb2.ListModelsResponse]
+    """Admin: every model this server may serve, with its state (loaded, loading, unloaded)."""
+    LoadModel: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.LoadModelRequest, _llm_service_pb2.LoadModelResponse]
+    """Admin: load a model now (no-op when it is loaded), unloading the least recently used idle
+    one when --max-loaded-models or --max-loaded-bytes needs room. Waits, within the call's
+    deadline, for the load (and for room while every loaded model is busy).
+    """
+    UnloadModel: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.UnloadModelRequest, _llm_service_pb2.UnloadModelResponse]
+    """Admin: unload a model and free its memory. FAILED_PRECONDITION (MODEL_BUSY) while it has
+    requests in flight, unless `force`: they then end with UNAVAILABLE (MODEL_UNLOADED). A later
+    request for the model loads it again.
+    """
 
 @_typing.type_check_only
 class LlmServiceAsyncStub(LlmServiceStub):
-    """LlmService serves one local GGUF model. Every generation RPC is submitted to one shared
+    """LlmService serves local GGUF models: one by default, or several by name (the request's `model`
+    field; empty means the default model). Every generation RPC is submitted to its model's
     continuous-batching scheduler. Errors are gRPC status codes with google.rpc details
     (ErrorInfo with a reason, BadRequest naming the field, RetryInfo when overloaded).
     """
@@ -80,22 +98,39 @@ class LlmServiceAsyncStub(LlmServiceStub):
     Detokenize: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.DetokenizeRequest, _llm_service_pb2.DetokenizeResponse]  # type: ignore[assignment]
     """Token ids to text. Does not wait for the scheduler."""
     GetStats: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.GetStatsRequest, _llm_service_pb2.GetStatsResponse]  # type: ignore[assignment]
-    """Live scheduler snapshot and cumulative counters."""
+    """Live scheduler snapshot and cumulative counters of one model (the default one unless
+    `model` names another): FAILED_PRECONDITION (MODEL_NOT_LOADED) when it is not loaded.
+    """
     WatchLoad: _aio.UnaryStreamMultiCallable[_llm_service_pb2.WatchLoadRequest, _llm_service_pb2.LoadReport]  # type: ignore[assignment]
     """Aggregate load as a stream, for routers and load balancers: one report at once, then one
     every interval. When the server drains (SIGTERM) the stream ends with a report whose
     `serving` is false, then OK. UNAVAILABLE (NOT_READY) while the model loads.
     """
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.GetModelInfoRequest, _llm_service_pb2.GetModelInfoResponse]  # type: ignore[assignment]
-    """Facts about the loaded model and context."""
+    """Facts about a model (the default one unless `model` names another) and its context; loads
+    the model if it is not loaded.
+    """
     ClearCache: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.ClearCacheRequest, _llm_service_pb2.ClearCacheResponse]  # type: ignore[assignment]
     """Admin: forget cached KV that no request is using (idle slots' prefix caches and the RAM
     tier) and every stored response (--response-cache-mb); running requests keep theirs.
     Needs the admin role when --auth-tokens-file is set.
     """
+    ListModels: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.ListModelsRequest, _llm_service_pb2.ListModelsResponse]  # type: ignore[assignment]
+    """Admin: every model this server may serve, with its state (loaded, loading, unloaded)."""
+    LoadModel: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.LoadModelRequest, _llm_service_pb2.LoadModelResponse]  # type: ignore[assignment]
+    """Admin: load a model now (no-op when it is loaded), unloading the least recently used idle
+    one when --max-loaded-models or --max-loaded-bytes needs room. Waits, within the call's
+    deadline, for the load (and for room while every loaded model is busy).
+    """
+    UnloadModel: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.UnloadModelRequest, _llm_service_pb2.UnloadModelResponse]  # type: ignore[assignment]
+    """Admin: unload a model and free its memory. FAILED_PRECONDITION (MODEL_BUSY) while it has
+    requests in flight, unless `force`: they then end with UNAVAILABLE (MODEL_UNLOADED). A later
+    request for the model loads it again.
+    """
 
 class LlmServiceServicer(metaclass=_abc_1.ABCMeta):
-    """LlmService serves one local GGUF model. Every generation RPC is submitted to one shared
+    """LlmService serves local GGUF models: one by default, or several by name (the request's `model`
+    field; empty means the default model). Every generation RPC is submitted to its model's
     continuous-batching scheduler. Errors are gRPC status codes with google.rpc details
     (ErrorInfo with a reason, BadRequest naming the field, RetryInfo when overloaded).
     """
@@ -146,7 +181,9 @@ class LlmServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _llm_service_pb2.GetStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_llm_service_pb2.GetStatsResponse, _abc.Awaitable[_llm_service_pb2.GetStatsResponse]]:
-        """Live scheduler snapshot and cumulative counters."""
+        """Live scheduler snapshot and cumulative counters of one model (the default one unless
+        `model` names another): FAILED_PRECONDITION (MODEL_NOT_LOADED) when it is not loaded.
+        """
 
     @_abc_1.abstractmethod
     def WatchLoad(
@@ -165,7 +202,9 @@ class LlmServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _llm_service_pb2.GetModelInfoRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_llm_service_pb2.GetModelInfoResponse, _abc.Awaitable[_llm_service_pb2.GetModelInfoResponse]]:
-        """Facts about the loaded model and context."""
+        """Facts about a model (the default one unless `model` names another) and its context; loads
+        the model if it is not loaded.
+        """
 
     @_abc_1.abstractmethod
     def ClearCache(
@@ -176,6 +215,36 @@ class LlmServiceServicer(metaclass=_abc_1.ABCMeta):
         """Admin: forget cached KV that no request is using (idle slots' prefix caches and the RAM
         tier) and every stored response (--response-cache-mb); running requests keep theirs.
         Needs the admin role when --auth-tokens-file is set.
+        """
+
+    @_abc_1.abstractmethod
+    def ListModels(
+        self,
+        request: _llm_service_pb2.ListModelsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_llm_service_pb2.ListModelsResponse, _abc.Awaitable[_llm_service_pb2.ListModelsResponse]]:
+        """Admin: every model this server may serve, with its state (loaded, loading, unloaded)."""
+
+    @_abc_1.abstractmethod
+    def LoadModel(
+        self,
+        request: _llm_service_pb2.LoadModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_llm_service_pb2.LoadModelResponse, _abc.Awaitable[_llm_service_pb2.LoadModelResponse]]:
+        """Admin: load a model now (no-op when it is loaded), unloading the least recently used idle
+        one when --max-loaded-models or --max-loaded-bytes needs room. Waits, within the call's
+        deadline, for the load (and for room while every loaded model is busy).
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadModel(
+        self,
+        request: _llm_service_pb2.UnloadModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_llm_service_pb2.UnloadModelResponse, _abc.Awaitable[_llm_service_pb2.UnloadModelResponse]]:
+        """Admin: unload a model and free its memory. FAILED_PRECONDITION (MODEL_BUSY) while it has
+        requests in flight, unless `force`: they then end with UNAVAILABLE (MODEL_UNLOADED). A later
+        request for the model loads it again.
         """
 
 def add_LlmServiceServicer_to_server(servicer: LlmServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -3,6 +3,7 @@ the engine thread after each tick; GetStats and /metrics read only that)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -86,4 +87,34 @@ def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact
         ram_cache_misses=ram.misses if ram is not None else 0,
         ram_cache_evictions=ram.evictions if ram is not None else 0,
         disk_cache=disk,
+    )
+
+
+# Summed over engines by combined_load: the load figures a router reads (WatchLoad).
+_LOAD_SUMS = ("n_parallel", "active_slots", "idle_slots", "prefilling_slots", "generating_slots",
+              "queue_depth", "kv_cells_used", "kv_cells_total", "prompt_tokens",
+              "cached_prompt_tokens")  # fmt: skip
+RUNNING = "running"
+
+
+def combined_load(snapshots: Sequence[StatsSnapshot]) -> StatsSnapshot:
+    """The load of several engines (the resident models of one server) as one snapshot: slots,
+    queue and KV cells summed, the prefix-cache hit rate over all their prompt tokens, and
+    "running" when any engine runs (the server then takes requests; a model that is not
+    resident loads on demand). One snapshot comes back as it is; none gives an idle, running
+    server with no slots. Per-request and cumulative fields other than those are the first's."""
+    if len(snapshots) == 1:
+        return snapshots[0]
+    if not snapshots:
+        return dataclasses.replace(
+            snapshot([], 0, Counters(), 0, 0, "", None, 0.0), engine_state=RUNNING
+        )
+    sums = {name: sum(getattr(s, name) for s in snapshots) for name in _LOAD_SUMS}
+    prompt = sums["prompt_tokens"]
+    states = [s.engine_state for s in snapshots]
+    return dataclasses.replace(
+        snapshots[0],
+        **sums,
+        prefix_cache_hit_rate=sums["cached_prompt_tokens"] / prompt if prompt else 0.0,
+        engine_state=RUNNING if RUNNING in states else states[0],
     )

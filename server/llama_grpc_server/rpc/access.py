@@ -19,8 +19,11 @@ AUTHORIZATION_KEY = "authorization"
 BEARER = "bearer "
 PROTECTED_SERVICE = "/llama_grpc.v1.LlmService/"
 # Operations only an admin may call (full path). GetStats is open to users, with other tenants'
-# request ids hidden (rpc.servicer); so is WatchLoad, which carries aggregate load only.
-ADMIN_METHODS: frozenset[str] = frozenset({PROTECTED_SERVICE + "ClearCache"})
+# request ids hidden (rpc.servicer); so is WatchLoad, which carries aggregate load only. A user's
+# request for a model that is not loaded loads it (on demand); managing models is an admin's.
+ADMIN_METHODS: frozenset[str] = frozenset(
+    PROTECTED_SERVICE + name for name in ("ClearCache", "ListModels", "LoadModel", "UnloadModel")
+)
 
 
 def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server.core import request as core
 from llama_grpc_server.core.api import ModelInfo, StatsSnapshot
+from llama_grpc_server.models import ModelState, ModelStatus
 
 FINISH_REASONS: dict[core.FinishReason, pb.FinishReason.ValueType] = {
     core.FinishReason.EOS: pb.FINISH_REASON_EOS,
@@ -108,9 +109,9 @@ def generate_tokens_response(
 DISK = "disk_cache_"  # GetStatsResponse's disk-tier fields: StatsSnapshot.disk_cache's, by name
 
 
-def stats_response(snapshot: StatsSnapshot) -> pb.GetStatsResponse:
+def stats_response(snapshot: StatsSnapshot, model_name: str = "") -> pb.GetStatsResponse:
     """Field for field by name; snapshot fields the proto does not carry (yet) are left out."""
-    names = [f.name for f in pb.GetStatsResponse.DESCRIPTOR.fields if f.name != "slots"]
+    names = [f.name for f in pb.GetStatsResponse.DESCRIPTOR.fields if f.name not in NOT_SNAPSHOT]
     fields = {name: getattr(snapshot, name) for name in names if not name.startswith(DISK)}
     if snapshot.disk_cache is not None:
         fields |= {
@@ -119,7 +120,19 @@ def stats_response(snapshot: StatsSnapshot) -> pb.GetStatsResponse:
             if name.startswith(DISK)
         }
     slots = [pb.SlotStats(**dataclasses.asdict(slot)) for slot in snapshot.slots]
-    return pb.GetStatsResponse(**fields, slots=slots)
+    return pb.GetStatsResponse(**fields, slots=slots, model_name=model_name)
+
+
+NOT_SNAPSHOT = frozenset({"slots", "model_name"})  # GetStatsResponse fields filled otherwise
+MODEL_STATES = {
+    state.value: pb.ModelState.Value("MODEL_STATE_" + state.name) for state in ModelState
+}
+
+
+def model_status(status: ModelStatus) -> pb.ModelStatus:
+    """Field for field by name; the state as the enum."""
+    fields = dataclasses.asdict(status) | {"state": MODEL_STATES[status.state]}
+    return pb.ModelStatus(**fields)
 
 
 def load_report(snapshot: StatsSnapshot, *, is_draining: bool, unix_ms: int) -> pb.LoadReport:

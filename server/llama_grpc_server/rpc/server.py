@@ -2,11 +2,13 @@
 in plaintext or TLS (rpc.tls), callers identified by rpc.access. SIGHUP reloads the TLS files and
 the tokens file without cutting a stream.
 
-The port opens at once; the engine loads in a thread meanwhile (health NOT_SERVING, RPCs answer
-NOT_READY). SIGTERM/SIGINT drain gracefully. If the engine thread dies, health turns NOT_SERVING
-at once and serve() exits with EXIT_ENGINE_FAILED after the grace period (so an orchestrator
-restarts the process), unless keep_alive_on_engine_error. Never imports llama_cpp: the engine
-comes from a factory."""
+The port opens at once; the default model's engine loads in a thread meanwhile (health
+NOT_SERVING, RPCs answer NOT_READY). Other models (--model NAME=PATH, --models-dir) load on
+demand through the model pool (models.py). SIGTERM/SIGINT drain gracefully. If the default
+model's engine thread dies, health turns NOT_SERVING at once and serve() exits with
+EXIT_ENGINE_FAILED after the grace period (so an orchestrator restarts the process), unless
+keep_alive_on_engine_error; another model's failed engine is unloaded by the pool. Never imports
+llama_cpp: engines come from factories."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec
 
 import grpc
 import structlog
@@ -33,6 +35,13 @@ from llama_grpc_server.core.api import EngineApi
 from llama_grpc_server.core.cached_engine import ResponseCachingEngine
 from llama_grpc_server.core.response_cache import ResponseCache
 from llama_grpc_server.metrics import Metrics, MetricsServer, serve_metrics
+from llama_grpc_server.models import (
+    ModelFactory,
+    ModelPool,
+    ModelSpec,
+    PoolLimits,
+    model_specs,
+)
 from llama_grpc_server.rpc import tls
 from llama_grpc_server.rpc.access import AccessControl
 from llama_grpc_server.rpc.interceptors import RequestInterceptor, RpcRecorder
@@ -40,6 +49,7 @@ from llama_grpc_server.rpc.servicer import SERVICE_NAME, LlmServicer
 from llama_grpc_server.tracing import Tracing
 
 EngineFactory = Callable[[], EngineApi]
+P = ParamSpec("P")
 
 HEALTH_NAMES = ("", SERVICE_NAME)  # "" = the server as a whole
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -145,6 +155,7 @@ class RunningServer:
     grace_s: float
     _loading: asyncio.Task[EngineApi | None]
     engine_watch: EngineWatch
+    pool: ModelPool
     metrics_server: MetricsServer | None = None
     access: AccessControl = field(default_factory=AccessControl)
     credentials: tls.ReloadingCredentials | None = None
@@ -173,13 +184,13 @@ class RunningServer:
         return self.metrics_server.port if self.metrics_server is not None else None
 
     async def wait_loaded(self) -> bool:
-        """True once the engine serves; False if its factory failed."""
+        """True once the default model's engine serves; False if its factory failed."""
         return await asyncio.shield(self._loading) is not None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Draining (WatchLoad streams end) -> health NOT_SERVING -> refuse new RPCs, let
-        in-flight ones finish for the grace period -> close the engine in a thread. Waits for a
-        still-loading engine, then closes it."""
+        in-flight ones finish for the grace period -> close the engines in threads. Waits for
+        engines still loading, then closes them."""
         if self._stopping is None:
             grace = self.grace_s if grace_s is None else grace_s
             self._stopping = asyncio.create_task(self._stop(grace))
@@ -195,11 +206,10 @@ class RunningServer:
             done, _ = await asyncio.wait({stopping}, timeout=grace_s - margin)
             if not done:  # what is still running gets UNAVAILABLE with a reason, not a cut
                 reason = f"the server is shutting down and its grace period ({grace_s:g} s) is over"
-                loaded.end_all(errors.ShuttingDown(reason))
+                self.pool.end_all(errors.ShuttingDown(reason))
         await stopping
-        engine = await self._loading
-        if engine is not None:
-            await asyncio.to_thread(engine.close)
+        await self._loading
+        await self.pool.close()
         if self.metrics_server is not None:
             await asyncio.to_thread(self.metrics_server.close)
         if self.tracing is not None:  # export what is still batched
@@ -215,14 +225,15 @@ def _model_identity(path: str) -> str:
         return f"path:{path}"
 
 
-def with_response_cache(factory: EngineFactory, megabytes: int) -> EngineFactory:
-    """The factory's engine behind the exact response cache (--response-cache-mb), when it is
-    on. The model's identity is hashed in the loading thread too (0.2 s for the embedded one)."""
+def with_response_cache(factory: Callable[P, EngineApi], megabytes: int) -> Callable[P, EngineApi]:
+    """The factory's engines behind the exact response cache (--response-cache-mb), when it is
+    on: a cache of its own per engine (each model's). The model's identity is hashed in the
+    loading thread too (0.2 s for the embedded one)."""
     if megabytes <= 0:
         return factory
 
-    def build() -> EngineApi:
-        engine = factory()
+    def build(*args: P.args, **kwargs: P.kwargs) -> EngineApi:
+        engine = factory(*args, **kwargs)
         try:
             model_id = _model_identity(engine.model_info.model_path)
         except BaseException:
@@ -234,24 +245,57 @@ def with_response_cache(factory: EngineFactory, megabytes: int) -> EngineFactory
     return build
 
 
-async def _load_engine(
-    factory: EngineFactory,
+def _pool_factory(
+    default: ModelSpec, engine_factory: EngineFactory, model_factory: ModelFactory | None
+) -> ModelFactory:
+    """The default model from `engine_factory` (as with a single model), the others from
+    `model_factory`."""
+
+    def build(spec: ModelSpec) -> EngineApi:
+        if spec == default:
+            return engine_factory()
+        if model_factory is None:
+            raise RuntimeError(f"no engine factory for model {spec.name!r}")
+        return model_factory(spec)
+
+    return build
+
+
+def _model_pool(
+    settings: Settings,
+    engine_factory: EngineFactory,
+    model_factory: ModelFactory | None,
+    on_loaded: Callable[[ModelSpec, EngineApi], None],
+) -> ModelPool:
+    specs = model_specs(settings)
+    factory = _pool_factory(specs[0], engine_factory, model_factory)
+    limits = PoolLimits(settings.pool.max_loaded_models, settings.pool.max_loaded_bytes)
+    if len(specs) > 1:
+        log.info("models", names=[s.name for s in specs], default=specs[0].name,
+                 max_loaded_models=limits.max_loaded_models,
+                 max_loaded_bytes=limits.max_loaded_bytes)  # fmt: skip
+    cached = with_response_cache(factory, settings.scheduler.response_cache_mb)
+    return ModelPool(specs, cached, limits, on_loaded=on_loaded)
+
+
+async def _load_default(
+    pool: ModelPool,
     servicer: LlmServicer,
     health_servicer: Any,
     metrics: Metrics | None,
-    watch: EngineWatch,
 ) -> EngineApi | None:
-    """Run the (seconds-long, blocking) factory in a thread, then switch to SERVING."""
+    """Load the default model (seconds-long, in a thread), then switch to SERVING."""
     try:
-        engine = await asyncio.to_thread(factory)
-    except Exception:
-        log.exception("engine_load_failed")
+        await pool.load("")
+    except errors.ServiceError as exc:
+        log.error("engine_load_failed", error=exc.message)
         return None
-    servicer.attach(engine)
+    engine = pool.default_engine()
+    assert engine is not None
+    servicer.attach(pool)
     if metrics is not None:
-        metrics.watch(engine.stats)
+        metrics.watch(pool.snapshots, pool.statuses)
     await _set_health(health_servicer, SERVING)
-    watch.attach(engine, health_servicer)  # after SERVING: a dead engine turns it back off
     info = engine.model_info
     log.info("ready", model=info.model_name, n_ctx=info.n_ctx, n_parallel=info.n_parallel)
     return engine
@@ -308,6 +352,7 @@ def _listen(
 async def _started(
     settings: Settings,
     engine_factory: EngineFactory,
+    model_factory: ModelFactory | None,
     recorder: RpcRecorder | None,
     metrics: Metrics | None,
 ) -> RunningServer:
@@ -350,15 +395,13 @@ async def _started(
         )
     log.info("try", command=_try_command(settings.server, port))
     watch = EngineWatch()
-    loading = asyncio.create_task(
-        _load_engine(
-            with_response_cache(engine_factory, settings.scheduler.response_cache_mb),
-            servicer,
-            health_servicer,
-            metrics,
-            watch,
-        )
-    )
+
+    def on_loaded(spec: ModelSpec, engine: EngineApi) -> None:
+        if spec.name == pool.default_name:  # after SERVING: a dead engine turns it back off
+            watch.attach(engine, health_servicer)
+
+    pool = _model_pool(settings, engine_factory, model_factory, on_loaded)
+    loading = asyncio.create_task(_load_default(pool, servicer, health_servicer, metrics))
     grace_s = settings.server.grace_s
     return RunningServer(
         port,
@@ -368,6 +411,7 @@ async def _started(
         grace_s,
         loading,
         watch,
+        pool,
         metrics_server,
         access,
         credentials,
@@ -381,13 +425,16 @@ async def start_server(
     settings: Settings,
     engine_factory: EngineFactory,
     *,
+    model_factory: ModelFactory | None = None,
     recorder: RpcRecorder | None = None,
     metrics: Metrics | None = None,
 ) -> AsyncIterator[RunningServer]:
-    """Start listening now, load the engine in the background; stop gracefully on exit.
-    With `metrics`, RPCs are recorded there (unless `recorder` is given), it watches the
-    engine's stats once loaded, and /metrics is served when --metrics-port is set."""
-    running = await _started(settings, engine_factory, recorder, metrics)
+    """Start listening now, load the default model's engine (`engine_factory`) in the
+    background; stop gracefully on exit. The other models of settings.pool are built by
+    `model_factory` when a request needs them. With `metrics`, RPCs are recorded there (unless
+    `recorder` is given), it watches the engines' stats once the default is loaded, and
+    /metrics is served when --metrics-port is set."""
+    running = await _started(settings, engine_factory, model_factory, recorder, metrics)
     try:
         yield running
     finally:
@@ -466,6 +513,7 @@ async def serve(
     settings: Settings,
     engine_factory: EngineFactory,
     *,
+    model_factory: ModelFactory | None = None,
     ready: asyncio.Event | None = None,
     recorder: RpcRecorder | None = None,
     metrics: Metrics | None = None,
@@ -475,8 +523,9 @@ async def serve(
     `ready` is set once the engine serves."""
     try:
         async with start_server(
-            settings, engine_factory, recorder=recorder, metrics=metrics
-        ) as running:
+            settings, engine_factory, model_factory=model_factory, recorder=recorder,
+            metrics=metrics,
+        ) as running:  # fmt: skip
             stop = asyncio.Event()
             with _handle_signals(stop, running):
                 is_loaded = await _loaded_unless_stopped(running, stop)

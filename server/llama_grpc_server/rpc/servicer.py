@@ -1,6 +1,8 @@
 """LlmService handlers: validate -> submit -> convert -> yield. Nothing lives here beyond one
-call's locals and the engine reference (None while the model loads: RPCs answer NOT_READY).
-Never touches the scheduler thread directly; never imports llama_cpp."""
+call's locals and the model pool (None while the default model loads at start: RPCs answer
+NOT_READY). A call that needs a model's engine holds a lease on it from the pool for its whole
+length (so the model is not unloaded under it). Never touches the scheduler thread directly;
+never imports llama_cpp."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from llama_grpc_server.core.request import (
     GenerationRequest,
     TokenDelta,
 )
+from llama_grpc_server.models import ModelPool
 from llama_grpc_server.rpc import convert, validation
 from llama_grpc_server.rpc.interceptors import (
     current_principal,
@@ -148,23 +151,30 @@ def _unix_ms() -> int:
 
 
 class LlmServicer(pb_grpc.LlmServiceServicer):
-    """The LlmService. `engine` is attached once the model has loaded (see rpc.server);
-    `draining` is set when the server starts to stop (RunningServer.stop): WatchLoad streams
-    then end at once instead of holding the grace period open."""
+    """The LlmService. The model pool is attached once the default model has loaded (see
+    rpc.server); `draining` is set when the server starts to stop (RunningServer.stop):
+    WatchLoad streams then end at once instead of holding the grace period open."""
 
-    def __init__(self, settings: Settings, engine: EngineApi | None = None) -> None:
+    def __init__(self, settings: Settings, pool: ModelPool | None = None) -> None:
         self._settings = settings
-        self._engine = engine
+        self._pool = pool
         self.draining = asyncio.Event()
 
-    def attach(self, engine: EngineApi) -> None:
-        """Start serving with a loaded engine."""
-        self._engine = engine
+    def attach(self, pool: ModelPool) -> None:
+        """Start serving: the default model is loaded."""
+        self._pool = pool
 
-    def _ready_engine(self) -> EngineApi:
-        if self._engine is None:
+    def _ready_pool(self) -> ModelPool:
+        if self._pool is None:
             raise NotReady("the model is still loading; retry shortly")
-        return self._engine
+        return self._pool
+
+    def _engine(
+        self, model: str, context: Context
+    ) -> contextlib.AbstractAsyncContextManager[EngineApi]:
+        """The named model's engine for the length of the call, loaded first if need be (the
+        wait bounded by the call's deadline)."""
+        return self._ready_pool().lease(model, _deadline(context))
 
     async def _text_request(
         self, message: validation.TextRequest, engine: EngineApi, request_id: str, context: Context
@@ -191,8 +201,10 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
         request_id = _request_id()
-        async with ErrorsToStatus(context, request_id):
-            engine = self._ready_engine()
+        async with (
+            ErrorsToStatus(context, request_id),
+            self._engine(request.model, context) as engine,
+        ):
             spec = await self._text_request(request, engine, request_id, context)
             deltas, finished = await _collect(engine, spec, _operation(request))
             return convert.generate_response(request_id, deltas, finished)
@@ -201,8 +213,10 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
         self, request: pb.StreamGenerateRequest, context: Context
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
         request_id = _request_id()
-        async with ErrorsToStatus(context, request_id):
-            engine = self._ready_engine()
+        async with (
+            ErrorsToStatus(context, request_id),
+            self._engine(request.model, context) as engine,
+        ):
             spec = await self._text_request(request, engine, request_id, context)
             async with aclosing(_run(engine, spec, _operation(request))) as events:
                 async for event in events:
@@ -212,8 +226,10 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
         self, request: pb.GenerateTokensRequest, context: Context
     ) -> AsyncIterator[pb.GenerateTokensResponse]:
         request_id = _request_id()
-        async with ErrorsToStatus(context, request_id):
-            engine = self._ready_engine()
+        async with (
+            ErrorsToStatus(context, request_id),
+            self._engine(request.model, context) as engine,
+        ):
             limits = self._settings.scheduler
             draft = validation.parse_tokens_request(
                 request, engine.model_info, limits, grammars=engine
@@ -232,9 +248,10 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
     # -- no scheduler: answered on the event loop -------------------------------------------------
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:
-        async with ErrorsToStatus(context, _request_id()):
-            engine = self._ready_engine()
-            validation.check_model(request.model, engine.model_info)
+        async with (
+            ErrorsToStatus(context, _request_id()),
+            self._engine(request.model, context) as engine,
+        ):
             token_ids = await _tokenize(
                 engine,
                 request.text,
@@ -247,20 +264,22 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
     async def Detokenize(
         self, request: pb.DetokenizeRequest, context: Context
     ) -> pb.DetokenizeResponse:
-        async with ErrorsToStatus(context, _request_id()):
-            engine = self._ready_engine()
-            validation.check_model(request.model, engine.model_info)
+        async with (
+            ErrorsToStatus(context, _request_id()),
+            self._engine(request.model, context) as engine,
+        ):
             validation.check_token_ids(request.token_ids, engine.model_info.n_vocab)
             text = engine.detokenize(list(request.token_ids), render_special=request.render_special)
             return pb.DetokenizeResponse(text=text)
 
     async def GetStats(self, request: pb.GetStatsRequest, context: Context) -> pb.GetStatsResponse:
         async with ErrorsToStatus(context, _request_id()):
-            snapshot = self._ready_engine().stats()
+            engine = self._ready_pool().resident(request.model)
+            snapshot = engine.stats()
             caller = current_principal()
             if not caller.is_admin:  # a user sees its own requests' ids only
                 snapshot = _seen_by(snapshot, caller.tenant)
-            return convert.stats_response(snapshot)
+            return convert.stats_response(snapshot, engine.model_info.model_name)
 
     async def WatchLoad(
         self, request: pb.WatchLoadRequest, context: Context
@@ -269,11 +288,11 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
         a last report with serving=false, then OK. Aggregate figures only: open to users."""
         async with ErrorsToStatus(context, _request_id()):
             interval_s = validation.watch_interval_s(request.interval_ms)
-            engine = self._ready_engine()
+            pool = self._ready_pool()
             next_at = time.monotonic()
             while True:
                 is_draining = self.draining.is_set()
-                snapshot = engine.stats()
+                snapshot = pool.load_snapshot()
                 yield convert.load_report(snapshot, is_draining=is_draining, unix_ms=_unix_ms())
                 if is_draining:
                     return
@@ -287,14 +306,48 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
         self, request: pb.ClearCacheRequest, context: Context
     ) -> pb.ClearCacheResponse:
         async with ErrorsToStatus(context, _request_id()):
-            engine = self._ready_engine()
-            validation.check_model(request.model, engine.model_info)
+            engine = self._ready_pool().resident(request.model)
             cleared = await engine.clear_cache()
-            log.info("cache_cleared", **dataclasses.asdict(cleared))
+            log.info(
+                "cache_cleared", model=engine.model_info.model_name, **dataclasses.asdict(cleared)
+            )
             return pb.ClearCacheResponse(**dataclasses.asdict(cleared))
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: Context
     ) -> pb.GetModelInfoResponse:
+        async with (
+            ErrorsToStatus(context, _request_id()),
+            self._engine(request.model, context) as engine,
+        ):
+            return convert.model_info_response(engine.model_info)
+
+    # -- models (admin) ---------------------------------------------------------------------------
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: Context
+    ) -> pb.ListModelsResponse:
         async with ErrorsToStatus(context, _request_id()):
-            return convert.model_info_response(self._ready_engine().model_info)
+            pool = self._ready_pool()
+            return pb.ListModelsResponse(
+                models=[convert.model_status(s) for s in pool.statuses()],
+                max_loaded_models=pool.limits.max_loaded_models,
+                max_loaded_bytes=pool.limits.max_loaded_bytes,
+            )
+
+    async def LoadModel(
+        self, request: pb.LoadModelRequest, context: Context
+    ) -> pb.LoadModelResponse:
+        async with ErrorsToStatus(context, _request_id()):
+            status = await self._ready_pool().load(request.model, _deadline(context))
+            return pb.LoadModelResponse(model=convert.model_status(status))
+
+    async def UnloadModel(
+        self, request: pb.UnloadModelRequest, context: Context
+    ) -> pb.UnloadModelResponse:
+        async with ErrorsToStatus(context, _request_id()):
+            pool = self._ready_pool()
+            status, cancelled = await pool.unload(request.model, force=request.force)
+            return pb.UnloadModelResponse(
+                model=convert.model_status(status), cancelled_requests=cancelled
+            )
