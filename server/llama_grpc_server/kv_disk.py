@@ -41,7 +41,7 @@ import threading
 import time
 import zlib
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,15 +104,19 @@ def _chain_seed(scope: str) -> bytes:
     return hashlib.blake2b(b"lgkv-scope\0" + scope.encode(), digest_size=16).digest()
 
 
-def block_chain(scope: str, tokens: Sequence[int]) -> list[bytes]:
-    """The chained hash of each full block of `tokens` (seeded with the scope)."""
+def iter_chain(scope: str, tokens: Sequence[int]) -> Iterator[bytes]:
+    """The chained hash of each full block of `tokens` (seeded with the scope), lazily: a
+    lookup stops at the first block no file has."""
     h = _chain_seed(scope)
-    out: list[bytes] = []
     for i in range(len(tokens) // BLOCK_TOKENS):
         block = array("i", tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]).tobytes()
         h = hashlib.blake2b(h + block, digest_size=16).digest()
-        out.append(h)
-    return out
+        yield h
+
+
+def block_chain(scope: str, tokens: Sequence[int]) -> list[bytes]:
+    """Every block's chained hash (what a file is indexed under)."""
+    return list(iter_chain(scope, tokens))
 
 
 def encode(
@@ -289,11 +293,8 @@ class KvDiskStore:
         left to compute."""
         self.refresh()
         names: set[str] = set()
-        h = _chain_seed(scope)
         with self._lock:
-            for i in range(len(tokens) // BLOCK_TOKENS):
-                block = array("i", tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]).tobytes()
-                h = hashlib.blake2b(h + block, digest_size=16).digest()
+            for h in iter_chain(scope, tokens):
                 found = self._by_block.get(h)
                 if not found:
                     break
