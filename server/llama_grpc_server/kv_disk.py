@@ -208,12 +208,16 @@ class KvDiskStore:
         self._dir_mtime_ns = mtime
         prefix = self.tag + "-"
         present: set[str] = set()
-        with os.scandir(self.directory) as it:
-            for item in it:
-                if item.name.startswith(prefix) and item.name.endswith(SUFFIX):
-                    present.add(item.name)
-                elif item.name.endswith(".tmp"):
-                    self._remove_stale_temp(item)
+        try:  # on the engine thread: a directory gone or unreadable must not kill it
+            with os.scandir(self.directory) as it:
+                for item in it:
+                    if item.name.startswith(prefix) and item.name.endswith(SUFFIX):
+                        present.add(item.name)
+                    elif item.name.endswith(".tmp"):
+                        self._remove_stale_temp(item)
+        except OSError as exc:
+            log.warning("kv_disk_unreadable", error=f"{type(exc).__name__}: {exc}")
+            return
         with self._lock:
             for name in set(self._entries) - present:
                 self._forget(name)

@@ -269,3 +269,17 @@ def test_two_processes_writing_one_directory_never_corrupt_it(tmp_path: Path) ->
         assert n == 299
         assert final.load(key, "") == (tokens(300, seed=seed), blob(30_000, seed))
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_directory_that_vanishes_is_a_miss_not_an_error(tmp_path: Path) -> None:
+    """Lookups run on the engine thread: the directory removed under a running server (or a
+    volume gone) makes them find nothing instead of raising."""
+    cache = tmp_path / "cache"
+    s = saved(cache, "", tokens(300), blob(100))
+    for f in cache.iterdir():
+        f.unlink()
+    cache.rmdir()
+    key, _ = s.lookup("", tokens(300))  # still indexed: found, but not loadable
+    assert s.load(key, "") is None
+    assert s.lookup("", tokens(300)) == ("", 0)
+    assert s.stats().verify_failures == 0, "a vanished file is a miss, not a bad file"
