@@ -13,7 +13,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install run serve test test-unit test-model test-e2e check lint format types proto proto-check \
 	proto-lint proto-breaking check-min-deps model cluster bench bench-single bench-concurrency bench-strategies bench-prefix \
-	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-security bench-models bench-cluster bench-kv-tiers bench-peers bench-soak clean
+	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-kv-tiers bench-peers bench-soak clean
 
 install: $(STAMP)
 
@@ -139,6 +139,8 @@ bench-overhead: $(BENCH_STAMP)
 	$(PY) bench/overhead.py $(ARGS)
 bench-grpc-floor: $(BENCH_STAMP)
 	$(PY) bench/grpc_floor.py $(ARGS)
+bench-grpc-ceiling: $(BENCH_STAMP)
+	$(PY) bench/grpc_ceiling.py $(ARGS)
 bench-security: $(BENCH_STAMP)
 	$(PY) bench/security_overhead.py $(ARGS)
 bench-models: $(BENCH_STAMP)

@@ -12,7 +12,8 @@ The bench client (this process) is the same for bare and llama-grpc. bare / raw 
 best efficiency a grpc.aio server can reach here, with the client on the same 2 cores; llama-grpc
 / bare is what llama-grpc itself costs on top of it.
 
-    python bench/grpc_ceiling.py --batches 1,8,16 --reps 7
+    python bench/grpc_ceiling.py --batches 1,4,8,16 --reps 7
+    python bench/grpc_ceiling.py --batches 1,4,8,16 --reps 7 --name grpc_ceiling_rerun
 """
 
 from __future__ import annotations
@@ -179,10 +180,11 @@ def measure_batch(  # noqa: PLR0917  # one call site
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", default="1,8,16")
+    parser.add_argument("--batches", default="1,4,8,16")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     parser.add_argument("--n-ctx", type=int, default=8192)
+    parser.add_argument("--name", default="grpc_ceiling", help="results file name (a rerun)")
     parser.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -207,7 +209,7 @@ def main() -> int:
         "machine": facts,
         "rows": rows,
     }
-    write_json("grpc_ceiling", finish_facts(data))
+    write_json(args.name, finish_facts(data))
     for r in rows:
         print(
             f"B={r['batch']:>2}  bare/raw {r['bare_vs_raw']:.3f}  llama-grpc/raw "

@@ -137,6 +137,46 @@ def overhead(data: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def grpc_ceiling(data: dict[str, Any], name: str = "grpc_ceiling") -> list[str]:
+    title = "The grpc.aio ceiling: raw loop vs a bare grpc.aio server vs llama-grpc"
+    if name != "grpc_ceiling":
+        title += " (the same command, run again)"
+    lines = header(data, title, None)
+    lines += [
+        "The concurrency workload (41-token prompts, 64 greedy tokens) three ways, alternating "
+        "in every repetition: the raw llama.cpp loop in the benchmark process; the same raw "
+        "loop inside a bare grpc.aio server (its own process; each step's tokens streamed at "
+        "once, one delta per token; no scheduler, validation, interceptor, telemetry or text); "
+        "and llama-grpc with its defaults. The bench client is the same for the last two. "
+        "bare / raw is the best any grpc.aio server can do here with its client on the same "
+        "2 cores; llama-grpc / bare is what llama-grpc costs on top. Medians, then the "
+        "per-repetition ratios (min–max).",
+        "",
+        "| B | raw tok/s | bare tok/s | llama-grpc tok/s | bare / raw | llama-grpc / raw "
+        "| llama-grpc / bare |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in data["rows"]:
+        t, per = r["tok_s"], r["per_rep"]
+
+        def cell(key: str, median: float, per: dict[str, list[float]] = per) -> str:
+            return f"{median:.3f} ({min(per[key]):.2f}–{max(per[key]):.2f})"
+
+        lines.append(
+            f"| {r['batch']} | {t['raw']:.1f} | {t['bare']:.1f} | {t['llama_grpc']:.1f} | "
+            f"{cell('bare_vs_raw', r['bare_vs_raw'])} | "
+            f"{cell('llama_grpc_vs_raw', r['llama_grpc_vs_raw'])} | "
+            f"{cell('llama_grpc_vs_bare', r['llama_grpc_vs_bare'])} |"
+        )
+    met = all(r["llama_grpc_vs_raw"] >= 0.95 for r in data["rows"])
+    lines += ["", f"Target ≥ 0.95 of the raw loop at every B: {ok(met)}.", ""]
+    return lines
+
+
+def grpc_ceiling_rerun(data: dict[str, Any]) -> list[str]:
+    return grpc_ceiling(data, "grpc_ceiling_rerun")
+
+
 def strategies(data: dict[str, Any]) -> list[str]:
     lines = header(data, "Batch strategies (mixed workload)", "strategies.png")
     w = data["workload"]
@@ -508,6 +548,8 @@ def main() -> int:
         ("concurrency", concurrency),
         ("concurrency_rerun", concurrency_rerun),
         ("overhead", overhead),
+        ("grpc_ceiling", grpc_ceiling),
+        ("grpc_ceiling_rerun", grpc_ceiling_rerun),
         ("strategies", strategies),
         ("prefix_cache", prefix),
         ("tokenize_overhead", tokenize),

@@ -93,16 +93,22 @@ def warm_ratios(conversations: list[list[Turn]]) -> list[float]:
 async def test_sessions_stick_to_their_replica_and_round_robin_does_not(
     cluster: Cluster, stub: pb_grpc.LlmServiceStub
 ) -> None:
-    """12 sessions x 4 turns through the ring hash: every later turn finds >= 90 % of the
-    previous history cached. The same workload through a round-robin Envoy in front of the
-    same replicas finds far less (about a third of the turns land where their cache is)."""
+    """12 sessions x 4 turns through the ring hash: later turns find >= 90 % of the previous
+    history cached. The same workload through a round-robin Envoy in front of the same
+    replicas finds far less (about a third of the turns land where their cache is).
+
+    Bounded load may still spill a turn: on a loaded box (a CI run beside other work) one
+    replica's turns take longer, its outstanding count passes the balance threshold and Envoy
+    sends the next arrival elsewhere, cold. That is bounded load doing its job, so up to 3 of
+    the 36 later turns may miss; affinity itself shows in the rest and in the mean."""
     before = await started_per_replica(cluster)
     hashed = await asyncio.gather(*(chat(stub, f"ring-{i}") for i in range(12)))
     after = await started_per_replica(cluster)
     print("\nper replica:", [a - b for a, b in zip(after, before, strict=True)])
     ring = warm_ratios(hashed)
     print("ratios:", [[round(t.cached / t.previous_history, 2) for t in c[1:]] for c in hashed])
-    assert min(ring) >= 0.9, sorted(ring)[:5]
+    warm = sum(1 for r in ring if r >= 0.9)
+    assert warm >= len(ring) - 3, sorted(ring)[:5]
 
     round_robin = Cluster(lb_policy="ROUND_ROBIN", members=cluster.members)
     round_robin.start_envoy()
@@ -115,7 +121,7 @@ async def test_sessions_stick_to_their_replica_and_round_robin_does_not(
     rr = warm_ratios(spread)
     mean_ring, mean_rr = sum(ring) / len(ring), sum(rr) / len(rr)
     print(f"\nwarm share of the previous history: ring {mean_ring:.2f}, round robin {mean_rr:.2f}")
-    assert mean_rr < 0.7 < mean_ring
+    assert mean_ring >= 0.85 and mean_rr < 0.7, (mean_ring, mean_rr)
 
 
 async def test_a_hot_session_spills_over_instead_of_queueing_on_one_replica(
