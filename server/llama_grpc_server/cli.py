@@ -179,7 +179,8 @@ OPTIONS: tuple[Option, ...] = (
            "name of the default model shown to clients (default: file stem)", metavar="NAME"),
     Option("models_dir", str, "pool.models_dir",
            "serve this directory's models too: its *.gguf files (named by file stem) and the "
-           "names of its catalog.toml (llama-grpc models add)", _is_dir, "DIR"),
+           "names of its catalog.toml (llama-grpc models add); models added later are found "
+           "without a restart", _is_dir, "DIR"),
     Option("max_loaded_models", int, "pool.max_loaded_models",
            "models resident at once: a request for another loads it, unloading the least "
            "recently used idle one (0 = no limit)", at_least(0), "N"),

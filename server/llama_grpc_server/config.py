@@ -97,7 +97,7 @@ class PoolSettings:
     SchedulerSettings; each resident one has its own engine (context, slots, thread)."""
 
     models: tuple[tuple[str, str], ...] = ()  # (name, path) of the other models, in order
-    models_dir: str = ""  # where `models` were partly found (--models-dir); informational
+    models_dir: str = ""  # --models-dir: `models` were partly found there; rescanned for new ones
     # At most this many engines at once (0 = no limit). 1 by default: a server configured with
     # several models never holds more than one model's memory unless told it may.
     max_loaded_models: int = 1

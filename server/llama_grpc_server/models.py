@@ -14,6 +14,10 @@ pool runs on the event loop; its only other readers are /metrics scrapes (snapsh
   wait, then load it again), and is unloaded once what it runs has finished. So models swap
   in turn and none starves under steady traffic to another.
 - UnloadModel refuses a busy model unless forced; force ends its requests with MODEL_UNLOADED.
+- With --models-dir, models put there after start (a copied *.gguf, a `llama-grpc models add`)
+  are found without a restart: ListModels rescans the directory, and so does a request naming
+  an unknown model (at most once a second, so unknown names cannot make every request list a
+  directory). A model never disappears from the pool: one whose file was removed fails to load.
 - A non-default model whose engine thread dies is unloaded (its requests got ENGINE_FAILED; the
   next request loads it afresh). The default model's engine failure is the server's business
   (health NOT_SERVING, exit: rpc/server.py), exactly as with a single model.
@@ -34,7 +38,7 @@ from typing import Any
 
 import structlog
 
-from llama_grpc_server import errors
+from llama_grpc_server import catalog, errors
 from llama_grpc_server.config import Settings
 from llama_grpc_server.core import stats
 from llama_grpc_server.core.api import EngineApi, StatsSnapshot
@@ -47,6 +51,8 @@ log = structlog.get_logger("llama_grpc.models")
 FORCE_UNLOAD_TIMEOUT_S = 30.0
 FORCE_UNLOAD_RETRY_S = 0.2
 MAX_CAUSE_CHARS = 300
+# A request naming an unknown model rescans --models-dir at most this often.
+RESCAN_INTERVAL_S = 1.0
 
 
 class ModelState(enum.Enum):
@@ -66,6 +72,7 @@ class ModelSpec:
 
 
 ModelFactory = Callable[[ModelSpec], EngineApi]
+Discover = Callable[[], Sequence[ModelSpec]]
 LoadedHook = Callable[[ModelSpec, EngineApi], None]
 
 
@@ -101,6 +108,18 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
     name = settings.model.model_name or (Path(path).stem if path else DEFAULT_MODEL_NAME)
     pairs = [(name, path), *settings.pool.models]
     return [ModelSpec(n, p, _file_size(p)) for n, p in pairs]
+
+
+def directory_models(models_dir: str) -> Discover:
+    """What --models-dir holds now, as specs (catalog.toml names, then *.gguf files by stem; the
+    embedded model, which the catalog always lists first, is left out). Raises CatalogError
+    when the directory is gone."""
+
+    def scan() -> list[ModelSpec]:
+        found = catalog.list_models(Path(models_dir))[1:]
+        return [ModelSpec(e.name, str(e.path), _file_size(str(e.path))) for e in found]
+
+    return scan
 
 
 def settings_for(settings: Settings, spec: ModelSpec) -> Settings:
@@ -178,6 +197,7 @@ class ModelPool:
         limits: PoolLimits | None = None,
         *,
         on_loaded: LoadedHook | None = None,
+        discover: Discover | None = None,
     ) -> None:
         if not specs:
             raise ValueError("a pool needs at least one model")
@@ -188,6 +208,8 @@ class ModelPool:
         self._factory = factory
         self.limits = limits if limits is not None else PoolLimits()
         self._on_loaded = on_loaded
+        self._discover = discover
+        self._scanned_at = -RESCAN_INTERVAL_S  # time.monotonic() of the last rescan
         self._changed = asyncio.Event()
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -206,15 +228,47 @@ class ModelPool:
         """The entry a request's model field names ("" = the default); NOT_FOUND lists them."""
         if not name:
             return self._entries[0]
-        for entry in self._entries:
-            if name in entry.aliases:
-                return entry
+        for _ in range(2):
+            for entry in self._entries:
+                if name in entry.aliases:
+                    return entry
+            if not self.rescan(force=False):
+                break
         available = ", ".join(self.names)
         raise errors.ModelNotFound(
             f"model {name!r} is not served here; available: {available}",
             field="model",
             metadata={"model": name, "available": available},
         )
+
+    def rescan(self, *, force: bool) -> bool:
+        """Add the models `discover` finds under names and paths not served yet; True if any
+        was. Unforced rescans (a request naming an unknown model) happen at most once per
+        RESCAN_INTERVAL_S. An unreadable directory is
+        logged and changes nothing: the pool keeps serving what it has."""
+        now = time.monotonic()
+        if self._discover is None or (not force and now - self._scanned_at < RESCAN_INTERVAL_S):
+            return False
+        if not force:  # only misses are rate-limited (ListModels is an admin call)
+            self._scanned_at = now
+        try:
+            found = self._discover()
+        except (OSError, catalog.CatalogError) as exc:
+            log.warning("models_dir_unreadable", error=_describe(exc))
+            return False
+        taken = {alias for entry in self._entries for alias in entry.aliases}
+        added: list[_Entry] = []
+        for spec in found:
+            aliases = _aliases(spec.name, spec.path)
+            if spec.name in taken or spec.path in taken:
+                continue
+            added.append(_Entry(spec, False, aliases, spec.size_bytes))
+            taken |= aliases
+        if added:
+            # A new tuple, never an append: /metrics scrapes iterate it from another thread.
+            self._entries = (*self._entries, *added)
+            log.info("models_discovered", names=[e.name for e in added])
+        return bool(added)
 
     def resident(self, name: str) -> EngineApi:
         """The engine of a loaded model, without loading it: ModelNotLoaded otherwise."""
@@ -236,6 +290,7 @@ class ModelPool:
         return self._status(self._find(name))
 
     def statuses(self) -> list[ModelStatus]:
+        self.rescan(force=True)
         return [self._status(entry) for entry in self._entries]
 
     @staticmethod

@@ -236,14 +236,17 @@ async def test_one_resident_model_under_alternating_requests_loses_none(
         assert not both_loaded
 
 
-async def test_the_server_process_serves_models_by_name(second_model_path: Path) -> None:
+async def test_the_server_process_serves_models_by_name(
+    second_model_path: Path, tmp_path: Path
+) -> None:
     """`llama-grpc serve --model NAME=PATH` twice, one resident at a time: requests pick the
-    model by name, and the engine series on /metrics carry a `model` label."""
+    model by name, and the engine series on /metrics carry a `model` label. A model put into
+    --models-dir after start is served by name without a restart."""
     metrics_port = free_port()
     args = (
         "--model", f"small={default_model_path()}", "--model", f"{Q8}={second_model_path}",
         "--max-loaded-models", "1", "--n-ctx", "1024", "--n-parallel", "1",
-        "--metrics-port", str(metrics_port),
+        "--metrics-port", str(metrics_port), "--models-dir", str(tmp_path),
     )  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_GRPC_")}
     async with (
@@ -263,3 +266,9 @@ async def test_the_server_process_serves_models_by_name(second_model_path: Path)
             value(got, "llama_grpc:request_success_total", model=Q8, finished_reason="max_tokens")
             == 1
         )
+        with pytest.raises(ModelNotFoundError):
+            await client.generate("Hi", model="late", max_tokens=1)
+        (tmp_path / "late.gguf").symlink_to(second_model_path)
+        assert "late" in [m.name for m in (await client.list_models()).models]
+        late = await client.generate("Hi", model="late", max_tokens=3)
+        assert late.usage.completion_tokens == 3

@@ -10,6 +10,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 
@@ -19,9 +20,11 @@ from llama_grpc_server.core import stats
 from llama_grpc_server.core.request import Failed, Finished, GenerationRequest, StoppingParams
 from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
 from llama_grpc_server.models import (
+    RESCAN_INTERVAL_S,
     ModelPool,
     ModelSpec,
     PoolLimits,
+    directory_models,
     model_specs,
     settings_for,
 )
@@ -109,6 +112,55 @@ async def test_unknown_model_is_not_found_listing_the_names(pool: ModelPool) -> 
     assert caught.value.field == "model"
     assert "available: a, b, c" in caught.value.message
     assert caught.value.metadata == {"model": "gpt-5", "available": "a, b, c"}
+
+
+async def test_a_model_put_into_models_dir_after_start_is_served(
+    factory: Factory, tmp_path: Path
+) -> None:
+    """A *.gguf copied into --models-dir and a catalog.toml name added after start are found
+    by ListModels and by a request naming them; names and paths already served are not added
+    twice; an unknown name still gets NOT_FOUND, listing the new names."""
+    (tmp_path / "b.gguf").write_bytes(b"b")
+    scan = directory_models(str(tmp_path))
+    pool = ModelPool([SPECS[0], *scan()], factory, PoolLimits(1), discover=scan)
+    try:
+        assert [s.name for s in pool.statuses()] == ["a", "b"]
+        (tmp_path / "late.gguf").write_bytes(b"late model")
+        async with pool.lease("late") as engine:
+            assert engine.model_info.model_path == str(tmp_path / "late.gguf")
+        (tmp_path / "catalog.toml").write_text(
+            f'[models.other]\npath = "{tmp_path / "elsewhere.gguf"}"\n'
+        )
+        listed = {s.name: s for s in pool.statuses()}
+        assert list(listed) == ["a", "b", "late", "other"]
+        assert listed["late"].size_bytes == len(b"late model")
+        assert listed["other"].state == "unloaded"
+        await asyncio.sleep(RESCAN_INTERVAL_S)  # the last miss rescanned: the next may again
+        with pytest.raises(errors.ModelNotFound) as caught:
+            async with pool.lease("never"):
+                pass
+        assert "available: a, b, late, other" in caught.value.message
+    finally:
+        await pool.close()
+
+
+async def test_unknown_names_rescan_at_most_once_a_second(factory: Factory) -> None:
+    """A flood of requests for unknown models lists the directory once, not per request; an
+    unreadable directory is a NOT_FOUND like any unknown name, never an error of its own."""
+    scans: list[float] = []
+
+    def scan() -> list[ModelSpec]:
+        scans.append(time.monotonic())
+        raise OSError("gone")
+
+    pool = ModelPool(SPECS, factory, discover=scan)
+    try:
+        for i in range(50):
+            with pytest.raises(errors.ModelNotFound):
+                pool.status(f"unknown-{i}")
+        assert len(scans) == 1
+    finally:
+        await pool.close()
 
 
 @pytest.mark.parametrize("name", ["", "a", "/models/a.gguf", "a.gguf"])

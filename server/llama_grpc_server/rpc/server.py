@@ -40,6 +40,7 @@ from llama_grpc_server.models import (
     ModelPool,
     ModelSpec,
     PoolLimits,
+    directory_models,
     model_specs,
 )
 from llama_grpc_server.rpc import tls
@@ -275,7 +276,9 @@ def _model_pool(
                  max_loaded_models=limits.max_loaded_models,
                  max_loaded_bytes=limits.max_loaded_bytes)  # fmt: skip
     cached = with_response_cache(factory, settings.scheduler.response_cache_mb)
-    return ModelPool(specs, cached, limits, on_loaded=on_loaded)
+    models_dir = settings.pool.models_dir
+    discover = directory_models(models_dir) if models_dir else None
+    return ModelPool(specs, cached, limits, on_loaded=on_loaded, discover=discover)
 
 
 async def _load_default(
