@@ -50,6 +50,9 @@ PR_SET_NAME = 15  # prctl(2): the calling thread's name, as top -H, ps -L and /p
 DECODE_THREAD_NAME = "llama-decode"  # llama.cpp's helper threads (made during the warm-up)
 ENGINE_THREAD_NAME = "llama-engine"
 ADMISSION_WINDOWS_MAX = 5  # a burst waits at most this many admission windows in all
+# An engine idle this long calls on_idle once (engine/openmp.py: its llama.cpp helper threads
+# are released, so they no longer make libgomp throttle a busy engine beside it).
+IDLE_RELEASE_S = 0.05
 
 
 Deliveries = dict[asyncio.AbstractEventLoop, list[tuple["EngineStream", Event]]]
@@ -137,6 +140,7 @@ class EngineLoop:
         on_done: DoneHook | None = None,
         on_close: Callable[[], None] | None = None,
         on_start: Callable[[], None] | None = None,
+        on_idle: Callable[[], None] | None = None,
         admission_window_s: float = 0.0,
     ) -> None:
         self._scheduler = scheduler
@@ -149,6 +153,9 @@ class EngineLoop:
         self._on_done = on_done
         self._on_close = on_close
         self._on_start = on_start
+        self._on_idle = on_idle
+        # on_idle ran and nothing decoded since: the next decode makes llama.cpp's helpers anew
+        self._released = False
         self._inbox: list[tuple[str, Any]] = []
         self._num_rejected_at_submit = 0
         self._wake = threading.Condition()  # guards inbox, streams, state, error, listeners
@@ -294,7 +301,10 @@ class EngineLoop:
                 if self._state is EngineState.STARTING:
                     self._state = EngineState.RUNNING
             while self._drain_inbox():
-                self._tick()
+                if self._released:
+                    self._tick_after_release()
+                else:
+                    self._tick()
             self._deliver(self._scheduler.fail_all(errors.ShuttingDown("engine stopped")))
             if self._scheduler.persist_idle(everything=True):
                 self._tick()  # the disk tier's saves of every idle cache (a plan of KV ops)
@@ -329,11 +339,26 @@ class EngineLoop:
             self._notify_done(stream.request, failed)
         self._post(by_loop)
 
+    def _tick_after_release(self) -> None:
+        """A tick whose decode recreates llama.cpp's helper threads: they inherit this thread's
+        name, so it reads "llama-decode" meanwhile, as during the warm-up."""
+        set_native_thread_name(DECODE_THREAD_NAME)
+        try:
+            self._released = not self._tick()
+        finally:
+            set_native_thread_name(ENGINE_THREAD_NAME)
+
     def _drain_inbox(self) -> bool:
         """Apply submissions and cancellations; sleep while there is nothing to do."""
         with self._wake:
             while not self._inbox and not self._scheduler.has_work and not self._is_stopping:
-                self._wake.wait(self._scheduler.idle_wait_s())
+                timeout = self._scheduler.idle_wait_s()
+                release = self._on_idle is not None and not self._released
+                if release:
+                    timeout = IDLE_RELEASE_S if timeout is None else min(timeout, IDLE_RELEASE_S)
+                if not self._wake.wait(timeout) and release and self._on_idle is not None:
+                    self._on_idle()  # idle for a while: a no-op for the requests, none wait
+                    self._released = True
                 self._scheduler.persist_idle()  # an idle session due for the disk tier
             if self._admission_window_s > 0 and not self._scheduler.has_work:
                 self._gather_burst()
@@ -398,7 +423,8 @@ class EngineLoop:
             return [(stream.request, Failed(exc))]
         return []
 
-    def _tick(self) -> None:
+    def _tick(self) -> bool:
+        """One scheduling step; True if it ran a forward pass."""
         plan, events = self._scheduler.schedule()
         if plan is not None:
             result = self._runner.execute(plan)
@@ -408,6 +434,7 @@ class EngineLoop:
         if plan is not None or events:  # e.g. a queued request whose deadline passed
             self._publish()
         self._deliver(events)
+        return plan is not None and bool(plan.chunks)
 
     def _publish(self) -> None:
         """Before delivering: a caller that saw its request end then reads stats that agree."""

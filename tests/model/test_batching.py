@@ -11,8 +11,14 @@ import pytest
 
 from llama_grpc_server import errors
 from llama_grpc_server.config import num_cpus
-from llama_grpc_server.core.request import FinishReason
-from llama_grpc_server.loop import DECODE_THREAD_NAME, ENGINE_THREAD_NAME, EngineLoop
+from llama_grpc_server.core.request import FinishReason, TokenDelta
+from llama_grpc_server.engine import openmp
+from llama_grpc_server.loop import (
+    DECODE_THREAD_NAME,
+    ENGINE_THREAD_NAME,
+    IDLE_RELEASE_S,
+    EngineLoop,
+)
 
 from .conftest import Failed, make_engine, request, run, run_all
 
@@ -127,3 +133,29 @@ async def test_engine_and_llama_threads_are_named(engine: EngineLoop) -> None:
     assert ENGINE_THREAD_NAME in names  # other engines of this test session may be alive too
     if num_cpus() > 1:  # the default --threads is every CPU: one helper per extra CPU
         assert names.count(DECODE_THREAD_NAME) >= num_cpus() - 1, names
+
+
+def thread_names() -> list[str]:
+    return [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names from /proc")
+@pytest.mark.skipif(openmp.idle_release() is None, reason="llama.cpp built without libgomp")
+async def test_an_idle_engine_releases_its_llama_threads_and_makes_them_again(
+    engine: EngineLoop,
+) -> None:
+    """Idle for IDLE_RELEASE_S, every engine of this process lets llama.cpp's OpenMP helpers go
+    (engine/openmp.py: docked, they made libgomp throttle a busy engine beside it); the next
+    request's first pass makes them again, named llama-decode, and generates the same tokens."""
+    before = await run(engine, request(engine, PROMPTS[2], max_tokens=12, cache_prompt=False))
+    await asyncio.sleep(IDLE_RELEASE_S * 10)
+    assert DECODE_THREAD_NAME not in thread_names()
+    stream = engine.submit(request(engine, PROMPTS[2], max_tokens=12, cache_prompt=False))
+    tokens: list[int] = []
+    async for event in stream:
+        if isinstance(event, TokenDelta):
+            if not tokens and num_cpus() > 1:  # mid-request: the helpers are back
+                names = thread_names()
+                assert names.count(DECODE_THREAD_NAME) >= num_cpus() - 1, names
+            tokens += event.token_ids
+    assert tokens == before.token_ids

@@ -27,7 +27,7 @@ from llama_grpc_server.core.request import (
 )
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.core.strategies import Allocation, BatchView, DecodeMaximal
-from llama_grpc_server.loop import EngineLoop, EngineState
+from llama_grpc_server.loop import IDLE_RELEASE_S, EngineLoop, EngineState
 from llama_grpc_server.telemetry import configure_logging
 from llama_grpc_server.testing import FakeRunner, fake_model_info
 
@@ -58,6 +58,7 @@ def make_loop(
     n_parallel: int = 2,
     runner: FakeRunner | None = None,
     admission_window_s: float = 0.0,
+    on_idle: Any = None,
 ) -> EngineLoop:
     scheduler = Scheduler(
         SchedulerLimits(n_parallel, 512, 64, 16, 8),
@@ -72,6 +73,7 @@ def make_loop(
         tokenizer=None,
         kv_cells_total=512,
         admission_window_s=admission_window_s,
+        on_idle=on_idle,
     )
 
 
@@ -377,3 +379,29 @@ async def test_a_clear_cache_whose_caller_gave_up_does_not_kill_the_engine() -> 
     assert isinstance(after, Finished)
     assert engine.stats().engine_state != "failed"
     assert cleared.cleared_slots >= 1
+
+
+async def test_an_idle_engine_calls_on_idle_once_per_idle_period() -> None:
+    """on_idle (engine/openmp.py: release llama.cpp's helper threads) runs on the engine thread
+    once the engine has had nothing to do for IDLE_RELEASE_S: once per idle period, never while
+    a request runs, and again once the next request is done."""
+    calls: list[tuple[str, float]] = []
+    runner = FakeRunner()
+    runner.delay_s = 0.02  # 10 tokens: ~200 ms of passes, 4 x IDLE_RELEASE_S
+
+    def on_idle() -> None:
+        calls.append((threading.current_thread().name, time.monotonic()))
+
+    engine = make_loop(runner=runner, on_idle=on_idle)
+    try:
+        await asyncio.sleep(IDLE_RELEASE_S * 4)
+        assert len(calls) == 1  # idle since the start: once, not every IDLE_RELEASE_S
+        events = await asyncio.wait_for(read_all(engine.submit(req("a", 4, 10).spec)), 5)
+        ended = time.monotonic()
+        assert isinstance(events[-1], Finished)
+        assert len(calls) == 1
+        await asyncio.sleep(IDLE_RELEASE_S * 4)
+        assert len(calls) == 2 and calls[1][1] >= ended - IDLE_RELEASE_S
+    finally:
+        await asyncio.to_thread(engine.close)
+    assert {name for name, _ in calls} == {"llama-engine"}

@@ -9,7 +9,7 @@ from llama_grpc_server.config import Settings
 from llama_grpc_server.core.plan import Chunk, StepPlan
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.core.strategies import load_strategy
-from llama_grpc_server.engine import logs
+from llama_grpc_server.engine import logs, openmp
 from llama_grpc_server.engine.llama import LlamaModel
 from llama_grpc_server.engine.runner import Runner
 from llama_grpc_server.kv_disk import KvDiskStore
@@ -91,5 +91,8 @@ def build_engine(
         # engine thread) makes libgomp see more threads than CPUs and throttle its barrier
         # spinning: measured here, every later decode 1.5-1.9x slower on 2 cores.
         on_start=lambda: warm_up(model, runner),
+        # An idle engine's docked OpenMP helpers throttle a busy engine's barriers the same way
+        # (engine/openmp.py): they are released after IDLE_RELEASE_S without work.
+        on_idle=openmp.idle_release(),
         admission_window_s=sched.admission_window_ms / 1000,
     )
