@@ -16,6 +16,7 @@ from llama_grpc_server.core.plan import (
     StepPlan,
     StepResult,
 )
+from llama_grpc_server.engine import cpu_share
 from llama_grpc_server.engine.batch import Batch
 from llama_grpc_server.engine.llama import LlamaModel
 from llama_grpc_server.engine.logprobs import LogprobComputer
@@ -32,6 +33,7 @@ class Runner:
         self.top_logprobs: dict[str, int] = {}  # request_id -> k, only for those asking
         self.logprobs = LogprobComputer(model.n_vocab)
         self._candidates: Candidates | None = None  # allocated for the first constraint
+        self._threads = model.threads  # what the context decodes with now
 
     def execute(self, plan: StepPlan) -> StepResult:
         for request_id in plan.close_samplers:
@@ -52,6 +54,7 @@ class Runner:
         if not chunks:
             return StepResult(saved=saved, restored=restored, reset=reset)
         outputs = self.batch.fill(chunks)
+        self._share_cpus()
         cpu0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
@@ -80,6 +83,14 @@ class Runner:
             reset=reset,
             eval_cpu_ms=eval_cpu_ms,
         )
+
+    def _share_cpus(self) -> None:
+        """Fewer threads while another model loads, the configured ones again after it
+        (cpu_share): one int read per forward pass, a llama.cpp call only on a change."""
+        threads = cpu_share.decode_threads(self.model.threads)
+        if threads != self._threads:
+            self.model.set_threads(*threads)
+            self._threads = threads
 
     def _sample(
         self, chunks: Sequence[Chunk], outputs: Sequence[int]
