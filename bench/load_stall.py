@@ -73,6 +73,7 @@ class Marks:
     def __init__(self) -> None:
         self.events: list[tuple[float, str, float]] = []  # (time, what, thread CPU s so far)
         self._lock = threading.Lock()
+        self.loader_tids: set[int] = set()  # the threads that ran llama_model_load_from_file
         self.no_repack = False  # load without the CPU repack buffers (use_extra_bufts=False)
 
     def add(self, what: str) -> None:
@@ -85,6 +86,8 @@ class Marks:
         def wrapped(*args: Any) -> Any:
             if self.no_repack and name == "llama_model_load_from_file":
                 args[1].use_extra_bufts = False
+            if name == "llama_model_load_from_file":
+                self.loader_tids.add(threading.get_native_id())
             self.add(f"{name}:start")
             try:
                 return inner(*args)
@@ -107,14 +110,27 @@ def schedstat() -> dict[int, tuple[str, int, int]]:
     return out
 
 
+def busy_cpu_s() -> tuple[float, float]:
+    """(CPU seconds the whole machine has been busy, this process's CPU seconds): their
+    deltas over a load tell what other processes took meanwhile (the box is shared)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    ticks = [int(x) for x in fields]
+    idle = ticks[3] + ticks[4]  # idle + iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    return (sum(ticks[:8]) - idle) / hz, own.user + own.system
+
+
 def sched_delta(
-    before: dict[int, tuple[str, int, int]], after: dict[int, tuple[str, int, int]]
+    before: dict[int, tuple[str, int, int]],
+    after: dict[int, tuple[str, int, int]],
+    loaders: set[int],
 ) -> dict[str, dict[str, float]]:
     """CPU and run-queue wait seconds per thread name between two readings."""
     out: dict[str, dict[str, float]] = {}
     for tid, (name, cpu, wait) in after.items():
         _, cpu0, wait0 = before.get(tid, (name, 0, 0))
-        kind = "loader" if name.startswith("asyncio_") else name
+        kind = "loader" if tid in loaders else name
         row = out.setdefault(kind, {"cpu_s": 0.0, "runqueue_wait_s": 0.0, "threads": 0})
         row["cpu_s"] += (cpu - cpu0) / 1e9
         row["runqueue_wait_s"] += (wait - wait0) / 1e9
@@ -141,7 +157,7 @@ def window_stats(arrivals: list[tuple[float, int]], t0: float, t1: float) -> dic
     }
 
 
-async def child(variant: str, loads: int) -> dict[str, Any]:
+async def child(variant: str, loads: int, lead_s: float) -> dict[str, Any]:
     import llama_cpp
     from tests.e2e.conftest import settings
 
@@ -156,11 +172,12 @@ async def child(variant: str, loads: int) -> dict[str, Any]:
     from llama_grpc_server.models import ModelSpec, model_specs, settings_for
     from llama_grpc_server.rpc.server import start_server
 
-    cpu_share.LOADS.enabled = variant == "fix"
+    cpu_share.SHARE.enabled = variant == "fix"
     marks = Marks()
     for name in ("llama_model_load_from_file", "llama_init_from_model", "llama_model_free"):
         marks.wrap(llama_cpp, name)
     marks.wrap(LlamaModel, "_piece_table")  # the vocabulary tables (Python, holding the GIL)
+    marks.wrap(LlamaModel, "set_threads")  # cpu_share changing an engine's threads
     marks.wrap(build_module, "warm_up")  # on the new engine's thread, after LoadModel returned
     conf = settings(n_parallel=2, max_queue=16, n_ctx=4096)
     threads = 1 if variant == "threads1" else 0  # 0: one per CPU, the server's default
@@ -193,11 +210,13 @@ async def child(variant: str, loads: int) -> dict[str, Any]:
             alone = {"wall_s": time.monotonic() - started, "server_s": status.load_seconds}
             await client.unload_model(Q8)
             for _ in range(loads):
-                runs.append(await one_load(client, Delta, marks, ticks))
+                runs.append(await one_load(client, Delta, marks, ticks, lead_s))
     return {"variant": variant, "load_alone": alone, "loads": runs}
 
 
-async def one_load(client: Any, delta_type: type, marks: Marks, ticks: list[Any]) -> dict[str, Any]:
+async def one_load(
+    client: Any, delta_type: type, marks: Marks, ticks: list[Any], lead_s: float
+) -> dict[str, Any]:
     arrivals: list[tuple[float, int]] = []
     stop = asyncio.Event()
 
@@ -213,16 +232,16 @@ async def one_load(client: Any, delta_type: type, marks: Marks, ticks: list[Any]
                     return
 
     task = asyncio.create_task(stream())
-    while len(arrivals) < 10:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(BEFORE_S)
+    while not arrivals:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(lead_s)
     n_marks, n_ticks = len(marks.events), len(ticks)
-    sched0 = schedstat()
+    sched0, cpu0 = schedstat(), busy_cpu_s()
     t0 = time.monotonic()
     status = await client.load_model(Q8)
     t1 = time.monotonic()
     rpc_s = t1 - t0
-    sched1 = schedstat()
+    sched1, cpu1 = schedstat(), busy_cpu_s()
     await asyncio.sleep(AFTER_S)
     stop.set()
     await asyncio.wait_for(task, 60)
@@ -237,6 +256,7 @@ async def one_load(client: Any, delta_type: type, marks: Marks, ticks: list[Any]
         "load_s": t1 - t0,
         "rpc_s": rpc_s,
         "server_load_s": status.load_seconds,
+        "other_processes_cpu_s": round((cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1]), 3),
         **window_stats(arrivals, t0, t1),
         "decode_passes_during_load": len(passes),
         "decode_ms_during_load": spread(eval_ms) if eval_ms else None,
@@ -246,7 +266,7 @@ async def one_load(client: Any, delta_type: type, marks: Marks, ticks: list[Any]
             for t, what, cpu in marks.events[n_marks:]
             if t0 <= t <= t1
         ],
-        "threads": sched_delta(sched0, sched1),
+        "threads": sched_delta(sched0, sched1, marks.loader_tids),
         "arrivals_s": [(round(t - t0, 4), n) for t, n in arrivals if t0 - 0.3 <= t <= t1 + 0.3],
     }
 
@@ -254,9 +274,10 @@ async def one_load(client: Any, delta_type: type, marks: Marks, ticks: list[Any]
 # -- the parent: interleaved variants ---------------------------------------------------------
 
 
-def run_child(variant: str, loads: int) -> dict[str, Any]:
+def run_child(variant: str, loads: int, lead_s: float) -> dict[str, Any]:
     env = {**os.environ, **ENV.get(variant, {})}
     cmd = [sys.executable, __file__, "--child", variant, "--loads", str(loads)]
+    cmd += ["--lead-s", str(lead_s)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{variant} failed: {done.stderr[-3000:]}")
@@ -282,9 +303,12 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="load_stall")
+    parser.add_argument(
+        "--lead-s", type=float, default=BEFORE_S, help="stream this long before the load"
+    )
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(asyncio.run(child(args.child, args.loads))))
+        print(json.dumps(asyncio.run(child(args.child, args.loads, args.lead_s))))
         return 0
     variants = args.variants.split(",")
     facts = machine_facts(None)
@@ -293,14 +317,15 @@ def main() -> int:
     for rep in range(args.reps):
         order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
         for variant in order:
-            result = run_child(variant, args.loads)
+            result = run_child(variant, args.loads, args.lead_s)
             results[variant].append(result)
             for run in result["loads"]:
                 progress(
                     f"rep {rep} {variant}: load {run['load_s']:.2f} s, "
                     f"{run['deltas_during_load']} deltas ({run['tokens_during_load']} tokens) "
                     f"during it, longest gap {run['longest_gap_during_load_s']:.3f} s, "
-                    f"tok/s before {run['tok_s_before']:.1f} during {run['tok_s_during']:.1f}"
+                    f"tok/s before {run['tok_s_before']:.1f} during {run['tok_s_during']:.1f}; "
+                    f"other processes {run['other_processes_cpu_s']:.2f} CPU s"
                 )
     data = {
         "benchmark": "load_stall",

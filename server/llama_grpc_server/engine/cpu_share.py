@@ -2,62 +2,100 @@
 
 A model load (llama_model_load_from_file, the context, the vocabulary tables: LlamaModel's
 constructor) keeps one core busy for seconds on its own thread. An engine that decodes meanwhile
-with one llama.cpp thread per core then has more threads than there are cores: every forward
-pass is a few hundred OpenMP barriers, and at each one the threads that are done spin, waiting
-for the one the scheduler has just put off its core for the loader. Measured on the 2-core dev
-box (bench/load_stall.py): a stream on the default model delivered nothing during the whole
-2.6-2.8 s load of a Q8_0 model; its forward passes went from ~20 ms to seconds.
+with one llama.cpp thread per core then has more threads than there are cores: a forward pass is
+a few hundred OpenMP barriers, and at each one the threads that are done spin (libgomp spins
+~300,000 times before it sleeps), holding a core while the thread they wait for sits in the run
+queue behind the loader. Measured on the 2-core dev box (bench/load_stall.py), with other work on
+the box: one 2-thread forward pass (~15 ms alone) lasted the whole 2.4-2.8 s load, its two
+threads and the loader each getting a third of the CPU, so a stream got 1 delta in the load.
 
 So while loads are in progress every engine decodes with fewer threads: at most the CPUs left
 once each load has its core (never fewer than one, never more than configured). Each engine
-applies it on its own thread just before each llama_decode (`decode_threads`, then
+applies it on its own thread just before each llama_decode (`forward_pass`, then
 llama_set_n_threads, which only sets what the next graph computation uses) and goes back to its
-configured threads at the first decode after the last load ended. Reading the count is one
-attribute read: no lock on the decode path."""
+configured threads at the first pass after the last load ended. A pass already running when a
+load starts keeps its threads until it ends, so the load waits for it first (`loading`: at most
+PASS_WAIT_S; a decode pass takes tens of milliseconds, a 512-token prompt chunk under a second)
+instead of starting beside it: measured, such a pass was the whole stall."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections import Counter
 from collections.abc import Iterator
 
 from llama_grpc_server.config import num_cpus
 
+PASS_WAIT_S = 2.0  # the longest a load waits for the forward passes running when it starts
 
-class _Loads:
-    """The process's model loads in progress. Only the loader threads write it (under a lock);
-    engine threads read `count` (one int read) before each forward pass."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.count = 0
+class CpuShare:
+    """The process's model loads in progress and the forward passes running, with their
+    threads. Loader threads and engine threads meet on one condition; an engine's critical
+    section is a few dict operations per forward pass."""
+
+    def __init__(self, cpus: int | None = None) -> None:
+        self._cond = threading.Condition()
+        self._cpus = cpus
+        self.loads = 0
+        self._running: Counter[int] = Counter()  # threads of each forward pass running now
         # bench/load_stall.py turns this off to measure what the engines do without it.
         self.enabled = True
 
+    @property
+    def cpus(self) -> int:
+        return self._cpus if self._cpus is not None else num_cpus()
+
+    def threads_for(self, configured: tuple[int, int]) -> tuple[int, int]:
+        """(generation, prompt) threads for a forward pass starting now: `configured` unless
+        loads are in progress and it would leave them no core."""
+        if not self.loads or not self.enabled:
+            return configured
+        free = max(1, self.cpus - self.loads)
+        return min(configured[0], free), min(configured[1], free)
+
     @contextlib.contextmanager
-    def loading(self) -> Iterator[None]:
-        with self._lock:
-            self.count += 1
+    def loading(self, wait_s: float = PASS_WAIT_S) -> Iterator[None]:
+        """A model load in progress: from now on forward passes leave it a core; the passes
+        running with more threads than that end first (`wait_s` at most)."""
+        with self._cond:
+            self.loads += 1
+            if self.enabled:
+                free = max(1, self.cpus - self.loads)
+                self._cond.wait_for(lambda: max(self._running, default=0) <= free, wait_s)
         try:
             yield
         finally:
-            with self._lock:
-                self.count -= 1
+            with self._cond:
+                self.loads -= 1
+
+    @contextlib.contextmanager
+    def forward_pass(self, configured: tuple[int, int]) -> Iterator[tuple[int, int]]:
+        """Around one llama_decode: yields the threads it is to run with (threads_for) and
+        counts it as running with them until it ends."""
+        with self._cond:
+            threads = self.threads_for(configured)
+            self._running[max(threads)] += 1
+        try:
+            yield threads
+        finally:
+            with self._cond:
+                self._running[max(threads)] -= 1
+                if not self._running[max(threads)]:
+                    del self._running[max(threads)]
+                if self.loads:
+                    self._cond.notify_all()
 
 
-LOADS = _Loads()
+SHARE = CpuShare()
 
 
 def loading() -> contextlib.AbstractContextManager[None]:
-    """A model load in progress: the engines give it a core until the block ends."""
-    return LOADS.loading()
+    """A model load in progress (this process): see CpuShare.loading."""
+    return SHARE.loading()
 
 
-def decode_threads(configured: tuple[int, int], cpus: int | None = None) -> tuple[int, int]:
-    """(generation, prompt) threads for an engine's next forward pass: `configured` unless
-    loads are in progress and it would leave them no core; `cpus` defaults to num_cpus()."""
-    loads = LOADS.count if LOADS.enabled else 0
-    if not loads:
-        return configured
-    free = max(1, (cpus if cpus is not None else num_cpus()) - loads)
-    return min(configured[0], free), min(configured[1], free)
+def forward_pass(configured: tuple[int, int]) -> contextlib.AbstractContextManager[tuple[int, int]]:
+    """One forward pass of an engine (this process): see CpuShare.forward_pass."""
+    return SHARE.forward_pass(configured)

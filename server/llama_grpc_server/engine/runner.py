@@ -54,12 +54,15 @@ class Runner:
         if not chunks:
             return StepResult(saved=saved, restored=restored, reset=reset)
         outputs = self.batch.fill(chunks)
-        self._share_cpus()
-        cpu0 = time.thread_time_ns()
-        t0 = time.perf_counter_ns()
-        status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
-        t1 = time.perf_counter_ns()
-        eval_cpu_ms = (time.thread_time_ns() - cpu0) / 1e6
+        with cpu_share.forward_pass(self.model.threads) as threads:
+            if threads != self._threads:  # fewer while another model loads (cpu_share)
+                self.model.set_threads(*threads)
+                self._threads = threads
+            cpu0 = time.thread_time_ns()
+            t0 = time.perf_counter_ns()
+            status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
+            t1 = time.perf_counter_ns()
+            eval_cpu_ms = (time.thread_time_ns() - cpu0) / 1e6
         if status != DECODE_OK:
             return StepResult(
                 status,
@@ -83,14 +86,6 @@ class Runner:
             reset=reset,
             eval_cpu_ms=eval_cpu_ms,
         )
-
-    def _share_cpus(self) -> None:
-        """Fewer threads while another model loads, the configured ones again after it
-        (cpu_share): one int read per forward pass, a llama.cpp call only on a change."""
-        threads = cpu_share.decode_threads(self.model.threads)
-        if threads != self._threads:
-            self.model.set_threads(*threads)
-            self._threads = threads
 
     def _sample(
         self, chunks: Sequence[Chunk], outputs: Sequence[int]
