@@ -14,6 +14,7 @@ Variants (each a fresh process, interleaved by repetition):
   stall     the engines keep their threads during a load (engine/cpu_share.py turned off)
   fix       the engines leave each load a core (cpu_share, the server's behaviour)
   passive   like stall, with OMP_WAIT_POLICY=passive (OpenMP threads sleep at once at a barrier)
+  spin10k   like stall, with GOMP_SPINCOUNT=10000 (spin 1/30 of libgomp's default, then sleep)
   norepack  like stall, q8 loaded without the CPU repack buffers (use_extra_bufts=False)
   threads1  like stall, with --threads 1 (no OpenMP team at all)
 
@@ -41,8 +42,8 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from common import machine_facts, progress, spread, write_json
 
-VARIANTS = ("stall", "fix", "passive", "norepack", "threads1")
-ENV = {"passive": {"OMP_WAIT_POLICY": "passive"}}
+VARIANTS = ("stall", "fix", "passive", "spin10k", "norepack", "threads1")
+ENV = {"passive": {"OMP_WAIT_POLICY": "passive"}, "spin10k": {"GOMP_SPINCOUNT": "10000"}}
 Q8 = "q8"
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 AFTER_S = 1.0  # how long the stream goes on after the load
