@@ -8,6 +8,7 @@ with the `model` label on /metrics."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
 from collections.abc import AsyncIterator
@@ -42,6 +43,7 @@ SPARE = "spare"  # the embedded file under another name: configured, never used 
 PROMPT_DEFAULT = "The capital of France is"
 PROMPT_Q8 = "Water boils at a temperature of"
 TOKENS = 40
+LONG_TOKENS = 300  # a stream that outlasts a load
 
 
 def pool_settings(second: Path, max_loaded_models: int) -> Settings:
@@ -117,22 +119,28 @@ async def test_streams_to_two_models_interleave_and_equal_their_solo_runs(
     assert first_q8 < last_default and first_default < last_q8, "one stream ran after the other"
 
 
-async def test_a_stream_survives_another_model_loading(client: AsyncClient) -> None:
-    """q8 loads (in a thread) while a stream runs on the default model: the stream ends with
-    every token, and its deltas come again after the load.
+async def test_a_stream_keeps_going_while_another_model_loads(client: AsyncClient) -> None:
+    """q8 loads (in a thread) while a stream runs on the default model: deltas keep arriving
+    during the load, and the stream ends with every token.
 
-    Known limit (issue 15 stays open for it): the stream does not advance during the load. With
-    2 threads per engine on this 2-core box, 0 deltas arrived during a 2.6-2.8 s Q8 load (its
-    tokens then came at the usual pace); py-spy found the engine thread inside llama_decode and
-    the loader inside llama_model_load_from_file (the GIL released by both), so the stall is
-    inside llama.cpp (the CPU backend repacks Q8_0 weights at load), not in our event loop."""
+    Before engine/cpu_share.py the stream stalled: 1-13 deltas in 2.5-2.8 s Q8 loads on this
+    2-core box with other work on it (bench/load_stall.py; 46 once the box was quiet, so this
+    test cannot show the stall on a quiet box, only that the stream keeps its pace). The
+    engine's 2 llama.cpp threads plus the loader made three busy threads on two cores, and at
+    each of a forward pass's OpenMP barriers the thread that was done spun (libgomp spins
+    ~300,000 times before it sleeps) while the other waited for a core: one pass lasted the
+    whole load. Now a load waits for the pass in flight, and passes during it use one thread
+    fewer. That pass in flight can itself be slow when other processes load the box (up to
+    2.3 s measured), so the pace is checked from the first delta that arrives during the load;
+    after it, deltas came every 25-76 ms (the slowest while the loader builds the vocabulary
+    tables, holding the GIL)."""
     await client.unload_model(Q8)
     arrivals: list[float] = []
     tokens = 0
 
     async def run() -> None:
         nonlocal tokens
-        stream = client.stream(PROMPT_DEFAULT, max_tokens=120, ignore_eos=True)
+        stream = client.stream(PROMPT_DEFAULT, max_tokens=LONG_TOKENS, ignore_eos=True)
         async for event in stream:
             if isinstance(event, Delta):
                 arrivals.append(time.monotonic())
@@ -141,11 +149,16 @@ async def test_a_stream_survives_another_model_loading(client: AsyncClient) -> N
     streaming = asyncio.create_task(run())
     while not arrivals:
         await asyncio.sleep(0.01)
+    started = time.monotonic()
     await client.load_model(Q8)
     ended = time.monotonic()
     await asyncio.wait_for(streaming, 120)
-    assert tokens == 120
-    assert any(t > ended for t in arrivals), "the stream went on after the load"
+    assert tokens == LONG_TOKENS
+    during = [t for t in arrivals if started <= t <= ended]
+    assert len(during) >= 5, f"{len(during)} deltas in a {ended - started:.2f} s load"
+    gaps = [b - a for a, b in itertools.pairwise(during)]
+    assert max(gaps) < 1.0, f"a {max(gaps):.2f} s gap in a {ended - started:.2f} s load"
+    assert arrivals[-1] > ended, "the stream went on after the load"
 
 
 async def test_stats_and_model_info_name_the_model(client: AsyncClient) -> None:

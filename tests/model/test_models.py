@@ -1,5 +1,6 @@
 """The model catalog on real files: the embedded model's header, and the second test model
-(the embedded one re-quantized to Q8_0) read by header and run by `models verify`."""
+(the embedded one re-quantized to Q8_0) read by header and run by `models verify`; an engine's
+forward passes leave a loading model a core."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from pathlib import Path
 import pytest
 
 from llama_grpc_server import models_cli
-from llama_grpc_server.engine import offload
+from llama_grpc_server.config import ModelSettings, num_cpus
+from llama_grpc_server.core.plan import Chunk, StepPlan
+from llama_grpc_server.engine import cpu_share, offload
+from llama_grpc_server.engine.llama import LlamaModel
+from llama_grpc_server.engine.runner import Runner
 from llama_grpc_server.gguf_header import read_header
 from llama_grpc_server.model_files import default_model_path, file_sha256
 
@@ -48,3 +53,31 @@ def test_verify_runs_the_second_model_with_auto_gpu_layers(
     assert len(tokens.split(",")) == 4
     if not offload.llama_cpp.llama_supports_gpu_offload():
         assert "(n_gpu_layers=0, " in out
+
+
+def test_forward_passes_leave_a_loading_model_a_core() -> None:
+    """With a thread per CPU (the default), a forward pass while a load is in progress runs
+    with one thread fewer (at least one), and the first one after the load with all again."""
+    model = LlamaModel(ModelSettings(n_ctx=512, n_batch=512), str(default_model_path()), 1)
+    runner = Runner(model)
+    cpus = num_cpus()
+    tokens = tuple(model.tokenize("Hello there", add_special=True, parse_special=False))
+
+    def feed(pos: int) -> None:
+        runner.execute(
+            StepPlan(tick=pos, chunks=(Chunk(0, "", pos, tokens[pos : pos + 1], False),))
+        )
+
+    try:
+        assert model.current_threads() == (cpus, cpus)
+        feed(0)
+        assert model.current_threads() == (cpus, cpus)
+        with cpu_share.loading():
+            assert model.current_threads() == (cpus, cpus)  # applied at the next pass
+            feed(1)
+            assert model.current_threads() == (max(1, cpus - 1),) * 2
+        feed(2)
+        assert model.current_threads() == (cpus, cpus)
+    finally:
+        runner.close()
+        model.close()

@@ -14,7 +14,7 @@ import llama_cpp
 from llama_grpc_server.config import ModelSettings
 from llama_grpc_server.core.api import ModelInfo
 from llama_grpc_server.core.chat import ChatMessage, template_in_use
-from llama_grpc_server.engine import grammar
+from llama_grpc_server.engine import cpu_share, grammar
 from llama_grpc_server.engine.chat import ChatRenderer
 from llama_grpc_server.engine.offload import resolve_n_gpu_layers
 
@@ -44,16 +44,26 @@ class LlamaModel:
             raise ModelLoadError(f"model file not found: {model_path}")
         self.path = model_path
         self.settings = settings
+        # The engines decoding meanwhile leave this load a core (cpu_share) until the model,
+        # its context and the vocabulary tables below are built.
+        with cpu_share.loading():
+            self._load(model_path, n_seq_max)
+
+    def _load(self, model_path: str, n_seq_max: int) -> None:
+        settings = self.settings
         mparams = llama_cpp.llama_model_default_params()
         self.n_gpu_layers = resolve_n_gpu_layers(settings.n_gpu_layers, model_path, settings.n_ctx)
         mparams.n_gpu_layers = self.n_gpu_layers
         self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {model_path}")
-        self.ctx = llama_cpp.llama_init_from_model(self.model, self._context_params(n_seq_max))
+        cparams = self._context_params(n_seq_max)
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             raise ModelLoadError(f"could not create a context (n_ctx={settings.n_ctx})")
+        # (generation, prompt) threads as configured; cpu_share may lower them during a load
+        self.threads: tuple[int, int] = (int(cparams.n_threads), int(cparams.n_threads_batch))
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
@@ -187,6 +197,18 @@ class LlamaModel:
             "n_gpu_layers": self.settings.n_gpu_layers,
             "llama_cpp_python": llama_cpp.__version__,
         }
+
+    # -- engine thread only ----------------------------------------------------------------------
+
+    def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
+        """Threads of the next forward passes (llama_set_n_threads: no reallocation)."""
+        llama_cpp.llama_set_n_threads(self.ctx, n_threads, n_threads_batch)
+
+    def current_threads(self) -> tuple[int, int]:
+        """(generation, prompt) threads the context decodes with now."""
+        return int(llama_cpp.llama_n_threads(self.ctx)), int(
+            llama_cpp.llama_n_threads_batch(self.ctx)
+        )
 
     # -- memory (engine thread only) -------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from llama_grpc_server.core.plan import (
     StepPlan,
     StepResult,
 )
+from llama_grpc_server.engine import cpu_share
 from llama_grpc_server.engine.batch import Batch
 from llama_grpc_server.engine.llama import LlamaModel
 from llama_grpc_server.engine.logprobs import LogprobComputer
@@ -32,6 +33,7 @@ class Runner:
         self.top_logprobs: dict[str, int] = {}  # request_id -> k, only for those asking
         self.logprobs = LogprobComputer(model.n_vocab)
         self._candidates: Candidates | None = None  # allocated for the first constraint
+        self._threads = model.threads  # what the context decodes with now
 
     def execute(self, plan: StepPlan) -> StepResult:
         for request_id in plan.close_samplers:
@@ -52,11 +54,15 @@ class Runner:
         if not chunks:
             return StepResult(saved=saved, restored=restored, reset=reset)
         outputs = self.batch.fill(chunks)
-        cpu0 = time.thread_time_ns()
-        t0 = time.perf_counter_ns()
-        status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
-        t1 = time.perf_counter_ns()
-        eval_cpu_ms = (time.thread_time_ns() - cpu0) / 1e6
+        with cpu_share.forward_pass(self.model.threads) as threads:
+            if threads != self._threads:  # fewer while another model loads (cpu_share)
+                self.model.set_threads(*threads)
+                self._threads = threads
+            cpu0 = time.thread_time_ns()
+            t0 = time.perf_counter_ns()
+            status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
+            t1 = time.perf_counter_ns()
+            eval_cpu_ms = (time.thread_time_ns() - cpu0) / 1e6
         if status != DECODE_OK:
             return StepResult(
                 status,
