@@ -52,6 +52,7 @@ from llama_grpc_server.core.strategies import (
 from llama_grpc_server.core.tenants import FairShare, TenantLimits
 
 Emitted = list[tuple[Request, Event]]
+DRAFT_PAUSE_TICKS = 16  # ticks without drafts after drafts did not fit the KV cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,7 @@ class Scheduler:
         self.counters = stats.Counters()
         self.costs = TickCosts()
         self.spec = Speculator(limits.speculative)
+        self._draft_pause_ticks = 0  # > 0: recent drafts did not fit the KV cache
         self.kv = KvCacheManager(
             self.slots,
             count_cached=self._count_cached,
@@ -341,6 +343,9 @@ class Scheduler:
             and (r := self.slots[c.slot_id].request) is not None
             and self.spec.mode(r) is not SpeculativeMode.OFF
         ]
+        if self._draft_pause_ticks > 0:
+            self._draft_pause_ticks -= 1
+            return chunks
         if not requests:
             return chunks
         used = sum(len(c.tokens) for c in chunks)
@@ -542,7 +547,12 @@ class Scheduler:
 
     def _relieve_kv_pressure(self, plan: StepPlan) -> Emitted:
         """llama_decode found no KV slot and restored memory. Drop the LRU idle cache; else
-        preempt the youngest running request; fail a request only if it alone cannot fit."""
+        preempt the youngest running request; fail a request only if it alone cannot fit.
+        A tick with drafts is first retried without them: speculation never evicts a cache
+        or preempts a request."""
+        if plan.num_draft:
+            self._draft_pause_ticks = DRAFT_PAUSE_TICKS
+            return []
         idle = [s for s in self.slots if s.is_idle and s.idle_cache]
         if idle:
             self.kv.drop_cache(min(idle, key=lambda s: s.last_used_ns))

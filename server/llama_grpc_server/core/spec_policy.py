@@ -18,8 +18,8 @@ COST_ALPHA = 0.1  # EWMA weight of one measured tick
 # token takes llama.cpp's matrix-vector path; from two rows on each row costs ~4.4 ms). Only used
 # to extend measured points to N not measured yet (its slope beyond 17 continues).
 PRIOR_SHAPE: tuple[tuple[int, float], ...] = ((1, 1.0), (5, 2.94), (9, 4.18), (17, 6.85))
-ACCEPT_DECAY = 0.7  # weight of the earlier evidence at each verification (real or shadow)
-ACCEPT_PRIOR = (1.0, 2.0)  # (accepted, trials): p = 0.5 before any evidence
+ACCEPT_ALPHA = 0.2  # EWMA weight of one verified draft token (real or shadow)
+ACCEPT_PRIOR = 0.5  # p before any evidence
 
 
 def _interpolate(points: Sequence[tuple[int, float]], n: int) -> float:
@@ -93,24 +93,18 @@ class TickCostModel:
 
 @dataclass(slots=True)
 class Acceptance:
-    """A request's chance that the next draft token is accepted given the ones before it were,
-    as decayed counts of accepted draft tokens over tokens verified (each verification: the
-    accepted ones, plus the one rejected if any). Real verifications and shadow ones (a draft
-    not sent, compared with the tokens generated next) count alike."""
+    """A request's chance p that a draft token is accepted once the ones before it were: an
+    EWMA over verified tokens, each a 1 (accepted) or a 0 (the first rejected one; those after
+    it are not verified). Real verifications and shadow ones (a draft not sent, compared with
+    the tokens generated next) count alike. One full 8-token acceptance lifts p from 0.5 to
+    0.92; each rejection takes a fifth off it."""
 
-    accepted: float = ACCEPT_PRIOR[0]
-    trials: float = ACCEPT_PRIOR[1]
+    p: float = ACCEPT_PRIOR
 
     def record(self, accepted: int, drafted: int) -> None:
-        trials = accepted + (1 if accepted < drafted else 0)
-        if trials == 0:
-            return
-        self.accepted = ACCEPT_DECAY * self.accepted + accepted
-        self.trials = ACCEPT_DECAY * self.trials + trials
-
-    @property
-    def p(self) -> float:
-        return self.accepted / self.trials if self.trials > 0 else 0.0
+        self.p = 1.0 - (1.0 - self.p) * (1.0 - ACCEPT_ALPHA) ** accepted
+        if accepted < drafted:
+            self.p *= 1.0 - ACCEPT_ALPHA
 
 
 def expected_accepted(p: float, k: int) -> float:

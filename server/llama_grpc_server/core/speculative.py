@@ -28,6 +28,9 @@ from llama_grpc_server.core.spec_policy import (
 )
 
 
+MAX_SHADOWS = 4  # shadow drafts of one request waiting to be settled at most
+
+
 @dataclass(slots=True)
 class _State:
     """One speculating request's drafter and what it learned."""
@@ -35,8 +38,9 @@ class _State:
     config: SpeculativeConfig
     index: NgramIndex
     acceptance: Acceptance = field(default_factory=Acceptance)
-    shadow: tuple[int, ...] = ()  # a draft not sent, waiting for the tokens it predicted
-    shadow_at: int = 0  # where in the request's tokens the shadow's first token would be
+    # Drafts not sent, waiting for the tokens they predicted: (draft, where in the request's
+    # tokens its first token would be).
+    shadows: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
 
 
 class Speculator:
@@ -82,10 +86,8 @@ class Speculator:
         chosen = choose_drafts(len(requests), options, self.costs.tick_ms, room) if options else {}
         for request, state in states:
             draft = found.get(request.slot_id, ())
-            if chosen.get(request.slot_id):
-                state.shadow = ()  # a real verification replaces the shadow one
-            elif draft and not state.shadow:
-                state.shadow, state.shadow_at = draft, len(request.tokens)
+            if draft and not chosen.get(request.slot_id) and len(state.shadows) < MAX_SHADOWS:
+                state.shadows.append((draft, len(request.tokens)))
         return {slot_id: found[slot_id][:k] for slot_id, k in chosen.items() if k > 0}
 
     def _state(self, request: Request) -> _State | None:
@@ -110,18 +112,21 @@ class Speculator:
             state.acceptance.record(num_accepted, num_draft)
 
     def observe_tokens(self, request: Request) -> None:
-        """The request took new tokens: settle its shadow draft once they decide it."""
+        """The request took new tokens: settle the shadow drafts they decide."""
         state = self._states.get(request.key)
-        if state is None or not state.shadow:
+        if state is None or not state.shadows:
             return
-        shadow, start = state.shadow, state.shadow_at
-        got = request.tokens[start : start + len(shadow)]
-        n = 0
-        while n < len(got) and got[n] == shadow[n]:
-            n += 1
-        if n < len(got) or len(got) == len(shadow):
-            state.acceptance.record(n, len(shadow))
-            state.shadow = ()
+        tokens, waiting = request.tokens, []
+        for shadow, start in state.shadows:
+            got = tokens[start : start + len(shadow)]
+            n = 0
+            while n < len(got) and got[n] == shadow[n]:
+                n += 1
+            if n < len(got) or len(got) == len(shadow):
+                state.acceptance.record(n, len(shadow))
+            else:
+                waiting.append((shadow, start))
+        state.shadows = waiting
 
     def acceptance(self, key: str) -> float | None:
         """A request's acceptance estimate (None when it does not speculate)."""
