@@ -6,6 +6,7 @@ tick), cancellation and KV pressure while speculating, AUTO's choices, usage and
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 from collections.abc import Callable, Sequence
 
@@ -51,7 +52,7 @@ BOX_POINTS = ((1, 13.2), (5, 38.8), (9, 55.2), (17, 90.4))
 def box_cost_ms(rows: int) -> float:
     if rows <= 1:
         return 13.2
-    for (x0, y0), (x1, y1) in zip(BOX_POINTS, BOX_POINTS[1:], strict=False):
+    for (x0, y0), (x1, y1) in itertools.pairwise(BOX_POINTS):
         if rows <= x1:
             return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
     return 90.4 + 4.4 * (rows - 17)
@@ -220,7 +221,7 @@ def test_usage_and_counters_count_what_was_drafted_and_accepted() -> None:
 
 def test_off_by_default_drafts_nothing() -> None:
     """A request that does not choose takes the server's default: off."""
-    events, runner, s = run([req("r", prompt_of(1), speculative=SpeculativeParams())])
+    _events, runner, s = run([req("r", prompt_of(1), speculative=SpeculativeParams())])
     assert not any(p.num_draft for p in runner.plans)
     assert s.snapshot(1024).spec_draft_tokens == 0
 

@@ -27,7 +27,6 @@ from llama_grpc_server.core.spec_policy import (
     choose_drafts,
 )
 
-
 MAX_SHADOWS = 4  # shadow drafts of one request waiting to be settled at most
 
 
