@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from llama_grpc_server.core.kv_cells import CellMap
 from llama_grpc_server.core.ngram import NgramIndex
 from llama_grpc_server.core.spec_policy import (
     MIN_GAIN,
@@ -239,3 +240,29 @@ def test_room_bounds_the_auto_drafts() -> None:
     costs.calibrate([(1, 10.0), (64, 11.0)])  # rows nearly free
     chosen = choose_drafts(1, [DraftOption(0, 16, 0.99)], costs.tick_ms, 5)
     assert chosen == {0: 5}
+
+
+# -- the cell map ----------------------------------------------------------------------------------
+
+
+def test_trimming_rejected_drafts_keeps_one_run() -> None:
+    """Computed, trimmed back, computed again from the cut: still one run of the same origin
+    (a run per tick would make every stats snapshot slower as a request speculates)."""
+    cells = CellMap()
+    cells.computed(0, 0, 10)
+    for start in range(10, 50, 5):
+        cells.computed(0, start, 8)  # the decode token + 7 drafts
+        cells.trimmed(0, start + 5)  # 4 of the drafts accepted
+    assert cells.num_cells(0) == 50 and len(cells._runs[0]) == 1
+
+
+def test_trimming_after_a_copy_keeps_shared_cells_shared() -> None:
+    """Sequence 1 copied sequence 0's first 10 cells; 0 then speculates: the 10 cells count
+    once, the rest once each."""
+    cells = CellMap()
+    cells.computed(0, 0, 10)
+    cells.copied(0, 1, 10)
+    cells.computed(0, 10, 6)
+    cells.trimmed(0, 12)
+    cells.computed(0, 12, 3)
+    assert cells.num_cells(0) == 15 and cells.num_used() == 15

@@ -336,6 +336,9 @@ class Scheduler:
     def _add_drafts(self, chunks: list[Chunk]) -> list[Chunk]:
         """Speculative decoding: decode chunks of speculating requests take their drafts, as
         far as the batch and the free KV cells have room (a draft never preempts anyone)."""
+        if self._draft_pause_ticks > 0:
+            self._draft_pause_ticks -= 1
+            return chunks
         requests = [
             r
             for c in chunks
@@ -343,9 +346,6 @@ class Scheduler:
             and (r := self.slots[c.slot_id].request) is not None
             and self.spec.mode(r) is not SpeculativeMode.OFF
         ]
-        if self._draft_pause_ticks > 0:
-            self._draft_pause_ticks -= 1
-            return chunks
         if not requests:
             return chunks
         used = sum(len(c.tokens) for c in chunks)
