@@ -914,7 +914,8 @@ class Usage(_message.Message):
     """
     draft_tokens: _builtins.int
     """Speculative decoding (params.speculative): draft tokens verified for this request, and
-    those the sampler agreed with (each became an output token or ended the request).
+    those the sampler agreed with (each became an output token or ended the request); 0 for a
+    cached_response, which verified nothing.
     """
     accepted_draft_tokens: _builtins.int
     def __init__(
