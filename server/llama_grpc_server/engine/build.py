@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import structlog
+
 from llama_grpc_server.config import Settings
 from llama_grpc_server.core.plan import Chunk, StepPlan
 from llama_grpc_server.core.request import SpeculativeConfig, SpeculativeMode
@@ -18,6 +20,8 @@ from llama_grpc_server.engine.runner import Runner
 from llama_grpc_server.kv_disk import KvDiskStore
 from llama_grpc_server.loop import DoneHook, EngineLoop, TickHook
 from llama_grpc_server.model_files import DEFAULT_MODEL_NAME, default_model_path, file_sha256
+
+log = structlog.get_logger("llama_grpc.engine")
 
 
 def resolve_model(settings: Settings) -> tuple[str, str]:
@@ -36,7 +40,9 @@ def warm_up(model: LlamaModel, runner: Runner, costs: TickCostModel | None = Non
     runner.execute(plan)
     model.seq_remove(0, 0, -1)
     if costs is not None:
-        costs.calibrate(calibrate(model, runner))
+        points = calibrate(model, runner)
+        costs.calibrate(points)
+        log.info("speculation_calibrated", tick_ms={rows: round(ms, 2) for rows, ms in points})
 
 
 CALIBRATION_ROWS = (1, 2, 4, 8, 16)

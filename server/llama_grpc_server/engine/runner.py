@@ -107,14 +107,14 @@ class Runner:
             if index < 0:
                 continue
             sampler = self.samplers[chunk.request_id]
-            if sampler.is_plain_greedy and rows is None:
-                n_outputs = sum(
-                    c.num_outputs for c, i in zip(chunks, outputs, strict=True) if i >= 0
-                )
-                rows = logits_rows(ctx, n_outputs, self.model.n_vocab)
-            chunk_rows = (
-                rows[ordinal : ordinal + chunk.num_outputs] if sampler.is_plain_greedy else None
-            )
+            chunk_rows = None
+            if sampler.is_plain_greedy:
+                if rows is None:
+                    n_outputs = sum(
+                        c.num_outputs for c, i in zip(chunks, outputs, strict=True) if i >= 0
+                    )
+                    rows = logits_rows(ctx, n_outputs, self.model.n_vocab)
+                chunk_rows = rows[ordinal : ordinal + chunk.num_outputs]
             ordinal += chunk.num_outputs
             self._sample_chunk(chunk, index, sampler, chunk_rows, out)
         return out
