@@ -17,6 +17,7 @@ from llama_grpc_server import errors
 from llama_grpc_server.cli import ConfigError, load_settings
 from llama_grpc_server.core import response_cache
 from llama_grpc_server.core.request import (
+    Finished,
     GenerationRequest,
     SamplingParams,
     SpeculativeMode,
@@ -24,10 +25,17 @@ from llama_grpc_server.core.request import (
     StoppingParams,
     Usage,
 )
+from llama_grpc_server.metrics import Metrics
 from llama_grpc_server.rpc import convert
+from llama_grpc_server.telemetry import Bus, Telemetry, TickEvent
+from llama_grpc_server.testing import FakeRunner
 
+from ..conftest import samples, value
 from .test_client import UnaryScript, channel, client, executor, unary  # noqa: F401
 from .test_convert import make_snapshot
+from .test_speculative_scheduler import echo_model, prompt_of
+from .test_speculative_scheduler import make as scheduler_for_tests
+from .test_speculative_scheduler import req as spec_request
 from .test_validation import text_request
 
 
@@ -177,3 +185,50 @@ def test_speculation_does_not_change_the_response_cache_key() -> None:
     base = GenerationRequest("r", (1, 2, 3), SamplingParams(temperature=0.0), StoppingParams())
     on = dataclasses.replace(base, speculative=SpeculativeParams(SpeculativeMode.ON, 4))
     assert response_cache.response_key("m", base) == response_cache.response_key("m", on)
+
+
+# -- metrics and tick events -----------------------------------------------------------------------
+
+
+def test_prometheus_series_read_the_snapshot() -> None:
+    snapshot = dataclasses.replace(
+        make_snapshot(),
+        spec_draft_tokens=40,
+        spec_accepted_tokens=30,
+        spec_acceptance_rate=0.75,
+        spec_ticks=5,
+    )
+    metrics = Metrics()
+    metrics.watch(lambda: {"m": snapshot})
+    got = samples(metrics.render())
+    assert value(got, "llama_grpc:spec_decode_num_draft_tokens_total", model="m") == 40
+    assert value(got, "llama_grpc:spec_decode_num_accepted_tokens_total", model="m") == 30
+    assert value(got, "llama_grpc:spec_decode_num_ticks_total", model="m") == 5
+    assert value(got, "llama_grpc:spec_decode_acceptance_rate", model="m") == 0.75
+
+
+def test_tick_events_count_drafts_and_accepted_tokens() -> None:
+    """Summed over a request's ticks, the tick events' draft counts are its usage's."""
+    seen: list[TickEvent] = []
+    bus = Bus()
+    bus.attach("tick", lambda name, event: seen.append(event))  # type: ignore[arg-type]
+    telemetry = Telemetry(bus=bus)
+    s = scheduler_for_tests(n_parallel=1)
+    runner = FakeRunner(eos_id=2)
+    runner.next_token = echo_model()  # type: ignore[method-assign]
+    s.add(spec_request("r", prompt_of(4), max_tokens=60))
+    usage = None
+    while s.has_work:
+        plan, _ = s.schedule()
+        if plan is None:
+            continue
+        result = runner.execute(plan)
+        for _, event in s.update(plan, result):
+            if isinstance(event, Finished):
+                usage = event.usage
+        if plan.chunks:
+            telemetry.on_tick(plan, result, s)
+    assert usage is not None and usage.draft_tokens > 0
+    assert sum(e.draft_tokens for e in seen) == usage.draft_tokens
+    assert sum(e.accepted_draft_tokens for e in seen) == usage.accepted_draft_tokens
+    assert all(e.batch_size == e.decode_tokens + e.prefill_tokens + e.draft_tokens for e in seen)
