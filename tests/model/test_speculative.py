@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import llama_cpp
 import pytest
 
 from llama_grpc_server.core.request import (
@@ -160,11 +161,33 @@ async def test_grammar_constrained_request_speculates_in_exact_match_mode(
     assert on.finished.usage.draft_tokens > 0
 
 
+def assert_kv_holds_what_the_slots_say(engine: EngineLoop) -> None:
+    """llama.cpp's own view: each idle sequence ends exactly where its slot's cache ends (a
+    rejected draft token left behind would show as a higher position). Engine idle only."""
+    stats = engine.stats()
+    assert stats.active_slots == 0
+    memory = engine._runner.model.memory  # type: ignore[attr-defined]
+    for slot in stats.slots:
+        assert llama_cpp.llama_memory_seq_pos_max(memory, slot.slot_id) + 1 == slot.cached_tokens
+    assert stats.kv_cells_used <= sum(s.cached_tokens for s in stats.slots)
+
+
+async def test_kv_cache_holds_no_rejected_draft_token(engine: EngineLoop) -> None:
+    """After speculating requests that keep their cache (cache_prompt on), every sequence
+    holds exactly the tokens its slot reports."""
+    outs = await run_all(
+        engine, [spec(engine, p, ON, max_tokens=40, cache_prompt=True) for p in GROUNDED[:3]]
+    )
+    assert sum(o.finished.usage.draft_tokens - o.finished.usage.accepted_draft_tokens for o in outs)
+    await asyncio.sleep(0.2)
+    assert_kv_holds_what_the_slots_say(engine)
+
+
 async def test_cancelled_speculating_stream_frees_its_kv(engine: EngineLoop) -> None:
-    """Cancel a copying stream mid-way: its slot goes idle, no rejected draft token stays in
-    the cache (cells in use == tokens the idle slots hold) and it stops generating."""
+    """Cancel a copying stream mid-way: its slot goes idle keeping only accepted tokens as
+    cache (llama.cpp's sequence ends where the slot says), and it stops generating."""
     await asyncio.sleep(0.1)  # earlier tests' slots settle
-    stream = engine.submit(spec(engine, GROUNDED[0], ON, max_tokens=400))
+    stream = engine.submit(spec(engine, GROUNDED[0], ON, max_tokens=400, cache_prompt=True))
     seen = 0
     async for event in stream:
         if isinstance(event, TokenDelta):
@@ -173,10 +196,8 @@ async def test_cancelled_speculating_stream_frees_its_kv(engine: EngineLoop) -> 
             stream.cancel()
             break
     await asyncio.sleep(0.3)
-    stats = engine.stats()
-    assert stats.active_slots == 0
-    assert stats.kv_cells_used <= sum(s.cached_tokens for s in stats.slots)
-    generated = stats.generated_tokens
+    assert_kv_holds_what_the_slots_say(engine)
+    generated = engine.stats().generated_tokens
     await asyncio.sleep(0.2)
     assert engine.stats().generated_tokens == generated
 
