@@ -576,28 +576,37 @@ def _speculative(message: pb.SpeculativeParams, limits: SchedulerSettings) -> Sp
     field = "params.speculative"
     if message.mode not in _SPECULATIVE_MODES:
         raise _invalid(f"{field}.mode", Message.UNKNOWN_SPECULATIVE_MODE, value=message.mode)
-    values: dict[str, int | None] = {}
-    for name, limit in (("draft_max", MAX_DRAFT_TOKENS), ("ngram_min", MAX_NGRAM),
-                        ("ngram_max", MAX_NGRAM)):  # fmt: skip
-        value = getattr(message, name) if message.HasField(name) else None
-        if value is not None and not 1 <= value <= limit:
-            raise _invalid(
-                f"{field}.{name}", Message.SPECULATIVE_RANGE, name=name, limit=limit, value=value
-            )
-        values[name] = value
-    ngram_min = limits.ngram_min if values["ngram_min"] is None else values["ngram_min"]
-    ngram_max = limits.ngram_max if values["ngram_max"] is None else values["ngram_max"]
-    if ngram_min > ngram_max:
-        name = "ngram_min" if values["ngram_min"] is not None else "ngram_max"
+    draft_max = _speculative_number(message, "draft_max", MAX_DRAFT_TOKENS)
+    ngram_min = _speculative_number(message, "ngram_min", MAX_NGRAM)
+    ngram_max = _speculative_number(message, "ngram_max", MAX_NGRAM)
+    low = limits.ngram_min if ngram_min is None else ngram_min
+    high = limits.ngram_max if ngram_max is None else ngram_max
+    if low > high:
+        name = "ngram_min" if ngram_min is not None else "ngram_max"
         raise _invalid(
             f"{field}.{name}",
             Message.NGRAM_ORDER,
-            ngram_min=ngram_min,
-            ngram_max=ngram_max,
+            ngram_min=low,
+            ngram_max=high,
             default_min=limits.ngram_min,
             default_max=limits.ngram_max,
         )
-    return SpeculativeParams(_SPECULATIVE_MODES[message.mode], **values)
+    return SpeculativeParams(_SPECULATIVE_MODES[message.mode], draft_max, ngram_min, ngram_max)
+
+
+def _speculative_number(message: pb.SpeculativeParams, name: str, limit: int) -> int | None:
+    if not message.HasField(name):  # type: ignore[arg-type]  # a field name from our own code
+        return None
+    value: int = getattr(message, name)
+    if not 1 <= value <= limit:
+        raise _invalid(
+            f"params.speculative.{name}",
+            Message.SPECULATIVE_RANGE,
+            name=name,
+            limit=limit,
+            value=value,
+        )
+    return value
 
 
 def _priority(value: pb.Priority.ValueType) -> Priority:
