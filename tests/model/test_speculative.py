@@ -4,11 +4,16 @@ grammars inside drafts, usage and stats counts, a cancelled speculating stream, 
 calibration.
 
 The numerics caveat: a position verified inside a multi-token batch gets logits slightly
-different from a one-token decode (llama.cpp's batched kernels sum in another order, ~0.1 in
-logprob measured on this box), exactly as batching with other requests already does
-(test_batching.py). Where the model's top two tokens are that close, greedy output may differ.
-The prompts below were checked to have no such near-tie in the tokens generated; with another
-model or build, a failure here first means a near-tie, which the logprobs in the failure show."""
+different from a one-token decode (llama.cpp's kernels depend on the batch shape), exactly as
+batching with other requests already does (test_batching.py). Where the model's top two tokens
+are that close, greedy output may differ. Measured here (48 tokens, B = 1, on vs off): of 14
+prompts, "The capital of France is" diverges at token 18, where plain decoding had its top two
+tokens 0.215 apart in logprob (-1.207 / -1.422) and the verifying batch had them flipped
+(-1.345 / -1.232); the other 13 match. In a batch of eight, free-writing prompts diverge between
+runs whose batch shapes differ (another request's drafts change them, as another request's
+prompt does), 3 of 4 within 32 tokens; the input-grounded prompts matched in every mix tried.
+So identity is asserted on prompts where it holds; a failure with another model or build first
+means such a near-tie."""
 
 from __future__ import annotations
 
@@ -45,9 +50,20 @@ GROUNDED = [
     "Name: Alice Smith\nCity: Paris\nAge: 34\n\nName: Alice Smith\nCity:",
     "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n",
     "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5,",
+    "Q: What is the capital of Italy?\nA: Rome.\nQ: What is the capital of Italy?\nA:",
+    "red, green, blue, red, green, blue, red, green, blue, red,",
+    "<ul>\n  <li>apple</li>\n  <li>pear</li>\n  <li>plum</li>\n</ul>\n<ul>\n  <li>apple</li>\n",
+    "SELECT name, age FROM users WHERE age > 30 ORDER BY name;\nSELECT name, age FROM users WHERE",
 ]
-# Free writing: few drafts, and those mostly rejected.
-FREE = ["The capital of France is", "Once upon a time, in a land far away,"]
+# Free writing: fewer drafts, and those mostly rejected. (Not "The capital of France is": see
+# the module docstring.)
+FREE = [
+    "Once upon a time, in a land far away,",
+    "The history of the printing press begins",
+    "def fibonacci(n):",
+    "The quick brown fox",
+    "In a distant galaxy, the explorers found",
+]
 
 
 def spec(
@@ -85,18 +101,19 @@ async def test_drafts_are_accepted_on_grounded_prompts(engine: EngineLoop) -> No
 
 
 async def test_greedy_identity_in_a_mixed_batch_of_eight() -> None:
-    """Eight concurrent requests, half of them speculating, produce what the same eight
-    produce with no speculation at all."""
+    """Eight concurrent input-grounded requests, half of them speculating (then all), produce
+    what the same eight produce with no speculation at all."""
     eng = make_engine(n_parallel=8)
     try:
-        prompts = (GROUNDED + FREE + GROUNDED[:2])[:8]
 
         def batch(modes: list[SpeculativeParams]) -> list[GenerationRequest]:
-            return [spec(eng, p, m, max_tokens=32) for p, m in zip(prompts, modes, strict=True)]
+            return [spec(eng, p, m, max_tokens=32) for p, m in zip(GROUNDED, modes, strict=True)]
 
         off = await run_all(eng, batch([OFF] * 8))
         mixed = await run_all(eng, batch([ON, OFF] * 4))
+        every = await run_all(eng, batch([ON] * 8))
         assert [o.token_ids for o in mixed] == [o.token_ids for o in off]
+        assert [o.token_ids for o in every] == [o.token_ids for o in off]
         assert sum(o.finished.usage.draft_tokens for o in mixed) > 0
     finally:
         eng.close()
@@ -208,10 +225,10 @@ async def test_auto_calibrates_and_speculates_on_a_copy() -> None:
     second) and drafts for a single copying stream."""
     eng = make_engine(n_parallel=2, speculative="auto")
     try:
-        points = eng._scheduler.spec.costs.snapshot()
-        assert [rows for rows, _ in points] == [1, 2, 4, 8, 16]
-        assert sum(ms for _, ms in points) * 2 < 1000
         out = await run(eng, request(eng, GROUNDED[0], max_tokens=60, cache_prompt=False))
+        points = dict(eng._scheduler.spec.costs.snapshot())
+        assert {1, 2, 4, 8, 16} <= set(points)
+        assert sum(points[n] for n in (1, 2, 4, 8, 16)) * 2 < 1000  # two passes each
         assert out.finished.usage.draft_tokens > 0
         assert out.finished.usage.accepted_draft_tokens > 0.8 * out.finished.usage.draft_tokens
     finally:
