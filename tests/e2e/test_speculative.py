@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -26,6 +25,7 @@ from llama_grpc_server.telemetry import Bus, Telemetry, TelemetryEvent, TickEven
 
 from ..conftest import free_port, scrape, value
 from .conftest import settings
+from .test_operations import grpcurl_run
 
 PARAGRAPH = (
     "The committee met on Tuesday to review the budget for the new library. After a long "
@@ -121,22 +121,21 @@ async def test_a_bad_speculative_field_is_invalid_argument(client: AsyncClient) 
     assert caught.value.field == "params.speculative.draft_max"
 
 
-def test_grpcurl_sets_the_speculative_params(
+async def test_grpcurl_sets_the_speculative_params(
     server: tuple[RunningServer, list[TickEvent]], grpcurl: str
 ) -> None:
     """Through reflection: params.speculative with the enum by name, usage with the counts."""
     body = {
         "prompt": COPY,
         "params": {
-            "stopping": {"maxTokens": 16},
-            "speculative": {"mode": "SPECULATIVE_MODE_ON", "draftMax": 4},
-            "cachePrompt": False,
+            "stopping": {"max_tokens": 16},
+            "speculative": {"mode": "SPECULATIVE_MODE_ON", "draft_max": 4},
+            "cache_prompt": False,
         },
     }
-    out = subprocess.run(
-        [grpcurl, "-plaintext", "-d", json.dumps(body), f"127.0.0.1:{server[0].port}",
-         "llama_grpc.v1.LlmService/Generate"],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
-    usage = json.loads(out.stdout)["usage"]
-    assert int(usage["draftTokens"]) > 0 and "acceptedDraftTokens" in usage
+    target = f"127.0.0.1:{server[0].port}"
+    out = await grpcurl_run(
+        grpcurl, "-plaintext", "-d", json.dumps(body), target, "llama_grpc.v1.LlmService/Generate"
+    )
+    usage = json.loads(out)["usage"]  # grpcurl prints the proto field names
+    assert int(usage["draft_tokens"]) > 0 and "accepted_draft_tokens" in usage
