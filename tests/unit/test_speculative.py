@@ -152,6 +152,8 @@ def test_observations_move_a_point_by_ewma_and_keep_it_monotone() -> None:
     costs = box_costs()
     costs.observe(5, 48.8)
     assert costs.tick_ms(5) == pytest.approx(39.8)
+    costs.observe(3, 100.0)  # first seen: from its estimate (26.5), a tenth of the way
+    assert costs.tick_ms(3) == pytest.approx(26.5 + 7.35)
     for _ in range(50):
         costs.observe(9, 5.0)
     assert costs.tick_ms(9) >= costs.tick_ms(5)  # type: ignore[operator]

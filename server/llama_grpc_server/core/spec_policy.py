@@ -56,10 +56,14 @@ class TickCostModel:
         self._rebuild()
 
     def observe(self, rows: int, eval_ms: float) -> None:
-        """A measured decode-only tick."""
+        """A measured decode-only tick moves T(rows) by COST_ALPHA of the difference; an N
+        measured for the first time starts from its estimate, so one disturbed tick on a busy
+        machine cannot make a draft length look twice as dear (or cheap) for good."""
         if rows <= 0 or eval_ms <= 0:
             return
         old = self._ms.get(rows)
+        if old is None:
+            old = self.tick_ms(rows)
         self._ms[rows] = eval_ms if old is None else old + COST_ALPHA * (eval_ms - old)
         self._rebuild()
 
