@@ -14,10 +14,17 @@ from dataclasses import dataclass
 MIN_GAIN = 1.10  # AUTO drafts only for at least 10 % more expected tokens per millisecond
 COST_ALPHA = 0.1  # EWMA weight of one measured tick
 # T(N) / T(1) for a decode-only tick of N rows, measured on the 2-core development box (Gemma 3
-# 270M Q4_K_M, CPU): 13.2 ms at N = 1, then 38.8 / 55.2 / 90.4 ms at N = 5 / 9 / 17 (a single
-# token takes llama.cpp's matrix-vector path; from two rows on each row costs ~4.4 ms). Only used
-# to extend measured points to N not measured yet (its slope beyond 17 continues).
-PRIOR_SHAPE: tuple[tuple[int, float], ...] = ((1, 1.0), (5, 2.94), (9, 4.18), (17, 6.85))
+# 270M Q4_K_M, CPU): 13.2 ms at N = 1, 25-28 ms at N = 2 (the engine's calibration), then 38.8 /
+# 55.2 / 90.4 ms at N = 5 / 9 / 17: one token takes llama.cpp's matrix-vector path, the second
+# row costs ~12 ms and each further one ~4.4 ms. Only used to extend measured points to N not
+# measured yet (its slope beyond 17 continues).
+PRIOR_SHAPE: tuple[tuple[int, float], ...] = (
+    (1, 1.0),
+    (2, 1.9),
+    (5, 2.94),
+    (9, 4.18),
+    (17, 6.85),
+)
 ACCEPT_ALPHA = 0.2  # EWMA weight of one verified draft token (real or shadow)
 ACCEPT_PRIOR = 0.5  # p before any evidence
 
