@@ -542,3 +542,21 @@ def test_prompt_too_long_still_rejected_with_speculation() -> None:
     s = make(n_ctx=100)
     with pytest.raises(errors.PromptTooLong):
         s.add(req("big", prompt_of(0, 90), max_tokens=20))
+
+
+def test_auto_counts_every_decode_row_of_the_tick() -> None:
+    """A copying AUTO request among fifteen plain ones: at B = 16 the box's per-row cost makes
+    drafting not pay, so it never drafts (alone it does: test above)."""
+    copy = req("copy", (MARK, *prompt_of(1, 8)), max_tokens=60, speculative=AUTO)
+    others = [
+        req(f"o{i}", prompt_of(10 + i, 6), max_tokens=200, speculative=OFF) for i in range(15)
+    ]
+    s = make(n_parallel=16, n_batch=256)
+    runner = FakeRunner(eos_id=EOS)
+    runner.next_token = mixed_model  # type: ignore[method-assign]
+    runner.cost_ms = box_cost_ms
+    for r in [*others, copy]:
+        s.add(r)
+    events = drive(s, runner)
+    usage = {r.request_id: e.usage for r, e in events if isinstance(e, Finished)}
+    assert usage["copy"].draft_tokens == 0

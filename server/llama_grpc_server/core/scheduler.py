@@ -355,7 +355,11 @@ class Scheduler:
             return chunks
         num_decode = sum(1 for c in chunks if c.is_decode)
         drafts = self.spec.propose(
-            requests, room=room, n_ctx=self.limits.n_ctx, has_prefill=num_decode < len(chunks)
+            requests,
+            num_rows=num_decode,
+            room=room,
+            n_ctx=self.limits.n_ctx,
+            has_prefill=num_decode < len(chunks),
         )
         return [
             dataclasses.replace(

@@ -55,11 +55,18 @@ class Speculator:
         return self.defaults.mode if asked is None else asked
 
     def propose(
-        self, requests: Sequence[Request], *, room: int, n_ctx: int, has_prefill: bool
+        self,
+        requests: Sequence[Request],
+        *,
+        num_rows: int,
+        room: int,
+        n_ctx: int,
+        has_prefill: bool,
     ) -> dict[int, tuple[int, ...]]:
-        """slot_id -> draft tokens for this tick's decoding requests (one decode row each).
-        room: draft tokens the batch and the KV cache can take. AUTO drafts only in a tick
-        without prompt chunks (its cost model is of decode-only ticks); ON drafts in any."""
+        """slot_id -> draft tokens for this tick's decoding requests that speculate. num_rows:
+        the tick's decode rows (theirs and the others'); room: draft tokens the batch and the
+        KV cache can take. AUTO drafts only in a tick without prompt chunks (its cost model is
+        of decode-only ticks); ON drafts in any."""
         found: dict[int, tuple[int, ...]] = {}
         options: list[DraftOption] = []
         states: list[tuple[Request, _State]] = []
@@ -82,7 +89,7 @@ class Speculator:
                 options.append(
                     DraftOption(request.slot_id, len(draft), state.acceptance.p, is_forced)
                 )
-        chosen = choose_drafts(len(requests), options, self.costs.tick_ms, room) if options else {}
+        chosen = choose_drafts(num_rows, options, self.costs.tick_ms, room) if options else {}
         for request, state in states:
             draft = found.get(request.slot_id, ())
             if draft and not chosen.get(request.slot_id) and len(state.shadows) < MAX_SHADOWS:
@@ -95,12 +102,12 @@ class Speculator:
             return state
         if self.mode(request) is SpeculativeMode.OFF:
             return None
-        config = request.spec.speculative.resolve(self.defaults)
-        ngram_min = max(1, config.ngram_min)
-        ngram_max = max(ngram_min, config.ngram_max)
-        draft_max = max(0, min(MAX_DRAFT_TOKENS, config.draft_max))
+        asked = request.spec.speculative.resolve(self.defaults)
+        ngram_min = max(1, asked.ngram_min)  # validated at the edge; never trusted here
+        ngram_max = max(ngram_min, asked.ngram_max)
+        draft_max = max(0, min(MAX_DRAFT_TOKENS, asked.draft_max))
+        config = SpeculativeConfig(asked.mode, draft_max, ngram_min, ngram_max)
         state = _State(config, NgramIndex(ngram_min, ngram_max))
-        state.config = SpeculativeConfig(config.mode, draft_max, ngram_min, ngram_max)
         self._states[request.key] = state
         return state
 
