@@ -233,3 +233,18 @@ async def test_auto_calibrates_and_speculates_on_a_copy() -> None:
         assert out.finished.usage.accepted_draft_tokens > 0.8 * out.finished.usage.draft_tokens
     finally:
         eng.close()
+
+
+async def test_kv_pressure_while_speculating_completes_every_request() -> None:
+    """A small KV cache and four speculating requests: drafts that find no KV slot are retried
+    without drafts, preemption happens only for the requests themselves, and every request
+    ends with exactly max_tokens tokens (none lost or repeated)."""
+    eng = make_engine(n_parallel=4, n_ctx=512, cache_prompt=True)
+    try:
+        reqs = [spec(eng, GROUNDED[i] + f" {i}", ON, max_tokens=100) for i in range(4)]
+        outs = await run_all(eng, reqs)
+        assert [len(o.token_ids) for o in outs] == [100] * 4
+        assert all(o.finished.reason is FinishReason.MAX_TOKENS for o in outs)
+        assert sum(o.finished.usage.draft_tokens for o in outs) > 0
+    finally:
+        eng.close()
