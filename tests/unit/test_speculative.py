@@ -146,14 +146,29 @@ def test_beyond_the_measured_points_along_the_prior_shape() -> None:
     assert box.tick_ms(33) == pytest.approx(90.4 * prior_shape(33) / prior_shape(17))
 
 
+def test_a_disturbed_calibration_point_is_taken_down() -> None:
+    """One row measured at 253 ms (another process had the CPU) but two at 25 ms: T(1) is
+    taken as 25 ms, not 253 (which would make every draft look free)."""
+    costs = TickCostModel()
+    costs.calibrate([(1, 253.4), (2, 25.5), (4, 34.1), (8, 59.8), (16, 86.1)])
+    assert costs.tick_ms(1) == pytest.approx(25.5)
+    assert costs.tick_ms(16) == pytest.approx(86.1)
+
+
+def test_a_disturbed_tick_moves_its_point_as_if_three_times_off() -> None:
+    costs = box_costs()
+    costs.observe(1, 13.2 * 20)
+    assert costs.tick_ms(1) == pytest.approx(13.2 + 0.1 * (3 * 13.2 - 13.2))
+
+
 def test_observations_move_a_point_by_ewma_and_keep_it_monotone() -> None:
     """A measured tick moves its point a tenth of the way; a noisy cheap reading never makes
     more rows look cheaper than fewer."""
     costs = box_costs()
     costs.observe(5, 48.8)
     assert costs.tick_ms(5) == pytest.approx(39.8)
-    costs.observe(3, 100.0)  # first seen: from its estimate (26.5), a tenth of the way
-    assert costs.tick_ms(3) == pytest.approx(26.5 + 7.35)
+    costs.observe(3, 60.0)  # first seen: from its estimate (26.5), a tenth of the way
+    assert costs.tick_ms(3) == pytest.approx(26.5 + 3.35)
     for _ in range(50):
         costs.observe(9, 5.0)
     assert costs.tick_ms(9) >= costs.tick_ms(5)  # type: ignore[operator]

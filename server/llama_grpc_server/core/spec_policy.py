@@ -8,11 +8,13 @@ H(k) = T(B + k) - T(B). It yields B tokens plus the accepted draft tokens. AUTO 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 MIN_GAIN = 1.10  # AUTO drafts only for at least 10 % more expected tokens per millisecond
 COST_ALPHA = 0.1  # EWMA weight of one measured tick
+MAX_SURPRISE = 3.0  # a measured tick moves its point as if it were at most this far off
 # T(N) / T(1) for a decode-only tick of N rows, measured on the 2-core development box (Gemma 3
 # 270M Q4_K_M, CPU): 13.2 ms at N = 1, 25-28 ms at N = 2 (the engine's calibration), then 38.8 /
 # 55.2 / 90.4 ms at N = 5 / 9 / 17: one token takes llama.cpp's matrix-vector path, the second
@@ -58,8 +60,15 @@ class TickCostModel:
         self._points: list[tuple[int, float]] = []  # sorted, rebuilt on change
 
     def calibrate(self, points: Iterable[tuple[int, float]]) -> None:
-        """Start from timed decodes (rows, ms), replacing what was known."""
-        self._ms = {rows: ms for rows, ms in points if rows > 0 and ms > 0}
+        """Start from timed decodes (rows, ms), replacing what was known. A point dearer than
+        one with more rows was disturbed (another process had the CPU: measured here, 253 ms
+        for one row once, against 25 ms for two) and is taken down to it."""
+        measured = sorted((rows, ms) for rows, ms in points if rows > 0 and ms > 0)
+        self._ms = {}
+        cheapest_above = math.inf
+        for rows, ms in reversed(measured):
+            cheapest_above = min(cheapest_above, ms)
+            self._ms[rows] = cheapest_above
         self._rebuild()
 
     def observe(self, rows: int, eval_ms: float) -> None:
@@ -71,6 +80,8 @@ class TickCostModel:
         old = self._ms.get(rows)
         if old is None:
             old = self.tick_ms(rows)
+        if old is not None:  # a tick disturbed by other work counts as at most 3x off
+            eval_ms = min(max(eval_ms, old / MAX_SURPRISE), old * MAX_SURPRISE)
         self._ms[rows] = eval_ms if old is None else old + COST_ALPHA * (eval_ms - old)
         self._rebuild()
 

@@ -51,8 +51,9 @@ CALIBRATION_TEXT = "The quick brown fox jumps over the lazy dog while the cat wa
 
 def calibrate(model: LlamaModel, runner: Runner) -> list[tuple[int, float]]:
     """(rows, ms) of decode-only forward passes of 1, 2, 4, 8, 16 rows (one sequence after a
-    short context, logits for every row, like a speculative decode), the faster of two each:
-    about 0.4 s on 2 CPU cores for Gemma 3 270M. The model then learns from real ticks."""
+    short context, logits for every row, like a speculative decode), the fastest of a few each
+    (other work on the machine can stretch one pass tenfold): about 0.7 s on 2 CPU cores for
+    Gemma 3 270M. The model then learns from real ticks."""
     context = tuple(model.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False))
     runner.time_decode((Chunk(0, "", 0, context, False),))
     points: list[tuple[int, float]] = []
@@ -60,7 +61,7 @@ def calibrate(model: LlamaModel, runner: Runner) -> list[tuple[int, float]]:
         tokens = tuple(context[i % len(context)] for i in range(rows))
         chunk = Chunk(0, "", len(context), tokens, True, num_draft=rows - 1)
         best = math.inf
-        for _ in range(2):
+        for _ in range(5 if rows == 1 else 3):
             best = min(best, runner.time_decode((chunk,)))
             model.seq_remove(0, len(context), -1)
         points.append((rows, best))
