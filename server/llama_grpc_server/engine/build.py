@@ -132,7 +132,7 @@ def build_engine(
         # OpenMP team belongs to the thread that first decodes; a second team (main thread, then
         # engine thread) makes libgomp see more threads than CPUs and throttle its barrier
         # spinning: measured here, every later decode 1.5-1.9x slower on 2 cores.
-        # A server that speculates by default calibrates its cost model (~0.4 s); otherwise a
+        # A server that speculates by default calibrates its cost model (~0.7 s); otherwise a
         # request asking for AUTO starts from the prior shape scaled by the measured ticks.
         on_start=lambda: warm_up(
             model, runner, scheduler.spec.costs if sched.speculative != "off" else None
