@@ -13,7 +13,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install run serve test test-unit test-model test-e2e check lint format types proto proto-check \
 	proto-lint proto-breaking check-min-deps model cluster bench bench-single bench-concurrency bench-strategies bench-prefix \
-	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-kv-tiers bench-peers bench-soak clean
+	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-kv-tiers bench-speculative bench-peers bench-soak clean
 
 install: $(STAMP)
 
@@ -149,6 +149,10 @@ bench-cluster: $(BENCH_STAMP)
 	$(PY) bench/cluster.py $(ARGS)
 bench-kv-tiers: $(BENCH_STAMP)
 	$(PY) bench/kv_tiers.py $(ARGS)
+# Speculative decoding AUTO vs off (issue 17); a smoke run: ARGS="--reps 1 --gen-tokens 32 --batches 4"
+bench-speculative: $(BENCH_STAMP)
+	$(PY) bench/speculative.py $(ARGS)
+	$(PY) bench/summary.py
 bench-strategies: $(BENCH_STAMP)
 	$(PY) bench/strategies.py $(ARGS)
 bench-prefix: $(BENCH_STAMP)

@@ -540,6 +540,51 @@ def soak(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def speculative(data: dict[str, Any]) -> list[str]:
+    """Issue 17's targets: AUTO >= 1.5x the raw B = 1 decode rate on the input-grounded set;
+    never below 0.97x of off on the control or at any B."""
+    lines = header(data, "Speculative decoding (prompt lookup, AUTO vs off)", "speculative.png")
+    raw = data["raw_b1_decode_tok_s"]
+    lines += [
+        f"Raw llama.cpp B = 1 decode: {raw['median']:.1f} tok/s ({raw['min']:.1f}–"
+        f"{raw['max']:.1f}). Server totals: {data['server_spec']}.",
+        "",
+        "| prompt | kind | off tok/s median (min–max) | AUTO tok/s median (min–max) | AUTO/off "
+        "| AUTO/raw B=1 | TTFT off / AUTO ms |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in data["single"]:
+        o, a = r["off"]["decode_tok_s"], r["auto"]["decode_tok_s"]
+        lines.append(
+            f"| {r['prompt']} | {r['kind']} | {_range(o, 1)} | {_range(a, 1)} | "
+            f"{r['speedup']:.2f} | "
+            f"{r['auto_vs_raw_b1']:.2f} | {r['off']['ttft_ms']['median']:.0f} / "
+            f"{r['auto']['ttft_ms']['median']:.0f} |"
+        )
+    lines += [
+        "",
+        "| B | kind | off tok/s | AUTO tok/s | AUTO/off |",
+        "| ---: | --- | ---: | ---: | ---: |",
+    ]
+    for r in data["aggregate"]:
+        lines.append(
+            f"| {r['batch']} | {r['kind']} | {r['off_tok_s']['median']:.1f} | "
+            f"{r['auto_tok_s']['median']:.1f} | {r['speedup']:.2f} |"
+        )
+    grounded = [r["auto_vs_raw_b1"] for r in data["single"] if r["kind"] == "grounded"]
+    floor = [r["speedup"] for r in data["single"] if r["kind"] == "control"]
+    floor += [r["speedup"] for r in data["aggregate"]]
+    if grounded and floor:
+        best = sorted(grounded)[len(grounded) // 2]
+        lines += [
+            "",
+            f"Target ≥ 1.5x raw B = 1 on the grounded set (median prompt {best:.2f}x): "
+            f"{ok(best >= 1.5)}; never below 0.97x of off (lowest {min(floor):.2f}x): "
+            f"{ok(min(floor) >= 0.97)}.",
+        ]
+    return [*lines, ""]
+
+
 def main() -> int:
     parts = ["# Benchmark summary", ""]
     first = None
@@ -558,6 +603,7 @@ def main() -> int:
         ("cluster", cluster),
         ("kv_tiers", kv_tiers),
         ("chat_turns", chat_turns),
+        ("speculative", speculative),
         ("peers", peers),
         ("soak", soak),
     )

@@ -19,7 +19,7 @@ from typing import Any
 from llama_grpc.client import DEFAULT_TARGET, Client, GenerationParams
 from llama_grpc.errors import LlamaGrpcError
 from llama_grpc.tls import TlsConfig
-from llama_grpc.types import Delta, Done
+from llama_grpc.types import Delta, Done, Usage
 
 TARGET_ENV = "LLAMA_GRPC_TARGET"
 TOKEN_ENV = "LLAMA_GRPC_TOKEN"
@@ -59,6 +59,7 @@ def _generation_params(args: argparse.Namespace) -> GenerationParams:
         model=args.model,
         session_id=args.session_id,
         priority=args.priority,
+        speculative=args.speculative,
     )
 
 
@@ -68,9 +69,16 @@ def _summary(done: Done) -> str:
         f"[done] finish_reason={done.finish_reason} prompt_tokens={usage.prompt_tokens} "
         f"completion_tokens={usage.completion_tokens} "
         f"cached_prompt_tokens={usage.cached_prompt_tokens} "
-        f"{'cached_response=true ' if usage.cached_response else ''}ttft_ms={timings.ttft_ms:.1f} "
+        f"{'cached_response=true ' if usage.cached_response else ''}"
+        f"{_draft_counts(usage)}ttft_ms={timings.ttft_ms:.1f} "
         f"total_ms={timings.total_ms:.1f} seed={done.seed} request_id={done.request_id}"
     )
+
+
+def _draft_counts(usage: Usage) -> str:
+    if not usage.draft_tokens:
+        return ""
+    return f"draft_tokens={usage.draft_tokens} accepted_draft_tokens={usage.accepted_draft_tokens} "
 
 
 def run_generate(client: Client, args: argparse.Namespace) -> int:
@@ -198,6 +206,11 @@ def _sampling_parser() -> argparse.ArgumentParser:
     parent.add_argument("--model")
     parent.add_argument("--session-id")
     parent.add_argument("--priority", choices=("low", "normal", "high"))
+    parent.add_argument(
+        "--speculative",
+        choices=("auto", "off", "on"),
+        help="prompt-lookup speculative decoding (default: the server's)",
+    )
     return parent
 
 

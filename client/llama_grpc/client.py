@@ -74,6 +74,13 @@ class TokenGenerationParams(CallOptions, total=False):
     cache_prompt: bool | None
     # False: the server's response cache neither answers nor stores this request.
     cache_response: bool | None
+    # Prompt-lookup speculative decoding (server default: its --speculative): "auto" (when it
+    # pays), "off" or "on"; draft_max, ngram_min and ngram_max tune it. Output tokens are the
+    # sampler's own either way (exact-match verification).
+    speculative: Literal["auto", "off", "on"] | None
+    draft_max: int | None
+    ngram_min: int | None
+    ngram_max: int | None
     # Per-token log-probabilities in the result (top_logprobs > 0 implies logprobs).
     logprobs: bool | None
     top_logprobs: int | None
@@ -120,6 +127,12 @@ _PRIORITIES = {
     "normal": pb.PRIORITY_NORMAL,
     "high": pb.PRIORITY_HIGH,
 }
+_SPECULATIVE_KEYS = frozenset({"draft_max", "ngram_min", "ngram_max"})
+_SPECULATIVE_MODES = {
+    "auto": pb.SPECULATIVE_MODE_AUTO,
+    "off": pb.SPECULATIVE_MODE_OFF,
+    "on": pb.SPECULATIVE_MODE_ON,
+}
 _CALL_KEYS = frozenset(CallOptions.__annotations__)
 _REQUEST_KEYS = frozenset({"session_id", "cache_scope", "model", "add_special", "chat_template"})
 
@@ -151,7 +164,8 @@ def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
         | _OVERFLOW_KEYS
         | _CALL_KEYS
         | request_keys
-        | {"cache_prompt", "cache_response", "priority"}
+        | _SPECULATIVE_KEYS
+        | {"cache_prompt", "cache_response", "priority", "speculative"}
     )
     unknown = sorted(set(params) - allowed)
     if unknown:
@@ -164,7 +178,17 @@ def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
     _set_constraint(request.params, _pick(params, _CONSTRAINT_KEYS))
     _set_overflow(request.params.context_overflow, _pick(params, _OVERFLOW_KEYS))
     _set_priority(request.params, params.get("priority"))
+    _set_speculative(request.params.speculative, params.get("speculative"))
+    _fill(request.params.speculative, _pick(params, _SPECULATIVE_KEYS))
     return request
+
+
+def _set_speculative(message: pb.SpeculativeParams, mode: object) -> None:
+    if mode is None:
+        return
+    if mode not in _SPECULATIVE_MODES:
+        raise ValueError(f"speculative must be 'auto', 'off' or 'on', not {mode!r}")
+    message.mode = _SPECULATIVE_MODES[str(mode)]
 
 
 def _set_priority(message: pb.GenerationParams, priority: object) -> None:

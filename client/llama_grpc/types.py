@@ -31,6 +31,10 @@ class Usage:
     truncated_prompt_tokens: int = 0
     # The whole result was replayed from the server's response cache (--response-cache-mb).
     cached_response: bool = False
+    # Speculative decoding (speculative="auto"/"on"): draft tokens the server verified, and
+    # those the sampler agreed with.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +198,12 @@ class Stats:
     response_cache_hits: int = 0
     response_cache_misses: int = 0
     response_cache_evictions: int = 0
+    # Speculative decoding since start: draft tokens verified, accepted, their ratio, and
+    # forward passes that carried drafts.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_ticks: int = 0
     model_name: str = ""  # the model these figures are of
 
 
@@ -302,6 +312,8 @@ def usage_from_proto(message: pb.Usage) -> Usage:
         message.cached_prompt_tokens,
         message.truncated_prompt_tokens,
         message.cached_response,
+        message.draft_tokens,
+        message.accepted_draft_tokens,
     )
 
 

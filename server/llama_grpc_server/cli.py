@@ -28,7 +28,12 @@ from llama_grpc_server.config import (
 )
 from llama_grpc_server.core.api import EngineApi
 from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
-from llama_grpc_server.core.request import SamplingParams
+from llama_grpc_server.core.request import (
+    MAX_DRAFT_TOKENS,
+    MAX_NGRAM,
+    SamplingParams,
+    SpeculativeMode,
+)
 from llama_grpc_server.core.strategies import load_strategy
 from llama_grpc_server.core.tenants import TenantLimits
 from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
@@ -42,6 +47,7 @@ CONFIG_ENV = "LLAMA_GRPC_CONFIG"
 CLIENT_ENV = frozenset({CONFIG_ENV, "LLAMA_GRPC_TARGET"})
 LOG_FORMATS = ("json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+SPECULATIVE_MODES = tuple(mode.value for mode in SpeculativeMode)
 
 Value = str | int | float | bool | tuple[str, ...] | None
 Check = Callable[[Value], str | None]  # the problem with a value, or None when it is fine
@@ -262,6 +268,17 @@ OPTIONS: tuple[Option, ...] = (
            "for identical ones without the engine (0 = off)", at_least(0)),
     Option("default_max_tokens", int, "scheduler.default_max_tokens",
            "max_tokens when a request sets none", at_least(1)),
+    Option("speculative", str, "scheduler.speculative",
+           "prompt-lookup speculative decoding of requests that do not choose: off | auto (draft "
+           "when the measured tick costs and the request's acceptance say it pays) | on",
+           one_of(*SPECULATIVE_MODES), "MODE"),
+    Option("draft_max", int, "scheduler.draft_max",
+           "speculative decoding: draft tokens per step at most", between(1, MAX_DRAFT_TOKENS)),
+    Option("ngram_min", int, "scheduler.ngram_min",
+           "speculative decoding: shortest suffix matched in the prompt and output",
+           between(1, MAX_NGRAM)),
+    Option("ngram_max", int, "scheduler.ngram_max",
+           "speculative decoding: longest suffix matched (tried first)", between(1, MAX_NGRAM)),
     Option("temperature", float, "sampling.temperature", "default temperature (0 = greedy)",
            at_least(0)),
     Option("top_k", int, "sampling.top_k", "default top-k (0 = off)", at_least(0)),
@@ -510,7 +527,8 @@ def _int(value: Value) -> int:
     return value if isinstance(value, int) else 0
 
 
-_AT_MOST = (("n_batch", "n_ctx"), ("n_ubatch", "n_batch"))  # (option, option it may not exceed)
+# (option, option it may not exceed)
+_AT_MOST = (("n_batch", "n_ctx"), ("n_ubatch", "n_batch"), ("ngram_min", "ngram_max"))
 
 
 def _check(values: Mapping[str, Resolved]) -> None:

@@ -62,6 +62,12 @@ class SchedulerSettings:
     session_idle_s: float = 30.0
     response_cache_mb: int = 0  # exact response cache (core.response_cache); 0 = off
     default_max_tokens: int = 256
+    # Prompt-lookup speculative decoding (core.speculative) of requests that do not choose:
+    # "off", "auto" (when the measured costs say it pays) or "on"; and its defaults.
+    speculative: str = "off"
+    draft_max: int = 8
+    ngram_min: int = 2
+    ngram_max: int = 4
     max_stop_strings: int = 16
     max_stop_length: int = 256
     default_sampling: SamplingParams = field(default_factory=SamplingParams)

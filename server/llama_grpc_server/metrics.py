@@ -247,6 +247,10 @@ def _snapshot_series(s: StatsSnapshot) -> Iterator[Series]:
             "Bytes held by the response cache (an estimate of their memory).",
             s.response_cache_bytes,
         ),
+        "spec_decode_acceptance_rate": (
+            "Speculative decoding: accepted / verified draft tokens since start (0 before any).",
+            s.spec_acceptance_rate,
+        ),
         "engine_up": (
             "1 while the engine thread serves; 0 once it has failed (see GetStats).",
             0 if s.engine_state == "failed" else 1,
@@ -299,6 +303,18 @@ def _snapshot_series(s: StatsSnapshot) -> Iterator[Series]:
         "response_cache_evictions": (
             "Response-cache entries evicted.",
             s.response_cache_evictions,
+        ),
+        "spec_decode_num_draft_tokens": (
+            "Speculative decoding: draft tokens verified.",
+            s.spec_draft_tokens,
+        ),
+        "spec_decode_num_accepted_tokens": (
+            "Speculative decoding: draft tokens the sampler agreed with.",
+            s.spec_accepted_tokens,
+        ),
+        "spec_decode_num_ticks": (
+            "Speculative decoding: forward passes that carried drafts.",
+            s.spec_ticks,
         ),
     }
     for name, (doc, value) in counters.items():

@@ -36,7 +36,8 @@ class TickEvent:
     """One forward pass. Counts are tokens; slots and queue are as the tick left them."""
 
     tick: int
-    batch_size: int  # tokens in the llama_decode batch: decode_tokens + prefill_tokens
+    # tokens in the llama_decode batch: decode_tokens + prefill_tokens + draft_tokens
+    batch_size: int
     decode_tokens: int
     prefill_tokens: int
     num_sequences: int  # slots fed in this batch
@@ -47,6 +48,10 @@ class TickEvent:
     is_ok: bool  # llama_decode returned 0 (a KV-full retry is not ok)
     inter_token_ms: tuple[float, ...] = ()  # one per request that sampled again this tick
     model: str = ""  # the engine's model name (Telemetry(model=...))
+    # Speculative decoding: draft tokens verified in this pass, and those the sampler agreed
+    # with (a request that finished inside its draft may not take them all).
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -301,6 +306,10 @@ class Telemetry:
             is_ok=result.status == DECODE_OK,
             inter_token_ms=self._inter_token_ms(plan, result, now_ns),
             model=self.model,
+            draft_tokens=plan.num_draft,
+            accepted_draft_tokens=sum(
+                c.num_accepted(result.tokens_of(c.slot_id)) for c in plan.chunks if c.num_draft
+            ),
         )
         if self.sink is not None:
             self.sink.on_tick(event)

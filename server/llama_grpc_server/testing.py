@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from llama_grpc_server import errors
 from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot
 from llama_grpc_server.core.chat import ROLES, ChatMessage
-from llama_grpc_server.core.plan import DECODE_KV_FULL, SeqOpKind, StepPlan, StepResult
+from llama_grpc_server.core.plan import DECODE_KV_FULL, Chunk, SeqOpKind, StepPlan, StepResult
 from llama_grpc_server.core.request import Event, Failed, GenerationRequest, TokenDelta
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.loop import EngineLoop, EngineStream
@@ -90,6 +90,9 @@ class FakeRunner:
         self.plans: list[StepPlan] = []
         self.fed: dict[str, int] = defaultdict(int)  # request key -> tokens fed
         self.num_sampled: dict[str, int] = defaultdict(int)
+        # eval_ms reported for a forward pass of this many tokens (None: 0, nothing measured),
+        # e.g. to drive the speculation cost model.
+        self.cost_ms: Callable[[int], float] | None = None
 
     def next_token(self, context: list[int]) -> int:
         return (sum(context) * 31 + len(context) * 7) % self.n_vocab
@@ -123,7 +126,8 @@ class FakeRunner:
             )
         if plan.chunks and self.delay_s > 0:
             time.sleep(self.delay_s)
-        sampled = {}
+        sampled: dict[int, int] = {}
+        more: dict[int, tuple[int, ...]] = {}
         for chunk in plan.chunks:
             if chunk.slot_id in reset:
                 continue
@@ -133,8 +137,31 @@ class FakeRunner:
             self.fed[chunk.request_id] += len(chunk.tokens)
             if chunk.wants_logits:
                 assert chunk.request_id in self.samplers, "sampling without a sampler"
-                sampled[chunk.slot_id] = self._sample(chunk.request_id, seq)
-        return StepResult(sampled=sampled, saved=saved, restored=restored, reset=frozenset(reset))
+                tokens = self._verify(chunk, seq)
+                sampled[chunk.slot_id] = tokens[0]
+                if len(tokens) > 1:
+                    more[chunk.slot_id] = tokens[1:]
+        eval_ms = self.cost_ms(plan.num_tokens) if self.cost_ms and plan.chunks else 0.0
+        return StepResult(
+            sampled=sampled,
+            saved=saved,
+            restored=restored,
+            reset=frozenset(reset),
+            draft_sampled=more,
+            eval_ms=eval_ms,
+        )
+
+    def _verify(self, chunk: Chunk, seq: list[int]) -> tuple[int, ...]:
+        """Sample each output position in order (for a speculative decode: while the draft
+        agrees), each from the context up to its position, like the real runner."""
+        first = len(seq) - chunk.num_outputs  # the context of output i ends at first + i + 1
+        tokens: list[int] = []
+        for i in range(chunk.num_outputs):
+            token = self._sample(chunk.request_id, seq[: first + i + 1])
+            tokens.append(token)
+            if i == chunk.num_draft or token != chunk.tokens[i + 1]:
+                break
+        return tuple(tokens)
 
     def _edit_kv(
         self, plan: StepPlan, saved: dict[int, bytes], restored: dict[int, bool]

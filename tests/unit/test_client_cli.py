@@ -182,6 +182,8 @@ def test_generate_json_prints_the_whole_result(
         "cached_prompt_tokens",
         "truncated_prompt_tokens",
         "cached_response",
+        "draft_tokens",
+        "accepted_draft_tokens",
     }
 
 

@@ -87,6 +87,36 @@ FINISH_REASON_TIME_LIMIT: FinishReason.ValueType  # 6
 """`stopping.time_limit_ms` elapsed."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _SpeculativeMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SpeculativeModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SpeculativeMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SPECULATIVE_MODE_UNSPECIFIED: _SpeculativeMode.ValueType  # 0
+    """The server's default (--speculative, off unless configured)."""
+    SPECULATIVE_MODE_AUTO: _SpeculativeMode.ValueType  # 1
+    """Draft when the server's measured tick costs and the request's acceptance so far say it
+    pays (mostly with few requests running and output that repeats the input).
+    """
+    SPECULATIVE_MODE_OFF: _SpeculativeMode.ValueType  # 2
+    SPECULATIVE_MODE_ON: _SpeculativeMode.ValueType  # 3
+    """Draft whatever the lookup finds, every step, whatever it costs."""
+
+class SpeculativeMode(_SpeculativeMode, metaclass=_SpeculativeModeEnumTypeWrapper):
+    """When a request speculates."""
+
+SPECULATIVE_MODE_UNSPECIFIED: SpeculativeMode.ValueType  # 0
+"""The server's default (--speculative, off unless configured)."""
+SPECULATIVE_MODE_AUTO: SpeculativeMode.ValueType  # 1
+"""Draft when the server's measured tick costs and the request's acceptance so far say it
+pays (mostly with few requests running and output that repeats the input).
+"""
+SPECULATIVE_MODE_OFF: SpeculativeMode.ValueType  # 2
+SPECULATIVE_MODE_ON: SpeculativeMode.ValueType  # 3
+"""Draft whatever the lookup finds, every step, whatever it costs."""
+Global___SpeculativeMode: _TypeAlias = SpeculativeMode  # noqa: Y015
+
 class _Priority:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -595,6 +625,7 @@ class GenerationParams(_message.Message):
     CONTEXT_OVERFLOW_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_RESPONSE_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_FIELD_NUMBER: _builtins.int
     cache_prompt: _builtins.bool
     """Reuse and keep KV cache for this request's prefix (server default: true)."""
     json_schema: _builtins.str
@@ -625,6 +656,18 @@ class GenerationParams(_message.Message):
     def context_overflow(self) -> Global___ContextOverflow:
         """What to do when prompt + max_tokens does not fit the context (default: reject)."""
 
+    @_builtins.property
+    def speculative(self) -> Global___SpeculativeParams:
+        """Prompt-lookup speculative decoding: draft the next tokens from earlier occurrences of the
+        latest ones in the prompt and output, and verify them in the same forward pass as everyone
+        else's tokens (unset: the server's --speculative settings). Verification is exact-match:
+        the request's own sampler (seed, penalties, grammar included) picks each token as it would
+        without drafts, and a draft token is kept only when it is that token; the output is the
+        same as without speculation, up to floating-point rounding (a position verified inside a
+        multi-token batch may get logits slightly different from a one-token decode, as batching
+        with other requests already does).
+        """
+
     def __init__(
         self,
         *,
@@ -637,10 +680,11 @@ class GenerationParams(_message.Message):
         context_overflow: Global___ContextOverflow | None = ...,
         priority: Global___Priority.ValueType = ...,
         cache_response: _builtins.bool | None = ...,
+        speculative: Global___SpeculativeParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "_cache_response", b"_cache_response", "cache_prompt", b"cache_prompt", "cache_response", b"cache_response", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "_cache_response", b"_cache_response", "cache_prompt", b"cache_prompt", "cache_response", b"cache_response", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "sampling", b"sampling", "speculative", b"speculative", "stopping", b"stopping"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "_cache_response", b"_cache_response", "cache_prompt", b"cache_prompt", "cache_response", b"cache_response", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "priority", b"priority", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "_cache_response", b"_cache_response", "cache_prompt", b"cache_prompt", "cache_response", b"cache_response", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "priority", b"priority", "sampling", b"sampling", "speculative", b"speculative", "stopping", b"stopping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cache_prompt: _TypeAlias = _typing.Literal["cache_prompt"]  # noqa: Y015
     _WhichOneofArgType__cache_prompt: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt"]  # noqa: Y015
@@ -656,6 +700,52 @@ class GenerationParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_constraint) -> _WhichOneofReturnType_constraint | None: ...
 
 Global___GenerationParams: _TypeAlias = GenerationParams  # noqa: Y015
+
+@_typing.final
+class SpeculativeParams(_message.Message):
+    """Prompt-lookup (n-gram) speculative decoding of one request; unset fields take the server's."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    DRAFT_MAX_FIELD_NUMBER: _builtins.int
+    NGRAM_MIN_FIELD_NUMBER: _builtins.int
+    NGRAM_MAX_FIELD_NUMBER: _builtins.int
+    mode: Global___SpeculativeMode.ValueType
+    draft_max: _builtins.int
+    """Draft tokens per step at most: 1 to 32 (server default: --draft-max, 8)."""
+    ngram_min: _builtins.int
+    """The shortest and longest suffix of the tokens so far looked up in the earlier ones, the
+    longest first, the most recent occurrence first: 1 to 16, ngram_min <= ngram_max (server
+    defaults: --ngram-min 2, --ngram-max 4).
+    """
+    ngram_max: _builtins.int
+    def __init__(
+        self,
+        *,
+        mode: Global___SpeculativeMode.ValueType = ...,
+        draft_max: _builtins.int | None = ...,
+        ngram_min: _builtins.int | None = ...,
+        ngram_max: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_draft_max", b"_draft_max", "_ngram_max", b"_ngram_max", "_ngram_min", b"_ngram_min", "draft_max", b"draft_max", "ngram_max", b"ngram_max", "ngram_min", b"ngram_min"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_draft_max", b"_draft_max", "_ngram_max", b"_ngram_max", "_ngram_min", b"_ngram_min", "draft_max", b"draft_max", "mode", b"mode", "ngram_max", b"ngram_max", "ngram_min", b"ngram_min"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__draft_max: _TypeAlias = _typing.Literal["draft_max"]  # noqa: Y015
+    _WhichOneofArgType__draft_max: _TypeAlias = _typing.Literal["_draft_max", b"_draft_max"]  # noqa: Y015
+    _WhichOneofReturnType__ngram_max: _TypeAlias = _typing.Literal["ngram_max"]  # noqa: Y015
+    _WhichOneofArgType__ngram_max: _TypeAlias = _typing.Literal["_ngram_max", b"_ngram_max"]  # noqa: Y015
+    _WhichOneofReturnType__ngram_min: _TypeAlias = _typing.Literal["ngram_min"]  # noqa: Y015
+    _WhichOneofArgType__ngram_min: _TypeAlias = _typing.Literal["_ngram_min", b"_ngram_min"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__draft_max) -> _WhichOneofReturnType__draft_max | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ngram_max) -> _WhichOneofReturnType__ngram_max | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ngram_min) -> _WhichOneofReturnType__ngram_min | None: ...
+
+Global___SpeculativeParams: _TypeAlias = SpeculativeParams  # noqa: Y015
 
 @_typing.final
 class ContextOverflow(_message.Message):
@@ -807,6 +897,8 @@ class Usage(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     TRUNCATED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_RESPONSE_FIELD_NUMBER: _builtins.int
+    DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     completion_tokens: _builtins.int
     cached_prompt_tokens: _builtins.int
@@ -820,6 +912,12 @@ class Usage(_message.Message):
     an earlier identical request, replayed without touching the scheduler. Token counts are the
     stored result's.
     """
+    draft_tokens: _builtins.int
+    """Speculative decoding (params.speculative): draft tokens verified for this request, and
+    those the sampler agreed with (each became an output token or ended the request); 0 for a
+    cached_response, which verified nothing.
+    """
+    accepted_draft_tokens: _builtins.int
     def __init__(
         self,
         *,
@@ -828,10 +926,12 @@ class Usage(_message.Message):
         cached_prompt_tokens: _builtins.int = ...,
         truncated_prompt_tokens: _builtins.int = ...,
         cached_response: _builtins.bool = ...,
+        draft_tokens: _builtins.int = ...,
+        accepted_draft_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "cached_response", b"cached_response", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "truncated_prompt_tokens", b"truncated_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_draft_tokens", b"accepted_draft_tokens", "cached_prompt_tokens", b"cached_prompt_tokens", "cached_response", b"cached_response", "completion_tokens", b"completion_tokens", "draft_tokens", b"draft_tokens", "prompt_tokens", b"prompt_tokens", "truncated_prompt_tokens", b"truncated_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1495,6 +1595,10 @@ class GetStatsResponse(_message.Message):
     RESPONSE_CACHE_HITS_FIELD_NUMBER: _builtins.int
     RESPONSE_CACHE_MISSES_FIELD_NUMBER: _builtins.int
     RESPONSE_CACHE_EVICTIONS_FIELD_NUMBER: _builtins.int
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_ACCEPTANCE_RATE_FIELD_NUMBER: _builtins.int
+    SPEC_TICKS_FIELD_NUMBER: _builtins.int
     MODEL_NAME_FIELD_NUMBER: _builtins.int
     n_parallel: _builtins.int
     active_slots: _builtins.int
@@ -1564,6 +1668,14 @@ class GetStatsResponse(_message.Message):
     response_cache_hits: _builtins.int
     response_cache_misses: _builtins.int
     response_cache_evictions: _builtins.int
+    spec_draft_tokens: _builtins.int
+    """Speculative decoding (params.speculative, --speculative) since start: draft tokens
+    verified, those accepted, accepted / verified (0 before any), and forward passes that
+    carried drafts.
+    """
+    spec_accepted_tokens: _builtins.int
+    spec_acceptance_rate: _builtins.float
+    spec_ticks: _builtins.int
     model_name: _builtins.str
     """The model these figures are of."""
     @_builtins.property
@@ -1616,11 +1728,15 @@ class GetStatsResponse(_message.Message):
         response_cache_hits: _builtins.int = ...,
         response_cache_misses: _builtins.int = ...,
         response_cache_evictions: _builtins.int = ...,
+        spec_draft_tokens: _builtins.int = ...,
+        spec_accepted_tokens: _builtins.int = ...,
+        spec_acceptance_rate: _builtins.float = ...,
+        spec_ticks: _builtins.int = ...,
         model_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "decode_cpu_seconds", b"decode_cpu_seconds", "decode_seconds", b"decode_seconds", "disk_cache_bytes", b"disk_cache_bytes", "disk_cache_entries", b"disk_cache_entries", "disk_cache_evictions", b"disk_cache_evictions", "disk_cache_hits", b"disk_cache_hits", "disk_cache_misses", b"disk_cache_misses", "disk_cache_read_seconds", b"disk_cache_read_seconds", "disk_cache_verify_failures", b"disk_cache_verify_failures", "disk_cache_writes", b"disk_cache_writes", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "model_name", b"model_name", "n_parallel", b"n_parallel", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "response_cache_bytes", b"response_cache_bytes", "response_cache_entries", b"response_cache_entries", "response_cache_evictions", b"response_cache_evictions", "response_cache_hits", b"response_cache_hits", "response_cache_misses", b"response_cache_misses", "slots", b"slots", "ticks", b"ticks", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "decode_cpu_seconds", b"decode_cpu_seconds", "decode_seconds", b"decode_seconds", "disk_cache_bytes", b"disk_cache_bytes", "disk_cache_entries", b"disk_cache_entries", "disk_cache_evictions", b"disk_cache_evictions", "disk_cache_hits", b"disk_cache_hits", "disk_cache_misses", b"disk_cache_misses", "disk_cache_read_seconds", b"disk_cache_read_seconds", "disk_cache_verify_failures", b"disk_cache_verify_failures", "disk_cache_writes", b"disk_cache_writes", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "model_name", b"model_name", "n_parallel", b"n_parallel", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "response_cache_bytes", b"response_cache_bytes", "response_cache_entries", b"response_cache_entries", "response_cache_evictions", b"response_cache_evictions", "response_cache_hits", b"response_cache_hits", "response_cache_misses", b"response_cache_misses", "slots", b"slots", "spec_acceptance_rate", b"spec_acceptance_rate", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_ticks", b"spec_ticks", "ticks", b"ticks", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -86,6 +86,12 @@ class StatsSnapshot:
     response_cache_hits: int = 0
     response_cache_misses: int = 0
     response_cache_evictions: int = 0
+    # Speculative decoding since start: draft tokens verified, those accepted (accepted /
+    # draft = acceptance rate) and forward passes that carried drafts.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_ticks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

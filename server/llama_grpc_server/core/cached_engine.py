@@ -47,9 +47,14 @@ def _ms(start_ns: int, end_ns: int) -> float:
 
 def replayed(finished: Finished, arrival_ns: int, first_ns: int, end_ns: int) -> Finished:
     """The stored Finished as a hit reports it: cached_response, every prompt token cached (none
-    was computed), no slot, and the replay's own timings (no queue, no prefill)."""
+    was computed), no draft verified, no slot, and the replay's own timings (no queue, no
+    prefill)."""
     usage = dataclasses.replace(
-        finished.usage, cached_prompt_tokens=finished.usage.prompt_tokens, cached_response=True
+        finished.usage,
+        cached_prompt_tokens=finished.usage.prompt_tokens,
+        cached_response=True,
+        draft_tokens=0,
+        accepted_draft_tokens=0,
     )
     timings = Timings(
         queue_ms=0.0,

@@ -56,6 +56,16 @@ class CellMap:
         self._runs[seq_id] = kept
         self._open.pop(seq_id, None)
 
+    def trimmed(self, seq_id: int, p0: int) -> None:
+        """seq_rm(seq_id, p0, -1) of cells only this sequence has seen (rejected draft tokens,
+        computed in the last tick): like removed(), but the sequence keeps extending the same
+        origin, so speculating does not split its cells into a run per tick."""
+        origin = self._open.get(seq_id)
+        self.removed(seq_id, p0)
+        runs = self._runs[seq_id]
+        if origin is not None and runs and runs[-1].origin == origin and runs[-1].end == p0:
+            self._open[seq_id] = origin
+
     def copied(self, src_seq_id: int, dst_seq_id: int, n: int) -> None:
         """seq_cp(src, dst, 0, n): dst now also uses src's cells at positions [0, n)."""
         self.removed(dst_seq_id, 0, n)

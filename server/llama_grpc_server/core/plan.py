@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from llama_grpc_server.core.request import Constraint, OutputParams, SamplingParams
+from llama_grpc_server.core.request import (
+    MAX_DRAFT_TOKENS,
+    Constraint,
+    OutputParams,
+    SamplingParams,
+)
 
 
 class SeqOpKind(enum.Enum):
@@ -42,17 +47,36 @@ class SamplerSpec:
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """Tokens of one slot fed in this tick at positions start_pos.. ; logits only for the last."""
+    """Tokens of one slot fed in this tick at positions start_pos.. ; logits only for the last.
+
+    A speculative decode (num_draft > 0) is [the last sampled token, d1 .. dk]: logits for its
+    last k + 1 positions; the runner samples position i only while the tokens it sampled so far
+    equal d1 .. di (exact-match verification)."""
 
     slot_id: int
     request_id: str  # the request's key, as in SamplerSpec
     start_pos: int
     tokens: tuple[int, ...]
     wants_logits: bool
+    num_draft: int = 0  # draft tokens after the decode token (speculative decoding)
 
     @property
     def is_decode(self) -> bool:
-        return len(self.tokens) == 1 and self.wants_logits and self.start_pos > 0
+        """One slot's next token (with its draft, if any): a decode row, not a prompt chunk."""
+        return len(self.tokens) == 1 + self.num_draft and self.wants_logits and self.start_pos > 0
+
+    @property
+    def num_outputs(self) -> int:
+        """Positions with logits."""
+        return self.num_draft + 1 if self.wants_logits else 0
+
+    def num_accepted(self, sampled: Sequence[int]) -> int:
+        """Draft tokens the sampled ones (sampled[i] at the position after tokens[i]) agree
+        with, up to the first disagreement."""
+        n = 0
+        while n < self.num_draft and n < len(sampled) and sampled[n] == self.tokens[n + 1]:
+            n += 1
+        return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +96,13 @@ class StepPlan:
 
     @property
     def num_prefill(self) -> int:
-        """Prompt tokens (chunks that are not decodes) in this forward pass."""
+        """Prompt tokens (chunks that are not decodes, so never draft tokens) in this pass."""
         return sum(len(c.tokens) for c in self.chunks if not c.is_decode)
+
+    @property
+    def num_draft(self) -> int:
+        """Draft tokens of speculative decodes in this forward pass."""
+        return sum(c.num_draft for c in self.chunks)
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +112,8 @@ class StepPlan:
         """The invariants every plan keeps (checked each tick: a broken plan would corrupt KV
         or abort llama.cpp): at most n_batch tokens, one non-empty chunk per busy slot starting
         where its computed KV ends (`computed`: slot_id -> tokens computed), prompt chunks of
-        at most chunk_size. RuntimeError otherwise (the engine fails loudly)."""
+        at most chunk_size, drafts only on decodes and of at most MAX_DRAFT_TOKENS.
+        RuntimeError otherwise (the engine fails loudly)."""
         if self.num_tokens > n_batch:
             raise RuntimeError(f"plan exceeds n_batch: {self.num_tokens} > {n_batch}")
         seen: set[int] = set()
@@ -92,6 +122,8 @@ class StepPlan:
                 raise RuntimeError(f"bad chunk for slot {chunk.slot_id}")
             if chunk.start_pos != computed[chunk.slot_id]:
                 raise RuntimeError(f"non-contiguous chunk for slot {chunk.slot_id}")
+            if chunk.num_draft and (not chunk.is_decode or chunk.num_draft > MAX_DRAFT_TOKENS):
+                raise RuntimeError(f"bad draft for slot {chunk.slot_id}")
             if not chunk.is_decode and len(chunk.tokens) > chunk_size:
                 raise RuntimeError(f"chunk over chunk_size for slot {chunk.slot_id}")
             seen.add(chunk.slot_id)
@@ -112,7 +144,8 @@ class SampledLogprob:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """What the runner observed: llama_decode's status and one sampled token per logits chunk."""
+    """What the runner observed: llama_decode's status and one sampled token per logits chunk
+    (a speculative decode's further tokens in draft_sampled)."""
 
     status: int = DECODE_OK
     sampled: dict[int, int] = field(default_factory=dict)  # slot_id -> token
@@ -126,6 +159,26 @@ class StepResult:
     failed: dict[int, str] = field(default_factory=dict)  # slot_id -> why nothing was sampled
     # Sequences the runner emptied because a partial removal failed; their chunks were skipped.
     reset: frozenset[int] = frozenset()
+    # A speculative decode's tokens sampled after `sampled[slot]`, at its draft positions: the
+    # i-th was sampled after draft token i, which the one before it agreed with. The last one
+    # may disagree with the draft (the sampler's own choice there). With their logprobs, when
+    # the request asked for them.
+    draft_sampled: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    draft_logprobs: dict[int, tuple[SampledLogprob, ...]] = field(default_factory=dict)
+
+    def tokens_of(self, slot_id: int) -> tuple[int, ...]:
+        """Every token sampled for a slot, in order (none when it sampled nothing)."""
+        first = self.sampled.get(slot_id)
+        if first is None:
+            return ()
+        return (first, *self.draft_sampled.get(slot_id, ()))
+
+    def logprobs_of(self, slot_id: int) -> tuple[SampledLogprob | None, ...]:
+        """The logprobs of tokens_of(slot_id), one each (None when not asked for)."""
+        first = self.logprobs.get(slot_id)
+        more = self.draft_logprobs.get(slot_id, ())
+        n = len(self.draft_sampled.get(slot_id, ()))
+        return (first, *(more[i] if i < len(more) else None for i in range(n)))
 
 
 class StepRunner(Protocol):

@@ -85,6 +85,46 @@ class OutputParams:
         return self.logprobs or self.top_logprobs > 0
 
 
+class SpeculativeMode(enum.Enum):
+    """Prompt-lookup speculative decoding of one request (core.speculative)."""
+
+    OFF = "off"
+    AUTO = "auto"  # draft when the measured tick costs and the request's acceptance say it pays
+    ON = "on"  # draft whatever the n-gram lookup finds, every tick
+
+
+MAX_DRAFT_TOKENS = 32  # draft_max at most (a request's, and the server's)
+MAX_NGRAM = 16  # ngram_max at most
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculation settings, resolved: a request's own (SpeculativeParams) over the server's."""
+
+    mode: SpeculativeMode = SpeculativeMode.OFF
+    draft_max: int = 8  # draft tokens per tick at most
+    ngram_min: int = 2  # shortest suffix of the tokens that may match earlier tokens
+    ngram_max: int = 4  # longest (tried first)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeParams:
+    """What a request asked for; None takes the server's value (SpeculativeConfig)."""
+
+    mode: SpeculativeMode | None = None
+    draft_max: int | None = None
+    ngram_min: int | None = None
+    ngram_max: int | None = None
+
+    def resolve(self, defaults: SpeculativeConfig) -> SpeculativeConfig:
+        return SpeculativeConfig(
+            mode=defaults.mode if self.mode is None else self.mode,
+            draft_max=defaults.draft_max if self.draft_max is None else self.draft_max,
+            ngram_min=defaults.ngram_min if self.ngram_min is None else self.ngram_min,
+            ngram_max=defaults.ngram_max if self.ngram_max is None else self.ngram_max,
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Constraint:
     """A GBNF grammar the output must match (a JSON Schema arrives converted to one); `field`
@@ -117,6 +157,8 @@ class GenerationRequest:
     priority: Priority = Priority.NORMAL
     # False: the response cache (core.response_cache) neither answers nor stores this request.
     cache_response: bool = True
+    # Prompt-lookup speculative decoding (core.speculative); unset fields take the server's.
+    speculative: SpeculativeParams = SpeculativeParams()
 
     @property
     def key(self) -> str:
@@ -138,6 +180,10 @@ class Usage:
     cached_prompt_tokens: int
     truncated_prompt_tokens: int = 0
     cached_response: bool = False  # replayed from the response cache: nothing was computed
+    # Speculative decoding: tokens drafted (fed for verification) and drafted tokens the sampler
+    # agreed with (each became an output token, or ended the request).
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +277,8 @@ class Request:
     wait_key: str = ""  # the donor request's key
     wait_tokens: int = 0
     restoring_tokens: int = 0  # > 0 while a RAM-tier restore of this many tokens is in flight
+    num_draft_tokens: int = 0  # speculative decoding: tokens drafted for it
+    num_accepted_draft: int = 0  # ... and accepted
     # spec.key, computed once: the scheduler and the loop compare it for every token of a tick
     key: str = field(init=False, default="")
 
@@ -274,7 +322,12 @@ class Request:
 
     def usage(self) -> Usage:
         return Usage(
-            self.num_prompt, self.num_output, self.num_cached_prompt, self.spec.num_truncated
+            self.num_prompt,
+            self.num_output,
+            self.num_cached_prompt,
+            self.spec.num_truncated,
+            draft_tokens=self.num_draft_tokens,
+            accepted_draft_tokens=self.num_accepted_draft,
         )
 
     def timings(self, now_ns: int) -> Timings:

@@ -84,6 +84,8 @@ UNKEYED: Mapping[type, Mapping[str, str]] = {
         "deadline": "when to give up; a request that gives up is not stored",
         "priority": "queue order",
         "cache_response": "the opt-out itself, checked before any lookup",
+        "speculative": "how tokens are verified, not which: exact-match verification keeps "
+        "the tokens the request's sampler picks without drafts (rounding aside, as batching)",
     },
 }
 # Finish reasons of a complete result. TIME_LIMIT never occurs (such requests are not cacheable).

@@ -6,6 +6,7 @@ calls it. Pure Python: no llama_cpp, no grpc, no clock of its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import Counter, deque
@@ -34,10 +35,13 @@ from llama_grpc_server.core.request import (
     GenerationRequest,
     Request,
     RequestState,
+    SpeculativeConfig,
+    SpeculativeMode,
     TokenDelta,
     request_key,
 )
 from llama_grpc_server.core.slot import Slot
+from llama_grpc_server.core.speculative import Speculator
 from llama_grpc_server.core.strategies import (
     BatchStrategy,
     BatchView,
@@ -48,6 +52,7 @@ from llama_grpc_server.core.strategies import (
 from llama_grpc_server.core.tenants import FairShare, TenantLimits
 
 Emitted = list[tuple[Request, Event]]
+DRAFT_PAUSE_TICKS = 16  # ticks without drafts after drafts did not fit the KV cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +70,8 @@ class SchedulerLimits:
     ram_min_tokens: int = 64  # smaller caches are not worth saving
     session_idle_s: float = 0.0  # an idle session's cache goes to the disk tier after this
     tenants: Mapping[str, TenantLimits] = field(default_factory=dict)  # others: TenantLimits()
+    # Speculative decoding for requests that do not choose (core.speculative).
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 class Scheduler:
@@ -88,6 +95,8 @@ class Scheduler:
         self.fair_share = FairShare(limits.tenants, limits.n_parallel, clock_ns)
         self.counters = stats.Counters()
         self.costs = TickCosts()
+        self.spec = Speculator(limits.speculative)
+        self._draft_pause_ticks = 0  # > 0: recent drafts did not fit the KV cache
         self.kv = KvCacheManager(
             self.slots,
             count_cached=self._count_cached,
@@ -322,7 +331,44 @@ class Scheduler:
                 )
             )
             request.last_served_tick = self._tick
-        return chunks
+        return self._add_drafts(chunks)
+
+    def _add_drafts(self, chunks: list[Chunk]) -> list[Chunk]:
+        """Speculative decoding: decode chunks of speculating requests take their drafts, as
+        far as the batch and the free KV cells have room (a draft never preempts anyone)."""
+        if self._draft_pause_ticks > 0:
+            self._draft_pause_ticks -= 1
+            return chunks
+        requests = [
+            r
+            for c in chunks
+            if c.is_decode
+            and (r := self.slots[c.slot_id].request) is not None
+            and self.spec.mode(r) is not SpeculativeMode.OFF
+        ]
+        if not requests:
+            return chunks
+        used = sum(len(c.tokens) for c in chunks)
+        free_cells = self.limits.n_ctx - self.kv.num_used_cells() - used
+        room = min(self.limits.n_batch - used, free_cells)
+        if room <= 0:
+            return chunks
+        num_decode = sum(1 for c in chunks if c.is_decode)
+        drafts = self.spec.propose(
+            requests,
+            num_rows=num_decode,
+            room=room,
+            n_ctx=self.limits.n_ctx,
+            has_prefill=num_decode < len(chunks),
+        )
+        return [
+            dataclasses.replace(
+                c, tokens=c.tokens + drafts[c.slot_id], num_draft=len(drafts[c.slot_id])
+            )
+            if c.slot_id in drafts
+            else c
+            for c in chunks
+        ]
 
     # -- update -----------------------------------------------------------------------------------
 
@@ -335,25 +381,70 @@ class Scheduler:
             return self._fail_batch(plan, result.status)
         chunks = [c for c in plan.chunks if c.slot_id not in result.reset]
         if chunks:  # a plan of KV edits only is no forward pass
-            num_decode = sum(1 for c in chunks if c.is_decode)
-            num_tokens = sum(len(c.tokens) for c in chunks)
-            self.costs.observe(num_decode, num_tokens - num_decode, result.eval_ms)
-            self.counters.ticks += 1
-            self.counters.batch_tokens += num_tokens
-            self.counters.decode_ms += result.eval_ms
-            self.counters.decode_cpu_ms += result.eval_cpu_ms
+            self._observe_tick(chunks, result)
         out: Emitted = []
         for chunk in chunks:
             request = self.slots[chunk.slot_id].request
             if request is None or request.key != chunk.request_id:
                 continue
             self.kv.computed(chunk)
+            if chunk.num_draft:
+                out += self._accept_draft(request, chunk, result)
+                continue
             request.num_computed += len(chunk.tokens)
             if chunk.wants_logits and chunk.slot_id in result.failed:
                 out += self._fail_constraint(request, result.failed[chunk.slot_id])
             elif chunk.wants_logits:
                 logprob = result.logprobs.get(chunk.slot_id)
                 out += self._accept(request, result.sampled[chunk.slot_id], logprob)
+                self.spec.observe_tokens(request)
+        return out
+
+    def _observe_tick(self, chunks: Sequence[Chunk], result: StepResult) -> None:
+        """Counters and the measured costs of a forward pass (decode-only ticks, with or
+        without drafts, teach the speculation cost model)."""
+        num_decode = sum(1 for c in chunks if c.is_decode)
+        num_draft = sum(c.num_draft for c in chunks)
+        num_tokens = sum(len(c.tokens) for c in chunks)
+        num_prefill = num_tokens - num_decode - num_draft
+        if num_draft == 0:
+            self.costs.observe(num_decode, num_prefill, result.eval_ms)
+        if num_prefill == 0:
+            self.spec.costs.observe(num_decode + num_draft, result.eval_ms)
+        self.counters.ticks += 1
+        self.counters.batch_tokens += num_tokens
+        self.counters.decode_ms += result.eval_ms
+        self.counters.decode_cpu_ms += result.eval_cpu_ms
+        if num_draft:
+            self.counters.spec_ticks += 1
+            self.counters.spec_draft_tokens += num_draft
+
+    def _accept_draft(self, request: Request, chunk: Chunk, result: StepResult) -> Emitted:
+        """A speculative decode: the sampled tokens go one by one through the normal accept
+        path (stop strings, stop tokens, limits and logprobs per token; what follows a finish
+        is dropped), the KV of every token after the last one kept is discarded."""
+        tokens = result.tokens_of(chunk.slot_id)
+        logprobs = result.logprobs_of(chunk.slot_id)
+        num_accepted = chunk.num_accepted(tokens)
+        self.spec.verified(request, chunk.num_draft, num_accepted)
+        request.num_draft_tokens += chunk.num_draft
+        request.num_computed = chunk.start_pos + 1
+        out: Emitted = []
+        for i, token in enumerate(tokens):
+            request.num_computed = chunk.start_pos + 1 + i  # the tokens fed before this one
+            if i < num_accepted:
+                request.num_accepted_draft += 1
+                self.counters.spec_accepted_tokens += 1
+            out += self._accept(request, token, logprobs[i])
+            if request.state is RequestState.FINISHED:
+                break
+        if request.state is not RequestState.FINISHED:
+            if chunk.slot_id in result.failed or not tokens:
+                out += self._fail_constraint(request, result.failed[chunk.slot_id])
+            else:
+                self.spec.observe_tokens(request)
+        if request.num_computed < chunk.start_pos + len(chunk.tokens):
+            self.kv.discard_tail(self.slots[chunk.slot_id], request.num_computed)
         return out
 
     def _fail_constraint(self, request: Request, why: str) -> Emitted:
@@ -403,6 +494,7 @@ class Scheduler:
                     self.kv.clear(slot)
         if self.outputs.close(request.key):
             self._samplers_to_close.append(request.key)
+        self.spec.forget(request.key)
         request.state = RequestState.FINISHED
         self._is_admission_paused = False
 
@@ -459,7 +551,12 @@ class Scheduler:
 
     def _relieve_kv_pressure(self, plan: StepPlan) -> Emitted:
         """llama_decode found no KV slot and restored memory. Drop the LRU idle cache; else
-        preempt the youngest running request; fail a request only if it alone cannot fit."""
+        preempt the youngest running request; fail a request only if it alone cannot fit.
+        A tick with drafts is first retried without them: speculation never evicts a cache
+        or preempts a request."""
+        if plan.num_draft:
+            self._draft_pause_ticks = DRAFT_PAUSE_TICKS
+            return []
         idle = [s for s in self.slots if s.is_idle and s.idle_cache]
         if idle:
             self.kv.drop_cache(min(idle, key=lambda s: s.last_used_ns))

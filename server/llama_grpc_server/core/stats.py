@@ -30,6 +30,9 @@ class Counters:
     decode_ms: float = 0.0  # wall time inside llama_decode
     decode_cpu_ms: float = 0.0  # the engine thread's CPU time inside llama_decode
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    spec_accepted_tokens: int = 0  # ... the sampler agreed with (and the request took)
+    spec_ticks: int = 0  # forward passes with at least one draft
 
 
 def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact
@@ -87,6 +90,12 @@ def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact
         ram_cache_misses=ram.misses if ram is not None else 0,
         ram_cache_evictions=ram.evictions if ram is not None else 0,
         disk_cache=disk,
+        spec_draft_tokens=c.spec_draft_tokens,
+        spec_accepted_tokens=c.spec_accepted_tokens,
+        spec_acceptance_rate=(
+            c.spec_accepted_tokens / c.spec_draft_tokens if c.spec_draft_tokens else 0.0
+        ),
+        spec_ticks=c.spec_ticks,
     )
 
 

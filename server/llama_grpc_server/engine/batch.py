@@ -39,7 +39,8 @@ class Batch:
         )
 
     def fill(self, chunks: Sequence[Chunk]) -> list[int]:
-        """Write the chunks; returns the batch index of each chunk's output (-1 when none)."""
+        """Write the chunks; returns the batch index of each chunk's first output (-1 when
+        none). A speculative decode's outputs are its last num_draft + 1 positions, in order."""
         n = 0
         outputs: list[int] = []
         for chunk in chunks:
@@ -55,8 +56,12 @@ class Batch:
                 )
                 self.seq[n : n + k] = chunk.slot_id
                 self.logits[n : n + k - 1] = 0
-            self.logits[n + k - 1] = 1 if chunk.wants_logits else 0
-            outputs.append(n + k - 1 if chunk.wants_logits else -1)
+            num_outputs = chunk.num_outputs
+            if num_outputs:
+                self.logits[n + k - num_outputs : n + k] = 1
+            else:
+                self.logits[n + k - 1] = 0
+            outputs.append(n + k - num_outputs if num_outputs else -1)
             n += k
         self.struct.n_tokens = n
         return outputs

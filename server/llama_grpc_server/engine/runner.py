@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import llama_cpp
 
@@ -21,6 +23,17 @@ from llama_grpc_server.engine.batch import Batch
 from llama_grpc_server.engine.llama import LlamaModel
 from llama_grpc_server.engine.logprobs import LogprobComputer
 from llama_grpc_server.engine.sampler import NO_TOKEN, Candidates, RequestSampler, logits_rows
+
+
+@dataclass(slots=True)
+class _Sampled:
+    """One tick's sampling, by slot id (StepResult's fields of the same names)."""
+
+    sampled: dict[int, int] = field(default_factory=dict)
+    logprobs: dict[int, SampledLogprob] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)
+    draft_sampled: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    draft_logprobs: dict[int, tuple[SampledLogprob, ...]] = field(default_factory=dict)
 
 
 class Runner:
@@ -72,51 +85,90 @@ class Runner:
                 reset=reset,
                 eval_cpu_ms=eval_cpu_ms,
             )
-        sampled, logprobs, failed = self._sample(chunks, outputs)
+        got = self._sample(chunks, outputs)
         t2 = time.perf_counter_ns()
         return StepResult(
             DECODE_OK,
-            sampled,
+            got.sampled,
             saved,
             restored,
             (t1 - t0) / 1e6,
             (t2 - t1) / 1e6,
-            logprobs=logprobs,
-            failed=failed,
+            logprobs=got.logprobs,
+            failed=got.failed,
             reset=reset,
             eval_cpu_ms=eval_cpu_ms,
+            draft_sampled=got.draft_sampled,
+            draft_logprobs=got.draft_logprobs,
         )
 
-    def _sample(
-        self, chunks: Sequence[Chunk], outputs: Sequence[int]
-    ) -> tuple[dict[int, int], dict[int, SampledLogprob], dict[int, str]]:
-        """One token per chunk with an output: (sampled, logprobs, failed) by slot id."""
-        sampled: dict[int, int] = {}
-        logprobs: dict[int, SampledLogprob] = {}
-        failed: dict[int, str] = {}
+    def _sample(self, chunks: Sequence[Chunk], outputs: Sequence[int]) -> _Sampled:
+        """The tokens of every chunk with outputs, by slot id (a speculative decode's first in
+        `sampled`, the rest in `draft_sampled`)."""
+        out = _Sampled()
         ctx = self.model.ctx
         rows = None  # every output's logits, viewed once if a plain greedy request needs them
-        ordinal = -1
+        ordinal = 0  # output rows before the chunk's first
         for chunk, index in zip(chunks, outputs, strict=True):
             if index < 0:
                 continue
-            ordinal += 1
             sampler = self.samplers[chunk.request_id]
-            row = None
+            chunk_rows = None
             if sampler.is_plain_greedy:
                 if rows is None:
-                    n_outputs = sum(1 for i in outputs if i >= 0)
+                    n_outputs = sum(
+                        c.num_outputs for c, i in zip(chunks, outputs, strict=True) if i >= 0
+                    )
                     rows = logits_rows(ctx, n_outputs, self.model.n_vocab)
-                row = rows[ordinal]
-            token = sampler.sample(ctx, index, row)
+                chunk_rows = rows[ordinal : ordinal + chunk.num_outputs]
+            ordinal += chunk.num_outputs
+            self._sample_chunk(chunk, index, sampler, chunk_rows, out)
+        return out
+
+    def _sample_chunk(
+        self,
+        chunk: Chunk,
+        index: int,
+        sampler: RequestSampler,
+        rows: Any,
+        out: _Sampled,
+    ) -> None:
+        """Sample a chunk's outputs in order; a speculative decode stops at the first token that
+        differs from its draft (the sampler never sees a position it would not have reached)."""
+        ctx = self.model.ctx
+        k = self.top_logprobs.get(chunk.request_id)
+        tokens: list[int] = []
+        logprobs: list[SampledLogprob] = []
+        for i in range(chunk.num_outputs):
+            token = sampler.sample(ctx, index + i, None if rows is None else rows[i])
             if token == NO_TOKEN:
-                failed[chunk.slot_id] = sampler.error
-                continue
-            sampled[chunk.slot_id] = token
-            k = self.top_logprobs.get(chunk.request_id)
+                out.failed[chunk.slot_id] = sampler.error
+                break
+            tokens.append(token)
             if k is not None:
-                logprobs[chunk.slot_id] = self.logprobs.compute(ctx, index, token, k)
-        return sampled, logprobs, failed
+                logprobs.append(self.logprobs.compute(ctx, index + i, token, k))
+            if i == chunk.num_draft or token != chunk.tokens[i + 1]:
+                break
+        if not tokens:
+            return
+        out.sampled[chunk.slot_id] = tokens[0]
+        if logprobs:
+            out.logprobs[chunk.slot_id] = logprobs[0]
+        if len(tokens) > 1:
+            out.draft_sampled[chunk.slot_id] = tuple(tokens[1:])
+            if logprobs:
+                out.draft_logprobs[chunk.slot_id] = tuple(logprobs[1:])
+
+    def time_decode(self, chunks: Sequence[Chunk]) -> float:
+        """One forward pass of `chunks` without sampling (calibration): llama_decode's wall
+        milliseconds. RuntimeError if it fails."""
+        self.batch.fill(chunks)
+        t0 = time.perf_counter_ns()
+        status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
+        elapsed_ms = (time.perf_counter_ns() - t0) / 1e6
+        if status != DECODE_OK:
+            raise RuntimeError(f"llama_decode failed with status {status} while calibrating")
+        return elapsed_ms
 
     def _edit_kv(
         self, plan: StepPlan, saved: dict[int, bytes], restored: dict[int, bool]

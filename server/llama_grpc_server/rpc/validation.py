@@ -23,11 +23,15 @@ from llama_grpc_server.core import context_fit
 from llama_grpc_server.core.api import GrammarCompiler, ModelInfo
 from llama_grpc_server.core.chat import BUILTIN_TEMPLATES, GGUF_TEMPLATE, ROLES, ChatMessage
 from llama_grpc_server.core.request import (
+    MAX_DRAFT_TOKENS,
+    MAX_NGRAM,
     Constraint,
     GenerationRequest,
     OutputParams,
     Priority,
     SamplingParams,
+    SpeculativeMode,
+    SpeculativeParams,
     StoppingParams,
 )
 
@@ -83,10 +87,23 @@ class Message(enum.StrEnum):
     UNKNOWN_POLICY = "unknown context overflow policy {value}"
     N_KEEP_WITHOUT_TRUNCATION = "n_keep only applies with OVERFLOW_POLICY_TRUNCATE_LEFT"
     UNKNOWN_PRIORITY = "unknown priority {value}"
+    UNKNOWN_SPECULATIVE_MODE = "unknown speculative mode {value}"
+    SPECULATIVE_RANGE = "{name} must be between 1 and {limit}, got {value}"
+    NGRAM_ORDER = (
+        "ngram_min ({ngram_min}) must be at most ngram_max ({ngram_max}); unset ones take the "
+        "server's ({default_min}, {default_max})"
+    )
     INTERVAL_TOO_SHORT = (
         "interval_ms must be at least {minimum} (or 0 for the default, {default}), got {value}"
     )
 
+
+_SPECULATIVE_MODES = {
+    pb.SPECULATIVE_MODE_UNSPECIFIED: None,
+    pb.SPECULATIVE_MODE_AUTO: SpeculativeMode.AUTO,
+    pb.SPECULATIVE_MODE_OFF: SpeculativeMode.OFF,
+    pb.SPECULATIVE_MODE_ON: SpeculativeMode.ON,
+}
 
 _PRIORITIES = {
     pb.PRIORITY_UNSPECIFIED: Priority.NORMAL,
@@ -164,6 +181,7 @@ class Draft:
     chat_template: str = ""
     priority: Priority = Priority.NORMAL
     cache_response: bool = True
+    speculative: SpeculativeParams = dataclasses.field(default_factory=SpeculativeParams)
 
 
 # -- public entry points ---------------------------------------------------------------------------
@@ -295,6 +313,7 @@ def complete_request(
         tenant=tenant,
         priority=draft.priority,
         cache_response=draft.cache_response,
+        speculative=draft.speculative,
     )
 
 
@@ -336,6 +355,7 @@ def _draft(
         default_max_tokens=limits.default_max_tokens,
         prompt_field=prompt_field,
         cache_response=params.cache_response if params.HasField("cache_response") else True,
+        speculative=_speculative(params.speculative, limits),
     )
 
 
@@ -548,6 +568,45 @@ def _n_keep(message: pb.ContextOverflow) -> int | None:
     if message.n_keep:
         raise _invalid("params.context_overflow.n_keep", Message.N_KEEP_WITHOUT_TRUNCATION)
     return None
+
+
+def _speculative(message: pb.SpeculativeParams, limits: SchedulerSettings) -> SpeculativeParams:
+    """The request's speculation settings; what it leaves unset is the server's (and must
+    still make a valid whole with what it sets)."""
+    field = "params.speculative"
+    if message.mode not in _SPECULATIVE_MODES:
+        raise _invalid(f"{field}.mode", Message.UNKNOWN_SPECULATIVE_MODE, value=message.mode)
+    draft_max = _speculative_number(message, "draft_max", MAX_DRAFT_TOKENS)
+    ngram_min = _speculative_number(message, "ngram_min", MAX_NGRAM)
+    ngram_max = _speculative_number(message, "ngram_max", MAX_NGRAM)
+    low = limits.ngram_min if ngram_min is None else ngram_min
+    high = limits.ngram_max if ngram_max is None else ngram_max
+    if low > high:
+        name = "ngram_min" if ngram_min is not None else "ngram_max"
+        raise _invalid(
+            f"{field}.{name}",
+            Message.NGRAM_ORDER,
+            ngram_min=low,
+            ngram_max=high,
+            default_min=limits.ngram_min,
+            default_max=limits.ngram_max,
+        )
+    return SpeculativeParams(_SPECULATIVE_MODES[message.mode], draft_max, ngram_min, ngram_max)
+
+
+def _speculative_number(message: pb.SpeculativeParams, name: str, limit: int) -> int | None:
+    if not message.HasField(name):  # type: ignore[arg-type]  # a field name from our own code
+        return None
+    value: int = getattr(message, name)
+    if not 1 <= value <= limit:
+        raise _invalid(
+            f"params.speculative.{name}",
+            Message.SPECULATIVE_RANGE,
+            name=name,
+            limit=limit,
+            value=value,
+        )
+    return value
 
 
 def _priority(value: pb.Priority.ValueType) -> Priority:

@@ -1,0 +1,57 @@
+"""NgramIndex: the prompt-lookup drafter. It finds the most recent earlier occurrence of a token
+list's suffix (its last ngram_max tokens, then shorter ones down to ngram_min) and proposes the
+tokens that followed it there. The index grows with the list (prompt, then output), one token at
+a time, so a lookup costs microseconds however long the prompt. Pure Python."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class NgramIndex:
+    """Where each n-gram of one growing token list last occurred, for n in [ngram_min,
+    ngram_max]. An n-gram is indexed once a token follows it, so the list's own suffix never
+    matches itself, and a later occurrence replaces an earlier one (most recent first). The
+    list may only grow between calls (a request's tokens do: rejected drafts never enter it)."""
+
+    __slots__ = ("_ends", "_ngram_max", "_ngram_min", "_num_indexed")
+
+    def __init__(self, ngram_min: int, ngram_max: int) -> None:
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
+        self._ngram_min = ngram_min
+        self._ngram_max = ngram_max
+        # n -> n-gram -> the index just past its most recent indexed occurrence
+        self._ends: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(ngram_min, ngram_max + 1)
+        }
+        self._num_indexed = 0  # n-grams ending before this index are indexed
+
+    def draft(self, tokens: Sequence[int], max_tokens: int) -> tuple[int, ...]:
+        """Up to max_tokens tokens that followed the most recent earlier occurrence of the
+        longest matching suffix of `tokens`; () when no suffix of ngram_min tokens or more
+        occurred before."""
+        if max_tokens <= 0:
+            return ()
+        self._extend(tokens)
+        length = len(tokens)
+        for n in range(min(self._ngram_max, length), self._ngram_min - 1, -1):
+            end = self._ends[n].get(tuple(tokens[length - n :]))
+            if end is not None:
+                return tuple(tokens[end : end + max_tokens])
+        return ()
+
+    def _extend(self, tokens: Sequence[int]) -> None:
+        """Index the n-grams that now have a following token (those ending before the last)."""
+        last = len(tokens) - 1
+        for end in range(max(self._num_indexed, self._ngram_min), last + 1):
+            for n, ends in self._ends.items():
+                if n > end:
+                    break
+                ends[tuple(tokens[end - n : end])] = end
+        self._num_indexed = max(self._num_indexed, last + 1)
+
+    @property
+    def num_indexed(self) -> int:
+        """Tokens of the list seen so far (their n-grams are indexed once followed)."""
+        return self._num_indexed

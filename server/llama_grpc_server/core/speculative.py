@@ -1,0 +1,143 @@
+"""Speculator: prompt-lookup (n-gram) speculative decoding for the scheduler. Per request it keeps
+an n-gram index over the request's own tokens (core.ngram) and an acceptance estimate; per tick
+it proposes drafts for the decoding slots (mode ON: whatever the lookup finds; AUTO: what
+core.spec_policy says pays at the measured tick costs) and learns from what the runner verified.
+
+AUTO also drafts in the shadow: a draft it did not send is compared with the tokens generated
+next, so a request's acceptance stays measured while it does not speculate (a request that starts
+to repeat its input starts to speculate; one that stops, stops) without spending a forward pass
+on probes. Pure Python; used by the Scheduler on the engine thread only."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from llama_grpc_server.core.ngram import NgramIndex
+from llama_grpc_server.core.request import (
+    MAX_DRAFT_TOKENS,
+    Request,
+    SpeculativeConfig,
+    SpeculativeMode,
+)
+from llama_grpc_server.core.spec_policy import (
+    Acceptance,
+    DraftOption,
+    TickCostModel,
+    choose_drafts,
+)
+
+MAX_SHADOWS = 4  # shadow drafts of one request waiting to be settled at most
+
+
+@dataclass(slots=True)
+class _State:
+    """One speculating request's drafter and what it learned."""
+
+    config: SpeculativeConfig
+    index: NgramIndex
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    # Drafts not sent, waiting for the tokens they predicted: (draft, where in the request's
+    # tokens its first token would be).
+    shadows: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+
+
+class Speculator:
+    """The scheduler's speculation: drafts per tick, per-request state, the tick cost model."""
+
+    def __init__(self, defaults: SpeculativeConfig | None = None) -> None:
+        self.defaults = defaults if defaults is not None else SpeculativeConfig()
+        self.costs = TickCostModel()
+        self._states: dict[str, _State] = {}
+
+    def mode(self, request: Request) -> SpeculativeMode:
+        asked = request.spec.speculative.mode
+        return self.defaults.mode if asked is None else asked
+
+    def propose(
+        self,
+        requests: Sequence[Request],
+        *,
+        num_rows: int,
+        room: int,
+        n_ctx: int,
+        has_prefill: bool,
+    ) -> dict[int, tuple[int, ...]]:
+        """slot_id -> draft tokens for this tick's decoding requests that speculate. num_rows:
+        the tick's decode rows (theirs and the others'); room: draft tokens the batch and the
+        KV cache can take. AUTO drafts only in a tick without prompt chunks (its cost model is
+        of decode-only ticks); ON drafts in any."""
+        found: dict[int, tuple[int, ...]] = {}
+        options: list[DraftOption] = []
+        states: list[tuple[Request, _State]] = []
+        for request in requests:
+            state = self._state(request)
+            if state is None:
+                continue
+            states.append((request, state))
+            cap = min(
+                state.config.draft_max,
+                request.spec.stopping.max_tokens - request.num_output - 1,
+                n_ctx - len(request.tokens),
+            )
+            draft = state.index.draft(request.tokens, cap)
+            if not draft:
+                continue
+            found[request.slot_id] = draft
+            is_forced = state.config.mode is SpeculativeMode.ON
+            if is_forced or not has_prefill:
+                options.append(
+                    DraftOption(request.slot_id, len(draft), state.acceptance.p, is_forced)
+                )
+        chosen = choose_drafts(num_rows, options, self.costs.tick_ms, room) if options else {}
+        for request, state in states:
+            draft = found.get(request.slot_id, ())
+            if draft and not chosen.get(request.slot_id) and len(state.shadows) < MAX_SHADOWS:
+                state.shadows.append((draft, len(request.tokens)))
+        return {slot_id: found[slot_id][:k] for slot_id, k in chosen.items() if k > 0}
+
+    def _state(self, request: Request) -> _State | None:
+        state = self._states.get(request.key)
+        if state is not None:
+            return state
+        if self.mode(request) is SpeculativeMode.OFF:
+            return None
+        asked = request.spec.speculative.resolve(self.defaults)
+        ngram_min = max(1, asked.ngram_min)  # validated at the edge; never trusted here
+        ngram_max = max(ngram_min, asked.ngram_max)
+        draft_max = max(0, min(MAX_DRAFT_TOKENS, asked.draft_max))
+        config = SpeculativeConfig(asked.mode, draft_max, ngram_min, ngram_max)
+        state = _State(config, NgramIndex(ngram_min, ngram_max))
+        self._states[request.key] = state
+        return state
+
+    def verified(self, request: Request, num_draft: int, num_accepted: int) -> None:
+        """The runner verified a draft of the request's: num_accepted of num_draft agreed."""
+        state = self._states.get(request.key)
+        if state is not None:
+            state.acceptance.record(num_accepted, num_draft)
+
+    def observe_tokens(self, request: Request) -> None:
+        """The request took new tokens: settle the shadow drafts they decide."""
+        state = self._states.get(request.key)
+        if state is None or not state.shadows:
+            return
+        tokens, waiting = request.tokens, []
+        for shadow, start in state.shadows:
+            got = tokens[start : start + len(shadow)]
+            n = 0
+            while n < len(got) and got[n] == shadow[n]:
+                n += 1
+            if n < len(got) or len(got) == len(shadow):
+                state.acceptance.record(n, len(shadow))
+            else:
+                waiting.append((shadow, start))
+        state.shadows = waiting
+
+    def acceptance(self, key: str) -> float | None:
+        """A request's acceptance estimate (None when it does not speculate)."""
+        state = self._states.get(key)
+        return state.acceptance.p if state is not None else None
+
+    def forget(self, key: str) -> None:
+        self._states.pop(key, None)
