@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from common import machine_facts, progress, spread, write_json
+from tests.conftest import second_model_file
 
 VARIANTS = ("stall", "fix", "passive", "spin10k", "norepack", "threads1")
 ENV = {"passive": {"OMP_WAIT_POLICY": "passive"}, "spin10k": {"GOMP_SPINCOUNT": "10000"}}
@@ -48,20 +49,6 @@ Q8 = "q8"
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 AFTER_S = 1.0  # how long the stream goes on after the load
 BEFORE_S = 1.0  # the stream's pace is measured over this long before the load
-
-
-def second_model() -> Path:
-    from tests.conftest import SECOND_MODEL_TYPE, built_models_dir
-
-    from llama_grpc_server.engine.quantize import quantize
-    from llama_grpc_server.model_files import default_model_path, file_sha256
-
-    source = default_model_path()
-    path = built_models_dir() / f"embedded-{file_sha256(source)[:16]}-{SECOND_MODEL_TYPE}.gguf"
-    if not path.is_file():
-        progress(f"building {path.name}")
-        quantize(source, path, SECOND_MODEL_TYPE)
-    return path
 
 
 # -- the child: one server, a few loads --------------------------------------------------------
@@ -185,7 +172,7 @@ async def child(variant: str, loads: int, lead_s: float) -> dict[str, Any]:
     conf = replace(
         conf,
         model=replace(conf.model, n_threads=threads, n_threads_batch=threads),
-        pool=PoolSettings(models=((Q8, str(second_model())),), max_loaded_models=2),
+        pool=PoolSettings(models=((Q8, str(second_model_file())),), max_loaded_models=2),
     )
     ticks: list[tuple[float, float, float, int]] = []  # (end, eval ms, eval CPU ms, tokens)
 
@@ -313,7 +300,7 @@ def main() -> int:
         return 0
     variants = args.variants.split(",")
     facts = machine_facts(None)
-    second_model()
+    second_model_file()
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for rep in range(args.reps):
         order = variants[rep % len(variants) :] + variants[: rep % len(variants)]

@@ -43,26 +43,14 @@ from common import (
     write_json,
 )
 from overhead import thread_cpu
-from tests.conftest import SECOND_MODEL_TYPE, built_models_dir
+from tests.conftest import second_model_file
 
 from llama_grpc import Client, Delta
 from llama_grpc_server.loop import DECODE_THREAD_NAME, ENGINE_THREAD_NAME
-from llama_grpc_server.model_files import default_model_path, file_sha256
+from llama_grpc_server.model_files import default_model_path
 
 SMALL, Q8 = "q4", "q8"
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
-
-
-def second_model() -> Path:
-    """The embedded model re-quantized to Q8_0, cached where the tests keep it."""
-    from llama_grpc_server.engine.quantize import quantize
-
-    source = default_model_path()
-    path = built_models_dir() / f"embedded-{file_sha256(source)[:16]}-{SECOND_MODEL_TYPE}.gguf"
-    if not path.is_file():
-        progress(f"building {path.name}")
-        quantize(source, path, SECOND_MODEL_TYPE)
-    return path
 
 
 @contextlib.contextmanager
@@ -221,7 +209,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     args = parser.parse_args()
     facts = machine_facts(args.threads)
-    second = second_model()
+    second = second_model_file()
     with two_model_server(args.threads, 1, second) as (client, _):
         cold = measure_cold(client, args.reps)
         swap = measure_swap(client, args.reps)

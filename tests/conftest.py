@@ -46,12 +46,11 @@ def built_models_dir() -> Path:
     return Path(cache) / "llama-grpc" / "test-models"
 
 
-@pytest.fixture(scope="session")
-def second_model_path() -> Path:
+def second_model_file() -> Path:
     """The embedded model re-quantized to Q8_0 by llama.cpp: a second real model, with its own
     file, size, sha256 and quantization (same architecture and vocabulary). Built once per
     machine (1.6 s on the 2-core dev box), cached under ~/.cache/llama-grpc/test-models/ by
-    the source's sha256; the write is atomic."""
+    the source's sha256; the write is atomic. The tests' fixture and the benchmarks use it."""
     from llama_grpc_server.engine.quantize import quantize
     from llama_grpc_server.model_files import default_model_path, file_sha256
 
@@ -60,6 +59,11 @@ def second_model_path() -> Path:
     if not path.is_file():
         quantize(source, path, SECOND_MODEL_TYPE)
     return path
+
+
+@pytest.fixture(scope="session")
+def second_model_path() -> Path:
+    return second_model_file()
 
 
 def free_port() -> int:

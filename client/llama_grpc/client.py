@@ -177,26 +177,26 @@ def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
     _fill(request.params, _pick(params, frozenset({"cache_prompt", "cache_response"})))
     _set_constraint(request.params, _pick(params, _CONSTRAINT_KEYS))
     _set_overflow(request.params.context_overflow, _pick(params, _OVERFLOW_KEYS))
-    _set_priority(request.params, params.get("priority"))
-    _set_speculative(request.params.speculative, params.get("speculative"))
+    _set_enum(request.params, "priority", "priority", params.get("priority"), _PRIORITIES)
+    _set_enum(
+        request.params.speculative, "mode", "speculative", params.get("speculative"),
+        _SPECULATIVE_MODES,
+    )  # fmt: skip
     _fill(request.params.speculative, _pick(params, _SPECULATIVE_KEYS))
     return request
 
 
-def _set_speculative(message: pb.SpeculativeParams, mode: object) -> None:
-    if mode is None:
+def _set_enum(
+    message: Any, field: str, option: str, value: object, names: Mapping[str, int]
+) -> None:
+    """message.field = the enum value named `value` (None: left unset); ValueError naming the
+    option and its choices otherwise."""
+    if value is None:
         return
-    if mode not in _SPECULATIVE_MODES:
-        raise ValueError(f"speculative must be 'auto', 'off' or 'on', not {mode!r}")
-    message.mode = _SPECULATIVE_MODES[str(mode)]
-
-
-def _set_priority(message: pb.GenerationParams, priority: object) -> None:
-    if priority is None:
-        return
-    if priority not in _PRIORITIES:
-        raise ValueError(f"priority must be 'low', 'normal' or 'high', not {priority!r}")
-    message.priority = _PRIORITIES[str(priority)]
+    if value not in names:
+        *rest, last = (repr(n) for n in names)
+        raise ValueError(f"{option} must be {', '.join(rest)} or {last}, not {value!r}")
+    setattr(message, field, names[str(value)])
 
 
 def _set_overflow(message: pb.ContextOverflow, values: Mapping[str, object]) -> None:

@@ -367,6 +367,10 @@ async def test_a_clear_cache_whose_caller_gave_up_does_not_kill_the_engine() -> 
         # 10 tokens: however late the first delta is read, the engine is still mid-request
         running = engine.submit(req("a", 4, 10).spec)
         first = await asyncio.wait_for(anext(aiter(running)), 5)
+        # The delta is posted just before the engine thread drains its inbox between two
+        # passes: a clear sent at once can still make that drain (it failed 1 run in 6). 50 ms
+        # later the thread is inside the next 200 ms pass.
+        await asyncio.sleep(0.05)
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(engine.clear_cache(), 0.01)
         rest = await asyncio.wait_for(read_all(running), 10)

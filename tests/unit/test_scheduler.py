@@ -76,7 +76,10 @@ def drive(
     runner: FakeRunner,
     max_ticks: int = 2000,
     between: Callable[[int], None] | None = None,
+    after: Callable[[], None] | None = None,
 ) -> list[tuple[Request, Event]]:
+    """Tick until nothing is left: `between(tick)` before each schedule, `after()` after each
+    update (a check of the state every tick)."""
     out: list[tuple[Request, Event]] = []
     for tick in range(max_ticks):
         if between is not None:
@@ -85,6 +88,8 @@ def drive(
         out += events
         if plan is not None:
             out += s.update(plan, runner.execute(plan))
+        if after is not None:
+            after()
         if not s.has_work:
             break
     return out

@@ -16,6 +16,7 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
 from llama_grpc_server.cli import ConfigError, load_settings
 from llama_grpc_server.core import response_cache
+from llama_grpc_server.core.api import StatsSnapshot
 from llama_grpc_server.core.request import (
     Finished,
     GenerationRequest,
@@ -96,14 +97,19 @@ def test_usage_carries_draft_counts() -> None:
     assert (back.draft_tokens, back.accepted_draft_tokens) == (12, 9)
 
 
-def test_stats_carry_speculation_totals() -> None:
-    snapshot = dataclasses.replace(
+def spec_snapshot() -> StatsSnapshot:
+    """A stats snapshot with speculation totals: 40 drafted, 30 accepted, in 5 ticks."""
+    return dataclasses.replace(
         make_snapshot(),
         spec_draft_tokens=40,
         spec_accepted_tokens=30,
         spec_acceptance_rate=0.75,
         spec_ticks=5,
     )
+
+
+def test_stats_carry_speculation_totals() -> None:
+    snapshot = spec_snapshot()
     message = convert.stats_response(snapshot)
     assert (message.spec_draft_tokens, message.spec_accepted_tokens) == (40, 30)
     assert (message.spec_acceptance_rate, message.spec_ticks) == (0.75, 5)
@@ -191,13 +197,7 @@ def test_speculation_does_not_change_the_response_cache_key() -> None:
 
 
 def test_prometheus_series_read_the_snapshot() -> None:
-    snapshot = dataclasses.replace(
-        make_snapshot(),
-        spec_draft_tokens=40,
-        spec_accepted_tokens=30,
-        spec_acceptance_rate=0.75,
-        spec_ticks=5,
-    )
+    snapshot = spec_snapshot()
     metrics = Metrics()
     metrics.watch(lambda: {"m": snapshot})
     got = samples(metrics.render())

@@ -39,6 +39,7 @@ from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.testing import FakeRunner
 
 from .test_scheduler import PIECES, Clock, finals, outputs
+from .test_scheduler import drive as base_drive
 
 GREEDY = SamplingParams(temperature=0.0)
 ON = SpeculativeParams(SpeculativeMode.ON)
@@ -142,18 +143,8 @@ def drive(
     between: Callable[[int], None] | None = None,
     max_ticks: int = 3000,
 ) -> list[tuple[Request, Event]]:
-    out: list[tuple[Request, Event]] = []
-    for tick in range(max_ticks):
-        if between is not None:
-            between(tick)
-        plan, events = s.schedule()
-        out += events
-        if plan is not None:
-            out += s.update(plan, runner.execute(plan))
-        check_mirror(s, runner)
-        if not s.has_work:
-            break
-    return out
+    """test_scheduler's drive with the KV mirror checked after every tick."""
+    return base_drive(s, runner, max_ticks, between, after=lambda: check_mirror(s, runner))
 
 
 def run(
