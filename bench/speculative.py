@@ -269,12 +269,15 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     parser.add_argument("--n-ctx", type=int, default=8192)
     parser.add_argument("--name", default="speculative", help="results file name")
+    parser.add_argument("--draft-max", type=int, help="the server's --draft-max (its default)")
     args = parser.parse_args()
     facts = machine_facts(args.threads)
     n_par = max([1] + [int(b) for b in args.batches.split(",") if b])
     progress("loading the raw loop model")
     raw = RawLoop(str(default_model_path()), args.n_ctx, 1, args.threads)
     extra = ["--n-parallel", str(n_par), "--n-ctx", str(args.n_ctx), "--speculative", "auto"]
+    if args.draft_max is not None:
+        extra += ["--draft-max", str(args.draft_max)]
     progress("starting llama-grpc --speculative auto")
     with llama_grpc_server(*server_args(args.threads, *extra)) as target:
         result = asyncio.run(measure(raw, target, args))

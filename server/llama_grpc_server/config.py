@@ -65,7 +65,7 @@ class SchedulerSettings:
     # Prompt-lookup speculative decoding (core.speculative) of requests that do not choose:
     # "off", "auto" (when the measured costs say it pays) or "on"; and its defaults.
     speculative: str = "off"
-    draft_max: int = 8
+    draft_max: int = 16
     ngram_min: int = 2
     ngram_max: int = 4
     max_stop_strings: int = 16

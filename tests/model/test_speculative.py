@@ -221,14 +221,14 @@ async def test_cancelled_speculating_stream_frees_its_kv(engine: EngineLoop) -> 
 
 
 async def test_auto_calibrates_and_speculates_on_a_copy() -> None:
-    """A server speculating AUTO by default times a few decodes at start and drafts for a
-    single copying stream."""
+    """A server speculating AUTO by default times decodes of 1 to draft_max + 2 rows at start
+    (every count: the cost is not monotone) and drafts for a single copying stream."""
     eng = make_engine(n_parallel=2, speculative="auto")
     try:
         out = await run(eng, request(eng, GROUNDED[0], max_tokens=60, cache_prompt=False))
         points = dict(eng._scheduler.spec.costs.snapshot())
-        assert {1, 2, 4, 8, 16} <= set(points)
-        assert 0 < points[1] < points[16]  # timed at start: ~0.7 s in all on 2 quiet cores
+        assert set(range(1, 19)) <= set(points)
+        assert 0 < points[1] < points[16]  # timed at start: ~2.5 s in all on 2 quiet cores
         assert out.finished.usage.draft_tokens > 0
         assert out.finished.usage.accepted_draft_tokens > 0.8 * out.finished.usage.draft_tokens
     finally:

@@ -20,8 +20,12 @@ from llama_grpc_server.core.spec_policy import (
     prior_shape,
 )
 
-# Measured on the development box (spec_policy.PRIOR_SHAPE's source).
-BOX = ((1, 13.2), (5, 38.8), (9, 55.2), (17, 90.4))
+# Measured on the development box (spec_policy.PRIOR_SHAPE's source): ms per decode-only tick of
+# N rows, logits for every row; an odd number of rows >= 3 costs more than one row more.
+BOX = {
+    1: 12.8, 2: 25.3, 3: 42.1, 4: 33.2, 5: 50.4, 6: 41.6, 7: 58.2, 8: 50.4, 9: 67.9,
+    10: 60.1, 11: 76.2, 12: 68.3, 13: 85.1, 14: 76.2, 15: 94.5, 16: 82.8, 17: 102.2, 18: 93.0,
+}  # fmt: skip
 
 
 def reference_draft(tokens: list[int], n_min: int, n_max: int, k: int) -> tuple[int, ...]:
@@ -36,7 +40,7 @@ def reference_draft(tokens: list[int], n_min: int, n_max: int, k: int) -> tuple[
 
 def box_costs() -> TickCostModel:
     costs = TickCostModel()
-    costs.calibrate(BOX)
+    costs.calibrate(BOX.items())
     return costs
 
 
@@ -104,6 +108,24 @@ def test_incremental_index_matches_a_rescan(seed: int) -> None:
         assert index.draft(tokens, k) == reference_draft(tokens, n_min, n_max, k)
 
 
+def test_lookup_tells_how_long_a_suffix_matched() -> None:
+    """The longest suffix first: 4 tokens here, then 2 where only 2 occurred before."""
+    index = NgramIndex(2, 4)
+    assert index.lookup([1, 2, 3, 4, 5, 9, 1, 2, 3, 4], 2) == ((5, 9), 4)
+    assert NgramIndex(2, 4).lookup([7, 3, 4, 5, 9, 3, 4], 2) == ((5, 9), 2)
+    assert NgramIndex(2, 4).lookup([1, 2, 3], 2) == ((), 0)
+
+
+def test_filler_is_what_last_followed_the_last_token() -> None:
+    """Where the lookup finds nothing, the filler guesses the token that followed the last one
+    most recently, else the last one again."""
+    index = NgramIndex(3, 4)
+    tokens = [5, 6, 7, 9, 5, 8, 1, 5]
+    assert index.draft(tokens, 4) == ()
+    assert index.filler(tokens) == 8
+    assert index.filler([*tokens, 42]) == 42
+
+
 def test_bad_ngram_range_is_refused() -> None:
     with pytest.raises(ValueError, match="ngram_min"):
         NgramIndex(3, 2)
@@ -130,64 +152,84 @@ def test_cost_model_is_unknown_until_measured() -> None:
     assert TickCostModel().tick_ms(4) is None
 
 
-def test_calibrated_points_and_linear_between() -> None:
+def test_calibrated_points_are_kept_as_measured_not_made_monotone() -> None:
+    """4 rows cost less than 3 on the box (llama.cpp's output matmul and an odd row count):
+    the model keeps that, so a policy can pick the cheaper length."""
     costs = box_costs()
-    assert costs.tick_ms(1) == pytest.approx(13.2)
-    assert costs.tick_ms(9) == pytest.approx(55.2)
-    assert costs.tick_ms(3) == pytest.approx((13.2 + 38.8) / 2)
+    assert costs.tick_ms(1) == pytest.approx(12.8)
+    assert costs.tick_ms(3) == pytest.approx(42.1)
+    assert costs.tick_ms(4) == pytest.approx(33.2)
+    assert costs.tick_ms(4) < costs.tick_ms(3)  # type: ignore[operator]
+
+
+def test_a_row_count_not_measured_scales_the_nearest_of_its_parity() -> None:
+    """Measured 1, 2, 4: T(3) comes from T(1) along the prior shape (odd like 3), not from a
+    line between T(2) and T(4), which would make it look cheaper than T(4)."""
+    costs = TickCostModel()
+    costs.calibrate([(1, 12.8), (2, 25.3), (4, 33.2)])
+    assert costs.tick_ms(3) == pytest.approx(12.8 * prior_shape(3))
+    assert costs.tick_ms(3) > costs.tick_ms(4)  # type: ignore[operator]
+    assert costs.tick_ms(6) == pytest.approx(33.2 * prior_shape(6) / prior_shape(4))
 
 
 def test_beyond_the_measured_points_along_the_prior_shape() -> None:
-    """Only T(1) measured: T(N) is T(1) times the box's shape; past the last point likewise."""
+    """Only T(1) measured: T(N) is T(1) times the box's shape; past the last point likewise,
+    and past the shape's own end each parity continues its last slope."""
     costs = TickCostModel()
     costs.observe(1, 20.0)
     assert costs.tick_ms(9) == pytest.approx(20.0 * prior_shape(9))
     box = box_costs()
-    assert box.tick_ms(33) == pytest.approx(90.4 * prior_shape(33) / prior_shape(17))
+    assert box.tick_ms(33) == pytest.approx(102.2 * prior_shape(33) / prior_shape(17))
+    assert prior_shape(32) < prior_shape(34) < prior_shape(33)
 
 
 def test_a_disturbed_calibration_point_is_taken_down() -> None:
     """One row measured at 253 ms (another process had the CPU) but two at 25 ms: T(1) is
-    taken as 25 ms, not 253 (which would make every draft look free)."""
+    taken down to twice what the other points and the shape predict (~13 ms), not 253 (which
+    would make every draft look free); of two readings of one N the faster counts."""
     costs = TickCostModel()
-    costs.calibrate([(1, 253.4), (2, 25.5), (4, 34.1), (8, 59.8), (16, 86.1)])
-    assert costs.tick_ms(1) == pytest.approx(25.5)
+    costs.calibrate([(1, 253.4), (2, 25.5), (4, 34.1), (8, 59.8), (16, 86.1), (16, 90.0)])
+    assert costs.tick_ms(1) < 30
     assert costs.tick_ms(16) == pytest.approx(86.1)
 
 
 def test_a_disturbed_tick_moves_its_point_as_if_three_times_off() -> None:
     costs = box_costs()
-    costs.observe(1, 13.2 * 20)
-    assert costs.tick_ms(1) == pytest.approx(13.2 + 0.1 * (3 * 13.2 - 13.2))
+    costs.observe(1, 12.8 * 20)
+    assert costs.tick_ms(1) == pytest.approx(12.8 + 0.1 * (3 * 12.8 - 12.8))
 
 
-def test_observations_move_a_point_by_ewma_and_keep_it_monotone() -> None:
-    """A measured tick moves its point a tenth of the way; a noisy cheap reading never makes
-    more rows look cheaper than fewer."""
-    costs = box_costs()
-    costs.observe(5, 48.8)
-    assert costs.tick_ms(5) == pytest.approx(39.8)
-    costs.observe(3, 60.0)  # first seen: from its estimate (26.5), a tenth of the way
-    assert costs.tick_ms(3) == pytest.approx(26.5 + 3.35)
-    for _ in range(50):
-        costs.observe(9, 5.0)
-    assert costs.tick_ms(9) >= costs.tick_ms(5)  # type: ignore[operator]
+def test_observations_move_a_point_by_ewma() -> None:
+    """A measured tick moves its point a tenth of the way; a row count seen for the first time
+    starts from its estimate; a cheap reading counts as at most three times off."""
+    costs = TickCostModel()
+    costs.calibrate([(1, 12.8), (4, 33.2)])
+    costs.observe(4, 43.2)
+    assert costs.tick_ms(4) == pytest.approx(34.2)
+    estimate = 12.8 * prior_shape(3)
+    costs.observe(3, 60.0)
+    assert costs.tick_ms(3) == pytest.approx(estimate + 0.1 * (60.0 - estimate))
+    costs.observe(1, 1.0)
+    assert costs.tick_ms(1) == pytest.approx(12.8 + 0.1 * (12.8 / 3 - 12.8))
 
 
 # -- acceptance ------------------------------------------------------------------------------------
 
 
-def test_acceptance_is_an_ewma_over_verified_tokens() -> None:
-    """4 of 4 accepted: four 1s; 1 of 4: a 1 and a 0 (the tokens after the rejected one were
-    never verified); nothing verified changes nothing."""
-    a = Acceptance(0.0)
+def test_acceptance_learns_first_tokens_and_further_ones_apart() -> None:
+    """4 of 4 accepted: the first token a 1 for p, three 1s for p_next; 1 of 4: a 1 for p and
+    a 0 for p_next (the tokens after the rejected one were never verified); 0 of 4: a 0 for p
+    only; nothing verified changes nothing."""
+    a = Acceptance(0.0, 0.0)
     a.record(4, 4)
-    assert a.p == pytest.approx(1 - 0.8**4)
-    b = Acceptance(0.5)
+    assert (a.p, a.p_next) == (pytest.approx(0.2), pytest.approx(1 - 0.8**3))
+    b = Acceptance(0.5, 0.5)
     b.record(1, 4)
-    assert b.p == pytest.approx((1 - 0.5 * 0.8) * 0.8)
+    assert (b.p, b.p_next) == (pytest.approx(0.6), pytest.approx(0.4))
+    b.record(0, 4)
+    assert (b.p, b.p_next) == (pytest.approx(0.48), pytest.approx(0.4))
     b.record(0, 0)
-    assert b.p == pytest.approx(0.48)
+    assert (b.p, b.p_next) == (pytest.approx(0.48), pytest.approx(0.4))
 
 
 def test_acceptance_backs_off_after_a_few_rejections() -> None:
@@ -195,7 +237,7 @@ def test_acceptance_backs_off_after_a_few_rejections() -> None:
     a = Acceptance()
     for _ in range(20):
         a.record(8, 8)
-    assert a.p > 0.99
+    assert a.p > 0.99 and a.p_next > 0.99
     for _ in range(3):
         a.record(0, 8)
     assert a.p < 0.52
@@ -203,25 +245,43 @@ def test_acceptance_backs_off_after_a_few_rejections() -> None:
 
 def test_expected_accepted_is_the_geometric_sum() -> None:
     assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert expected_accepted(0.5, 3, 0.9) == pytest.approx(0.5 * (1 + 0.9 + 0.81))
+    assert Acceptance(0.5, 0.9).expected(3) == pytest.approx(0.5 * (1 + 0.9 + 0.81))
     assert expected_accepted(0.9, 0) == 0
+    assert DraftOption(0, 3, 0.5, p_next=0.9).gain(3) == pytest.approx(0.5 * 0.81)
 
 
 # -- policy ----------------------------------------------------------------------------------------
 
 
 def test_no_draft_at_low_acceptance_on_this_box() -> None:
-    """At B = 1 a draft row costs ~6 ms against a 13 ms tick: p = 0.6 never pays."""
+    """At B = 1 a second row doubles the tick (matrix-vector to matrix-matrix): p = 0.6 never
+    pays."""
     chosen = choose_drafts(1, [DraftOption(0, 8, 0.6)], box_costs().tick_ms, 64)
     assert chosen == {}
 
 
-def test_high_acceptance_drafts_the_best_length() -> None:
-    """p = 0.95 at B = 1: about 10 tokens maximise tokens per ms on the box's costs (~1.78x
-    the rate of plain decoding); a longer draft adds less than it costs."""
-    chosen = choose_drafts(1, [DraftOption(0, 16, 0.95)], box_costs().tick_ms, 64)
-    assert chosen == {0: 10}
-    rate = (1 + expected_accepted(0.95, 10)) / 64.0
-    assert rate / (1 / 13.2) > MIN_GAIN
+@pytest.mark.parametrize(("p", "length"), [(0.8, 3), (0.9, 7), (0.95, 15)])
+def test_acceptance_picks_a_draft_length_with_an_even_row_count(p: float, length: int) -> None:
+    """The better a request's acceptance, the longer its draft; on the box's costs always one
+    that makes the tick's row count even (16 rows cost less than 15 or 17)."""
+    costs = box_costs()
+    chosen = choose_drafts(1, [DraftOption(0, 16, p)], costs.tick_ms, 64)
+    assert chosen == {0: length}
+    rate = (1 + expected_accepted(p, length)) / costs.tick_ms(1 + length)  # type: ignore[operator]
+    assert rate * 12.8 > MIN_GAIN
+
+
+def test_a_filler_pads_an_odd_tick_to_a_cheaper_even_one() -> None:
+    """A guess nobody expects to be accepted (p = 0) is sent only where one more row makes the
+    tick cheaper: 3 decode rows take 42 ms, 4 take 33; never at 1 or 4 decode rows."""
+    filler = [DraftOption(0, 1, 0.0)]
+    costs = box_costs()
+    assert choose_drafts(3, filler, costs.tick_ms, 64) == {0: 1}
+    assert choose_drafts(15, filler, costs.tick_ms, 64) == {0: 1}
+    assert choose_drafts(1, filler, costs.tick_ms, 64) == {}
+    assert choose_drafts(4, filler, costs.tick_ms, 64) == {}
+    assert choose_drafts(3, filler, costs.tick_ms, 0) == {}
 
 
 def test_forced_drafts_whatever_it_costs_within_room() -> None:
@@ -235,26 +295,43 @@ def test_unknown_costs_draft_only_forced() -> None:
     assert choose_drafts(2, options, TickCostModel().tick_ms, 64) == {1: 3}
 
 
-def test_the_better_request_gets_the_draft_tokens() -> None:
-    """Two decoding slots, one repeating its input (p 0.97) and one not (p 0.3): only the
-    first drafts."""
+def test_a_copying_stream_does_not_slow_a_plain_one() -> None:
+    """Two decoding slots, one repeating its input (p 0.97) and one not (p 0.3): a draft for
+    the first would make the second wait for a dearer tick (25 ms for 2 rows, 50 for 8), so
+    neither drafts, although the pair would make more tokens per ms."""
     options = [DraftOption(0, 8, 0.3), DraftOption(1, 8, 0.97)]
+    assert choose_drafts(2, options, box_costs().tick_ms, 64) == {}
+    assert choose_drafts(2, options[1:], box_costs().tick_ms, 64) == {}
+
+
+def test_streams_that_all_copy_all_draft_evenly() -> None:
+    """Two copying streams both draft, the less likely one at least as much (it needs more
+    tokens for the same expected progress), in an even row count."""
+    options = [DraftOption(0, 8, 0.9), DraftOption(1, 8, 0.97)]
     chosen = choose_drafts(2, options, box_costs().tick_ms, 64)
-    assert set(chosen) == {1} and chosen[1] >= 4
+    assert set(chosen) == {0, 1} and chosen[0] >= chosen[1] >= 2
+    assert (2 + sum(chosen.values())) % 2 == 0
+
+
+def test_a_draft_that_pads_an_odd_tick_goes_to_the_likeliest() -> None:
+    """Three decode rows, one stream with a good draft: one row more makes the tick cheaper
+    for all, and it is that stream's draft token, not a filler."""
+    options = [DraftOption(0, 1, 0.0), DraftOption(1, 8, 0.9)]
+    assert choose_drafts(3, options, box_costs().tick_ms, 64) == {1: 1}
 
 
 def test_no_draft_when_the_batch_is_full() -> None:
     """With a flat per-row cost (each extra row costs as much as a decode row) a draft at
     p = 0.9 never yields 10 % more tokens per ms."""
     costs = TickCostModel()
-    costs.calibrate([(1, 6.0), (64, 384.0)])  # 6 ms per row, exactly linear
+    costs.calibrate([(n, 6.0 * n) for n in range(1, 65)])  # 6 ms per row, exactly linear
     options = [DraftOption(i, 8, 0.9) for i in range(16)]
     assert choose_drafts(16, options, costs.tick_ms, 64) == {}
 
 
 def test_room_bounds_the_auto_drafts() -> None:
     costs = TickCostModel()
-    costs.calibrate([(1, 10.0), (64, 11.0)])  # rows nearly free
+    costs.calibrate([(n, 10.0 + n / 64) for n in range(1, 65)])  # rows nearly free
     chosen = choose_drafts(1, [DraftOption(0, 16, 0.99)], costs.tick_ms, 5)
     assert chosen == {0: 5}
 

@@ -713,7 +713,7 @@ class SpeculativeParams(_message.Message):
     NGRAM_MAX_FIELD_NUMBER: _builtins.int
     mode: Global___SpeculativeMode.ValueType
     draft_max: _builtins.int
-    """Draft tokens per step at most: 1 to 32 (server default: --draft-max, 8)."""
+    """Draft tokens per step at most: 1 to 32 (server default: --draft-max, 16)."""
     ngram_min: _builtins.int
     """The shortest and longest suffix of the tokens so far looked up in the earlier ones, the
     longest first, the most recent occurrence first: 1 to 16, ngram_min <= ngram_max (server

@@ -14,7 +14,7 @@ class NgramIndex:
     matches itself, and a later occurrence replaces an earlier one (most recent first). The
     list may only grow between calls (a request's tokens do: rejected drafts never enter it)."""
 
-    __slots__ = ("_ends", "_ngram_max", "_ngram_min", "_num_indexed")
+    __slots__ = ("_after", "_ends", "_ngram_max", "_ngram_min", "_num_indexed")
 
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         if not 1 <= ngram_min <= ngram_max:
@@ -26,25 +26,39 @@ class NgramIndex:
             n: {} for n in range(ngram_min, ngram_max + 1)
         }
         self._num_indexed = 0  # n-grams ending before this index are indexed
+        self._after: dict[int, int] = {}  # token -> the token that last followed it (filler)
 
     def draft(self, tokens: Sequence[int], max_tokens: int) -> tuple[int, ...]:
         """Up to max_tokens tokens that followed the most recent earlier occurrence of the
         longest matching suffix of `tokens`; () when no suffix of ngram_min tokens or more
         occurred before."""
+        return self.lookup(tokens, max_tokens)[0]
+
+    def lookup(self, tokens: Sequence[int], max_tokens: int) -> tuple[tuple[int, ...], int]:
+        """draft() and the length of the suffix it matched (0 when it found none): the longer,
+        the likelier the draft is right (core.speculative)."""
         if max_tokens <= 0:
-            return ()
+            return (), 0
         self._extend(tokens)
         length = len(tokens)
         for n in range(min(self._ngram_max, length), self._ngram_min - 1, -1):
             end = self._ends[n].get(tuple(tokens[length - n :]))
             if end is not None:
-                return tuple(tokens[end : end + max_tokens])
-        return ()
+                return tuple(tokens[end : end + max_tokens]), n
+        return (), 0
+
+    def filler(self, tokens: Sequence[int]) -> int:
+        """A one-token guess when draft() finds nothing: the token that last followed the last
+        token, else the last token again. Nobody counts on it being accepted: it pads a forward
+        pass to a cheaper number of rows (core.spec_policy)."""
+        self._extend(tokens)
+        return self._after.get(tokens[-1], tokens[-1])
 
     def _extend(self, tokens: Sequence[int]) -> None:
         """Index the n-grams that now have a following token (those ending before the last)."""
         last = len(tokens) - 1
-        for end in range(max(self._num_indexed, self._ngram_min), last + 1):
+        for end in range(max(self._num_indexed, 1), last + 1):
+            self._after[tokens[end - 1]] = tokens[end]
             for n, ends in self._ends.items():
                 if n > end:
                     break

@@ -102,7 +102,7 @@ class SpeculativeConfig:
     """Speculation settings, resolved: a request's own (SpeculativeParams) over the server's."""
 
     mode: SpeculativeMode = SpeculativeMode.OFF
-    draft_max: int = 8  # draft tokens per tick at most
+    draft_max: int = 16  # draft tokens per tick at most
     ngram_min: int = 2  # shortest suffix of the tokens that may match earlier tokens
     ngram_max: int = 4  # longest (tried first)
 

@@ -9,130 +9,138 @@ H(k) = T(B + k) - T(B). It yields B tokens plus the accepted draft tokens. AUTO 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 MIN_GAIN = 1.10  # AUTO drafts only for at least 10 % more expected tokens per millisecond
 COST_ALPHA = 0.1  # EWMA weight of one measured tick
 MAX_SURPRISE = 3.0  # a measured tick moves its point as if it were at most this far off
-# T(N) / T(1) for a decode-only tick of N rows, measured on the 2-core development box (Gemma 3
-# 270M Q4_K_M, CPU): 13.2 ms at N = 1, 25-28 ms at N = 2 (the engine's calibration), then 38.8 /
-# 55.2 / 90.4 ms at N = 5 / 9 / 17: one token takes llama.cpp's matrix-vector path, the second
-# row costs ~12 ms and each further one ~4.4 ms. Only used to extend measured points to N not
-# measured yet (its slope beyond 17 continues).
-PRIOR_SHAPE: tuple[tuple[int, float], ...] = (
-    (1, 1.0),
-    (2, 1.9),
-    (5, 2.94),
-    (9, 4.18),
-    (17, 6.85),
-)
 ACCEPT_ALPHA = 0.2  # EWMA weight of one verified draft token (real or shadow)
 ACCEPT_PRIOR = 0.5  # p before any evidence
-
-
-def _interpolate(points: Sequence[tuple[int, float]], n: int) -> float:
-    """Piecewise linear through (x, y) points sorted by x; beyond the ends, along the nearest
-    segment (a single point: flat)."""
-    if len(points) == 1:
-        return points[0][1]
-    i = 1
-    while i < len(points) - 1 and n > points[i][0]:
-        i += 1
-    (x0, y0), (x1, y1) = points[i - 1], points[i]
-    return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+CALIBRATION_SLACK = 2.0  # a calibration point dearer than this times its shape's fit was disturbed
+# T(N) / T(1) for a decode-only tick of N rows with logits for every row, measured on the 2-core
+# development box (Gemma 3 270M Q4_K_M, CPU, `python bench/decode_cost.py --shape`): 12.8 ms at
+# N = 1 (llama.cpp's matrix-vector path). The cost is not monotone: the output layer (a 262,144 x
+# 640 Q8_0 matrix, llama.cpp's tiled CPU matmul) costs ~10-15 ms more for an odd number of logits
+# rows >= 3 than for one row more: 4 rows take 33.2 ms, 3 take 42.1; 16 take 82.8, 15 take 94.5.
+# The model keeps that shape; beyond its last point it continues each parity's last slope.
+# fmt: off
+PRIOR_SHAPE: tuple[float, ...] = (
+    1.00, 1.98, 3.29, 2.59, 3.94, 3.25, 4.55, 3.94,
+    5.30, 4.70, 5.95, 5.34, 6.65, 5.95, 7.38, 6.47,
+    7.98, 7.27, 8.76, 8.03, 9.16, 8.71, 9.88, 9.47,
+    10.64, 9.80, 11.14, 10.46, 11.79, 11.16, 12.09, 11.57,
+)
+# fmt: on
 
 
 def prior_shape(n: int) -> float:
-    """T(n) / T(1) by PRIOR_SHAPE (linear between its points and beyond them)."""
-    return _interpolate(PRIOR_SHAPE, n)
+    """T(n) / T(1) by PRIOR_SHAPE; past its end along the slope of the last two points of n's
+    parity."""
+    if n <= len(PRIOR_SHAPE):
+        return PRIOR_SHAPE[max(n, 1) - 1]
+    last = len(PRIOR_SHAPE) - (len(PRIOR_SHAPE) - n) % 2  # the last point of n's parity
+    slope = (PRIOR_SHAPE[last - 1] - PRIOR_SHAPE[last - 3]) / 2
+    return PRIOR_SHAPE[last - 1] + slope * (n - last)
 
 
 class TickCostModel:
-    """T(N), milliseconds of a decode-only tick of N rows. Each N measured (by the warm-up
-    calibration or a tick since) has an EWMA of its measured times; T of an N not measured is
-    interpolated linearly between the nearest measured ones, or outside them extended along
-    PRIOR_SHAPE from the nearest measured one. Non-decreasing in N. Unknown (None) until some N
-    has been measured."""
+    """T(N), milliseconds of the forward pass of a decode-only tick of N rows (its sampling, ~0.3
+    ms a row for a sampled request against ~5 ms a row of forward pass here, is left out). Each
+    N measured (by the warm-up calibration or a tick since) has an EWMA of its measured times;
+    T of an N not measured is the nearest measured point (of the same parity when as near)
+    scaled along PRIOR_SHAPE (one of the same parity unless the other parity's is more than a
+    row nearer). Not monotone in N: on the development box 4 rows cost less than 3.
+    Unknown (None) until some N has been measured."""
 
     def __init__(self) -> None:
         self._ms: dict[int, float] = {}
-        self._points: list[tuple[int, float]] = []  # sorted, rebuilt on change
 
     def calibrate(self, points: Iterable[tuple[int, float]]) -> None:
-        """Start from timed decodes (rows, ms), replacing what was known. A point dearer than
-        one with more rows was disturbed (another process had the CPU: measured here, 253 ms
-        for one row once, against 25 ms for two) and is taken down to it."""
-        measured = sorted((rows, ms) for rows, ms in points if rows > 0 and ms > 0)
-        self._ms = {}
-        cheapest_above = math.inf
-        for rows, ms in reversed(measured):
-            cheapest_above = min(cheapest_above, ms)
-            self._ms[rows] = cheapest_above
-        self._rebuild()
+        """Start from timed decodes (rows, ms), replacing what was known; the fastest reading of
+        each N counts. A point dearer than CALIBRATION_SLACK times what the others and the prior
+        shape predict for it was disturbed (another process had the CPU: measured here, 253 ms
+        for one row once, against 25 ms for two) and is taken down to that prediction."""
+        best: dict[int, float] = {}
+        for rows, ms in points:
+            if rows > 0 and ms > 0:
+                best[rows] = min(ms, best.get(rows, math.inf))
+        if not best:
+            self._ms = {}
+            return
+        scale = statistics.median(ms / prior_shape(rows) for rows, ms in best.items())
+        self._ms = {
+            rows: min(ms, CALIBRATION_SLACK * scale * prior_shape(rows))
+            for rows, ms in best.items()
+        }
 
-    def observe(self, rows: int, eval_ms: float) -> None:
+    def observe(self, rows: int, tick_ms: float) -> None:
         """A measured decode-only tick moves T(rows) by COST_ALPHA of the difference; an N
         measured for the first time starts from its estimate, so one disturbed tick on a busy
         machine cannot make a draft length look twice as dear (or cheap) for good."""
-        if rows <= 0 or eval_ms <= 0:
+        if rows <= 0 or tick_ms <= 0:
             return
         old = self._ms.get(rows)
         if old is None:
             old = self.tick_ms(rows)
-        if old is not None:  # a tick disturbed by other work counts as at most 3x off
-            eval_ms = min(max(eval_ms, old / MAX_SURPRISE), old * MAX_SURPRISE)
-        self._ms[rows] = eval_ms if old is None else old + COST_ALPHA * (eval_ms - old)
-        self._rebuild()
-
-    def _rebuild(self) -> None:
-        points = sorted(self._ms.items())
-        running = 0.0
-        self._points = []
-        for rows, ms in points:  # noise must not make more rows look cheaper
-            running = max(running, ms)
-            self._points.append((rows, running))
+        if old is None:
+            self._ms[rows] = tick_ms
+            return
+        tick_ms = min(max(tick_ms, old / MAX_SURPRISE), old * MAX_SURPRISE)
+        self._ms[rows] = old + COST_ALPHA * (tick_ms - old)
 
     @property
     def is_known(self) -> bool:
-        return bool(self._points)
+        return bool(self._ms)
 
     def tick_ms(self, rows: int) -> float | None:
-        points = self._points
-        if not points:
-            return None
-        first, last = points[0], points[-1]
-        if rows < first[0]:
-            return first[1] * prior_shape(rows) / prior_shape(first[0])
-        if rows > last[0]:
-            return last[1] * prior_shape(rows) / prior_shape(last[0])
-        return _interpolate(points, rows)
+        known = self._ms.get(rows)
+        if known is not None or not self._ms:
+            return known
+        # the nearest measured N, counting one of the other parity 1.5 rows further away
+        near = min(self._ms, key=lambda n: (abs(n - rows) + 1.5 * ((n - rows) % 2), n))
+        return self._ms[near] * prior_shape(rows) / prior_shape(near)
 
     def snapshot(self) -> tuple[tuple[int, float], ...]:
         """The measured points (rows, ms), for logs and tests."""
-        return tuple(self._points)
+        return tuple(sorted(self._ms.items()))
 
 
 @dataclass(slots=True)
 class Acceptance:
-    """A request's chance p that a draft token is accepted once the ones before it were: an
-    EWMA over verified tokens, each a 1 (accepted) or a 0 (the first rejected one; those after
-    it are not verified). Real verifications and shadow ones (a draft not sent, compared with
-    the tokens generated next) count alike. One full 8-token acceptance lifts p from 0.5 to
-    0.92; each rejection takes a fifth off it."""
+    """A request's chances that a draft token is accepted: p for a draft's first token, and
+    p_next for each further one once the ones before it were. Two, because prompt-lookup drafts
+    are bimodal: a lookup either lands in a passage the output is copying (then it goes on
+    being accepted) or not (then it fails at once). Each is an EWMA over verified tokens, a 1
+    (accepted) or a 0 (the first rejected one; those after it are not verified). Real
+    verifications and shadow ones (a draft not sent, compared with the tokens generated next)
+    count alike. A rejected first token takes a fifth off p; one full 8-token acceptance lifts
+    p_next from 0.5 to 0.9."""
 
     p: float = ACCEPT_PRIOR
+    p_next: float = ACCEPT_PRIOR
 
     def record(self, accepted: int, drafted: int) -> None:
-        self.p = 1.0 - (1.0 - self.p) * (1.0 - ACCEPT_ALPHA) ** accepted
-        if accepted < drafted:
-            self.p *= 1.0 - ACCEPT_ALPHA
+        if drafted <= 0:
+            return
+        self.p += ACCEPT_ALPHA * ((1.0 if accepted else 0.0) - self.p)
+        if accepted:  # tokens 2 .. accepted were accepted; the one after, if any, was not
+            self.p_next = 1.0 - (1.0 - self.p_next) * (1.0 - ACCEPT_ALPHA) ** (accepted - 1)
+            if accepted < drafted:
+                self.p_next *= 1.0 - ACCEPT_ALPHA
+
+    def expected(self, k: int) -> float:
+        """Expected accepted tokens of a k-token draft."""
+        return expected_accepted(self.p, k, self.p_next)
 
 
-def expected_accepted(p: float, k: int) -> float:
-    """Expected accepted tokens of a k-token draft when each is accepted with chance p once the
-    ones before it were: p + p^2 + ... + p^k."""
-    return sum(p**j for j in range(1, k + 1))
+def expected_accepted(p: float, k: int, p_next: float | None = None) -> float:
+    """Expected accepted tokens of a k-token draft whose first token is accepted with chance p
+    and each further one with chance p_next (default p) once the ones before it were:
+    p (1 + p_next + ... + p_next^(k-1))."""
+    q = p if p_next is None else p_next
+    return sum(p * q ** (j - 1) for j in range(1, k + 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +149,13 @@ class DraftOption:
 
     slot_id: int
     max_len: int  # draft tokens available (found, and allowed by draft_max / max_tokens / n_ctx)
-    p: float  # Acceptance.p
+    p: float  # Acceptance.p: chance of the first draft token
     is_forced: bool = False  # mode ON: the whole draft, whatever it costs
+    p_next: float | None = None  # Acceptance.p_next (None: p)
+
+    def gain(self, j: int) -> float:
+        """Chance that the j-th draft token (from 1) is accepted."""
+        return self.p * (self.p if self.p_next is None else self.p_next) ** (j - 1)
 
 
 def choose_drafts(
@@ -152,10 +165,18 @@ def choose_drafts(
     max_extra: int,
 ) -> dict[int, int]:
     """slot_id -> draft length for this tick (slots drafting nothing are left out). num_rows:
-    the tick's decode rows; max_extra: draft rows the batch and the KV cache have room for.
-    Forced options take their whole draft first; the others share what is left, by the
-    marginal expected gain of each further draft token (p^j for the j-th), in the number that
-    maximises expected tokens per millisecond, if that beats not drafting them by MIN_GAIN."""
+    the tick's decode rows (one per decoding request; those without an option draft nothing);
+    max_extra: draft rows the batch and the KV cache have room for.
+
+    Forced options take their whole draft first. The others' draft tokens are chosen so that
+    the slowest of the tick's requests goes fastest: every request waits for the whole tick,
+    so a draft row that speeds one stream slows all the others, and AUTO must only ever help.
+    A request's expected progress is (1 + its expected accepted tokens) / T(rows); each further
+    draft token goes to the request expected to progress least (at a tie, to the likelier
+    token), and of all the totals so reached, the one maximising the slowest request's progress
+    is taken if it beats not drafting by MIN_GAIN. So drafts go to one stream alone only when
+    the others lose nothing (a cheaper row count), and to all streams when all have good
+    drafts."""
     out: dict[int, int] = {}
     room = max_extra
     for option in options:
@@ -163,30 +184,33 @@ def choose_drafts(
             out[option.slot_id] = min(option.max_len, room)
             room -= out[option.slot_id]
     base_rows = num_rows + (max_extra - room)
-    base_tokens = num_rows + sum(
-        expected_accepted(o.p, out[o.slot_id]) for o in options if o.slot_id in out
-    )
-    gains = sorted(
-        (
-            (o.p**j, o.slot_id)
-            for o in options
-            if not o.is_forced and o.p > 0
-            for j in range(1, o.max_len + 1)
-        ),
-        reverse=True,
-    )[: max(0, room)]
     base_ms = tick_ms(base_rows)
-    if not gains or base_ms is None or base_ms <= 0:
+    free = [o for o in options if not o.is_forced and o.max_len > 0]
+    if not free or room <= 0 or base_ms is None or base_ms <= 0:
         return out
-    best_k, best_rate, tokens = 0, base_tokens / base_ms, base_tokens
+    # expected tokens this tick of each request with an option; a request without one makes 1
+    value = {
+        o.slot_id: 1.0 + sum(o.gain(j) for j in range(1, out.get(o.slot_id, 0) + 1))
+        for o in options
+    }
+    floor = 1.0 if num_rows > len(value) else math.inf
+    taken = dict.fromkeys((o.slot_id for o in free), 0)
+    picks: list[int] = []  # slot ids, in the order their draft tokens were taken
+    best_k, best_rate = 0, min(floor, *value.values()) / base_ms
     threshold = best_rate * MIN_GAIN
-    for k, (gain, _) in enumerate(gains, 1):
-        tokens += gain
-        ms = tick_ms(base_rows + k)
-        if ms is not None and ms > 0 and tokens / ms > best_rate:
-            best_k, best_rate = k, tokens / ms
+    while len(picks) < room:
+        open_ = [o for o in free if taken[o.slot_id] < o.max_len]
+        if not open_:
+            break
+        pick = min(open_, key=lambda o: (value[o.slot_id], -o.gain(taken[o.slot_id] + 1)))
+        taken[pick.slot_id] += 1
+        value[pick.slot_id] += pick.gain(taken[pick.slot_id])
+        picks.append(pick.slot_id)
+        ms = tick_ms(base_rows + len(picks))
+        if ms is not None and ms > 0 and min(floor, *value.values()) / ms > best_rate:
+            best_k, best_rate = len(picks), min(floor, *value.values()) / ms
     if best_k == 0 or best_rate < threshold:
         return out
-    for _, slot_id in gains[:best_k]:
+    for slot_id in picks[:best_k]:
         out[slot_id] = out.get(slot_id, 0) + 1
     return out

@@ -3,7 +3,6 @@ warm up with one real decode, start the engine thread."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import structlog
@@ -32,39 +31,39 @@ def resolve_model(settings: Settings) -> tuple[str, str]:
     return str(default_model_path()), settings.model.model_name or DEFAULT_MODEL_NAME
 
 
-def warm_up(model: LlamaModel, runner: Runner, costs: TickCostModel | None = None) -> None:
+def warm_up(
+    model: LlamaModel, runner: Runner, costs: TickCostModel | None = None, max_rows: int = 0
+) -> None:
     """One real decode so the first request does not pay for lazy allocations; then, given the
-    speculation cost model, calibrate it."""
+    speculation cost model, calibrate it for ticks of up to max_rows rows."""
     tokens = tuple(model.tokenize("Hello", add_special=True, parse_special=False))
     plan = StepPlan(tick=0, chunks=(Chunk(0, "", 0, tokens, False),))
     runner.execute(plan)
     model.seq_remove(0, 0, -1)
     if costs is not None:
-        points = calibrate(model, runner)
-        costs.calibrate(points)
-        log.info("speculation_calibrated", tick_ms={rows: round(ms, 2) for rows, ms in points})
+        costs.calibrate(calibrate(model, runner, max_rows))
+        log.info("speculation_calibrated", tick_ms={n: round(ms, 2) for n, ms in costs.snapshot()})
 
 
-CALIBRATION_ROWS = (1, 2, 4, 8, 16)
 CALIBRATION_TEXT = "The quick brown fox jumps over the lazy dog while the cat watches. " * 4
 
 
-def calibrate(model: LlamaModel, runner: Runner) -> list[tuple[int, float]]:
-    """(rows, ms) of decode-only forward passes of 1, 2, 4, 8, 16 rows (one sequence after a
-    short context, logits for every row, like a speculative decode), the fastest of a few each
-    (other work on the machine can stretch one pass tenfold): about 0.7 s on 2 CPU cores for
-    Gemma 3 270M. The model then learns from real ticks."""
+def calibrate(model: LlamaModel, runner: Runner, max_rows: int) -> list[tuple[int, float]]:
+    """(rows, ms) of decode-only forward passes of every N from 1 to max_rows (one sequence
+    after a short context, logits for every row, like a speculative decode), twice each in
+    interleaved sweeps (the cost model keeps the faster: other work on the machine can stretch
+    one pass tenfold): about 2.5 s for 18 rows on 2 CPU cores for Gemma 3 270M. Every N, not a
+    few to interpolate between: the cost is not monotone in N (core.spec_policy). The model
+    then learns from real ticks."""
     context = tuple(model.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False))
     runner.time_decode((Chunk(0, "", 0, context, False),))
     points: list[tuple[int, float]] = []
-    for rows in CALIBRATION_ROWS:
-        tokens = tuple(context[i % len(context)] for i in range(rows))
-        chunk = Chunk(0, "", len(context), tokens, True, num_draft=rows - 1)
-        best = math.inf
-        for _ in range(5 if rows == 1 else 3):
-            best = min(best, runner.time_decode((chunk,)))
+    for _ in range(2):
+        for rows in range(1, max_rows + 1):
+            tokens = tuple(context[i % len(context)] for i in range(rows))
+            chunk = Chunk(0, "", len(context), tokens, True, num_draft=rows - 1)
+            points.append((rows, runner.time_decode((chunk,))))
             model.seq_remove(0, len(context), -1)
-        points.append((rows, best))
     model.seq_remove(0, 0, -1)
     return points
 
@@ -132,10 +131,14 @@ def build_engine(
         # OpenMP team belongs to the thread that first decodes; a second team (main thread, then
         # engine thread) makes libgomp see more threads than CPUs and throttle its barrier
         # spinning: measured here, every later decode 1.5-1.9x slower on 2 cores.
-        # A server that speculates by default calibrates its cost model (~0.7 s); otherwise a
-        # request asking for AUTO starts from the prior shape scaled by the measured ticks.
+        # A server that speculates by default calibrates its cost model for one stream's
+        # longest draft and one row more (~2.5 s for 18 rows); otherwise a request asking for
+        # AUTO starts from the prior shape scaled by the measured ticks.
         on_start=lambda: warm_up(
-            model, runner, scheduler.spec.costs if sched.speculative != "off" else None
+            model,
+            runner,
+            scheduler.spec.costs if sched.speculative != "off" else None,
+            min(sched.draft_max + 2, model.n_batch),
         ),
         # An idle engine's docked OpenMP helpers throttle a busy engine's barriers the same way
         # (engine/openmp.py): they are released after IDLE_RELEASE_S without work.
