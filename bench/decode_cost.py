@@ -4,6 +4,11 @@ with logits for every position (what verifying a k-token draft needs) and with l
 last one only (the transformer body alone), and reports the median llama_decode time.
 
     python bench/decode_cost.py [--reps 3]
+    python bench/decode_cost.py --rows 32 --name decode_cost_shape   # every N = 1 .. 32
+
+The second form is the source of core.spec_policy.PRIOR_SHAPE: on the development box an odd
+number of logits rows >= 3 costs ~10 ms more than one row more (llama.cpp's CPU matmul of the
+262,144 x 640 Q8_0 output matrix), which a curve sampled at 1, 2, 4, 8, 16 cannot show.
 """
 
 from __future__ import annotations
@@ -43,7 +48,10 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--samples", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, help="time every N from 1 to this many rows")
+    parser.add_argument("--name", default="decode_cost", help="results file name")
     args = parser.parse_args()
+    extra = EXTRA if args.rows is None else tuple(range(args.rows))
     facts = machine_facts(args.threads)
     raw = RawLoop(str(default_model_path()), 4096, 1, args.threads)
     prompt = raw.model.tokenize(PROMPT, add_special=True, parse_special=False)
@@ -52,7 +60,7 @@ def main() -> int:
     rows: dict[str, dict[int, list[float]]] = {"all_logits": {}, "last_logits": {}}
     for rep in range(args.reps):
         for mode, rows_of in rows.items():
-            for k in EXTRA:
+            for k in extra:
                 ms = median_ms(raw, len(prompt), k, mode == "all_logits", args.samples)
                 rows_of.setdefault(k, []).append(ms)
         progress(f"rep {rep + 1}/{args.reps} done")
@@ -71,7 +79,7 @@ def main() -> int:
         "machine": facts,
         "rows": out,
     }
-    write_json("decode_cost", finish_facts(data))
+    write_json(args.name, finish_facts(data))
     base = out["all_logits"][0]["ms_median"]
     for a, b in zip(out["all_logits"], out["last_logits"], strict=True):
         print(

@@ -284,6 +284,22 @@ def test_a_filler_pads_an_odd_tick_to_a_cheaper_even_one() -> None:
     assert choose_drafts(3, filler, costs.tick_ms, 0) == {}
 
 
+def test_beside_a_plain_stream_only_padding_is_weighed() -> None:
+    """Fourteen streams with long drafts and one without: the slowest stream cannot be helped,
+    so the policy weighs the streams' first tokens and one row more, and stops, rather than
+    every one of the 224 draft tokens (its work per tick stays small at large batches)."""
+    calls: list[int] = []
+    costs = box_costs()
+
+    def tick_ms(rows: int) -> float | None:
+        calls.append(rows)
+        return costs.tick_ms(rows)
+
+    options = [DraftOption(i, 16, 0.9) for i in range(14)]
+    assert choose_drafts(15, options, tick_ms, 512) == {0: 1}  # 16 rows cost less than 15
+    assert len(calls) <= 16
+
+
 def test_forced_drafts_whatever_it_costs_within_room() -> None:
     """Mode ON takes its whole draft even at p = 0, but never more than the room."""
     options = [DraftOption(0, 6, 0.0, is_forced=True), DraftOption(1, 6, 0.0, is_forced=True)]

@@ -8,6 +8,7 @@ H(k) = T(B + k) - T(B). It yields B tokens plus the accepted draft tokens. AUTO 
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
@@ -20,11 +21,13 @@ ACCEPT_ALPHA = 0.2  # EWMA weight of one verified draft token (real or shadow)
 ACCEPT_PRIOR = 0.5  # p before any evidence
 CALIBRATION_SLACK = 2.0  # a calibration point dearer than this times its shape's fit was disturbed
 # T(N) / T(1) for a decode-only tick of N rows with logits for every row, measured on the 2-core
-# development box (Gemma 3 270M Q4_K_M, CPU, `python bench/decode_cost.py --shape`): 12.8 ms at
-# N = 1 (llama.cpp's matrix-vector path). The cost is not monotone: the output layer (a 262,144 x
-# 640 Q8_0 matrix, llama.cpp's tiled CPU matmul) costs ~10-15 ms more for an odd number of logits
-# rows >= 3 than for one row more: 4 rows take 33.2 ms, 3 take 42.1; 16 take 82.8, 15 take 94.5.
-# The model keeps that shape; beyond its last point it continues each parity's last slope.
+# development box (Gemma 3 270M Q4_K_M, CPU; `python bench/decode_cost.py --rows 32 --name
+# decode_cost_shape`): 12.8 ms at N = 1 (llama.cpp's matrix-vector path). The cost is not
+# monotone: the output layer (a 262,144 x 640 Q8_0 matrix, llama.cpp's tiled CPU matmul) costs
+# ~10-15 ms more for an odd number of logits rows >= 3 than for one row more: 4 rows take 33.2
+# ms, 3 take 42.1; 16 take 82.8, 15 take 94.5 (and 4 tokens with 3 logits rows 49.5 ms, with 4
+# rows 35.6: it is the rows of logits, not the tokens). The model keeps that shape; beyond its
+# last point it continues each parity's last slope.
 # fmt: off
 PRIOR_SHAPE: tuple[float, ...] = (
     1.00, 1.98, 3.29, 2.59, 3.94, 3.25, 4.55, 3.94,
@@ -158,6 +161,16 @@ class DraftOption:
         return self.p * (self.p if self.p_next is None else self.p_next) ** (j - 1)
 
 
+def _forced(options: Sequence[DraftOption], room: int) -> dict[int, int]:
+    """Mode ON's drafts, whole, as far as the room goes."""
+    out: dict[int, int] = {}
+    for option in options:
+        if option.is_forced and option.max_len > 0 and room > 0:
+            out[option.slot_id] = min(option.max_len, room)
+            room -= out[option.slot_id]
+    return out
+
+
 def choose_drafts(
     num_rows: int,
     options: Sequence[DraftOption],
@@ -177,40 +190,50 @@ def choose_drafts(
     is taken if it beats not drafting by MIN_GAIN. So drafts go to one stream alone only when
     the others lose nothing (a cheaper row count), and to all streams when all have good
     drafts."""
-    out: dict[int, int] = {}
-    room = max_extra
-    for option in options:
-        if option.is_forced and option.max_len > 0 and room > 0:
-            out[option.slot_id] = min(option.max_len, room)
-            room -= out[option.slot_id]
-    base_rows = num_rows + (max_extra - room)
+    out = _forced(options, max_extra)
+    room = max_extra - sum(out.values())
+    base_rows = num_rows + sum(out.values())
     base_ms = tick_ms(base_rows)
     free = [o for o in options if not o.is_forced and o.max_len > 0]
     if not free or room <= 0 or base_ms is None or base_ms <= 0:
         return out
-    # expected tokens this tick of each request with an option; a request without one makes 1
-    value = {
-        o.slot_id: 1.0 + sum(o.gain(j) for j in range(1, out.get(o.slot_id, 0) + 1))
-        for o in options
-    }
-    floor = 1.0 if num_rows > len(value) else math.inf
-    taken = dict.fromkeys((o.slot_id for o in free), 0)
-    picks: list[int] = []  # slot ids, in the order their draft tokens were taken
-    best_k, best_rate = 0, min(floor, *value.values()) / base_ms
+    # Expected tokens this tick: a request without an option makes 1. `stuck` is the least of
+    # the values that can no longer rise (requests with no draft token left to take).
+    stuck = min(
+        [1.0 if num_rows > len(options) else math.inf]
+        + [
+            1.0 + sum(o.gain(j) for j in range(1, out.get(o.slot_id, 0) + 1))
+            for o in options
+            if o not in free
+        ]
+    )
+    value = [1.0] * len(free)
+    taken = [0] * len(free)
+    heap = [(1.0, -o.gain(1), i) for i, o in enumerate(free)]  # the slowest request first
+    heapq.heapify(heap)
+    picks: list[int] = []  # indexes into free, in the order their draft tokens were taken
+    best_k, best_rate = 0, min(stuck, heap[0][0]) / base_ms
     threshold = best_rate * MIN_GAIN
-    while len(picks) < room:
-        open_ = [o for o in free if taken[o.slot_id] < o.max_len]
-        if not open_:
-            break
-        pick = min(open_, key=lambda o: (value[o.slot_id], -o.gain(taken[o.slot_id] + 1)))
-        taken[pick.slot_id] += 1
-        value[pick.slot_id] += pick.gain(taken[pick.slot_id])
-        picks.append(pick.slot_id)
+    padded = False
+    while heap and len(picks) < room:
+        v, _, i = heapq.heappop(heap)
+        if v > stuck:  # the slowest cannot be helped: one row more may still be cheaper
+            if padded:
+                break
+            padded = True
+        taken[i] += 1
+        value[i] += free[i].gain(taken[i])
+        picks.append(i)
+        if taken[i] < free[i].max_len:
+            heapq.heappush(heap, (value[i], -free[i].gain(taken[i] + 1), i))
+        else:
+            stuck = min(stuck, value[i])
         ms = tick_ms(base_rows + len(picks))
-        if ms is not None and ms > 0 and min(floor, *value.values()) / ms > best_rate:
-            best_k, best_rate = len(picks), min(floor, *value.values()) / ms
+        slowest = min(stuck, heap[0][0]) if heap else stuck
+        if ms is not None and ms > 0 and slowest / ms > best_rate:
+            best_k, best_rate = len(picks), slowest / ms
     if best_k == 0 or best_rate < threshold:
         return out
-    for slot_id in picks[:best_k]:
-        out[slot_id] = out.get(slot_id, 0) + 1
+    for i in picks[:best_k]:
+        out[free[i].slot_id] = out.get(free[i].slot_id, 0) + 1
     return out
