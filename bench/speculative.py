@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     DEFAULT_THREADS,
     finish_facts,
-    llama_grpc_server,
+    llama_grpc_process,
     machine_facts,
     progress,
     pyplot,
@@ -52,6 +53,7 @@ from llama_grpc_server.model_files import default_model_path
 GEN_TOKENS = 128
 SEED = 4242
 MODES = {"off": pb.SPECULATIVE_MODE_OFF, "auto": pb.SPECULATIVE_MODE_AUTO}
+SINGLE_KEYS = ("decode_tok_s", "ttft_ms", "total_tok_s", "passes_per_token", "cpu_ms_per_token")
 
 GROUNDED = {
     "double_numbers": (
@@ -110,6 +112,32 @@ CONTROL = {
 }
 
 
+def server_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of the server process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Meter:
+    """Forward passes and server CPU time over one measured run: counts noise barely moves,
+    next to the wall-clock rates (this 2-core VM's decode time for identical work varies by
+    ~10 % from run to run)."""
+
+    def __init__(self, stub: Any, pid: int) -> None:
+        self.stub, self.pid = stub, pid
+
+    async def start(self) -> None:
+        self.ticks = (await self.stub.GetStats(pb.GetStatsRequest())).ticks
+        self.cpu = server_cpu_s(self.pid)
+
+    async def per_token(self, tokens: int) -> dict[str, float]:
+        ticks = (await self.stub.GetStats(pb.GetStatsRequest())).ticks
+        return {
+            "passes_per_token": (ticks - self.ticks) / tokens,
+            "cpu_ms_per_token": (server_cpu_s(self.pid) - self.cpu) * 1000 / tokens,
+        }
+
+
 def params(mode: str, max_tokens: int, *, sampled: bool) -> pb.GenerationParams:
     sampling = (
         pb.SamplingParams(temperature=0.8, seed=SEED)
@@ -128,22 +156,27 @@ def prompt_set(kind: str) -> dict[str, str]:
     return GROUNDED if kind == "grounded" else CONTROL
 
 
-async def single(stub: Any, mode: str, text: str, gen: int, *, sampled: bool) -> dict[str, Any]:
-    record = await stream_tokens(stub, text=text, params=params(mode, gen, sampled=sampled))
+async def single(meter: Meter, mode: str, text: str, gen: int, *, sampled: bool) -> dict[str, Any]:
+    await meter.start()
+    record = await stream_tokens(meter.stub, text=text, params=params(mode, gen, sampled=sampled))
     if record.n_tokens != gen:
         raise RuntimeError(f"expected {gen} tokens, got {record.n_tokens}")
     return {
         "decode_tok_s": record.decode_tok_s,
         "ttft_ms": record.ttft_s * 1000,
         "total_tok_s": record.n_tokens / (record.t_done - record.t_send),
+        **(await meter.per_token(record.n_tokens)),
         "token_ids": record.token_ids,
     }
 
 
-async def aggregate(stub: Any, mode: str, kind: str, batch: int, gen: int) -> float:
-    """Aggregate tok/s of `batch` concurrent streams cycling through one prompt set."""
+async def aggregate(meter: Meter, mode: str, kind: str, batch: int, gen: int) -> dict[str, float]:
+    """Aggregate tok/s of `batch` concurrent streams cycling through one prompt set, with the
+    forward passes and server CPU time per token."""
     texts = list(prompt_set(kind).values())
     sampled = kind == "control"
+    stub = meter.stub
+    await meter.start()
     t0 = time.perf_counter()
     records = await asyncio.gather(
         *(
@@ -157,7 +190,7 @@ async def aggregate(stub: Any, mode: str, kind: str, batch: int, gen: int) -> fl
     n = sum(r.n_tokens for r in records)
     if n != batch * gen:
         raise RuntimeError(f"expected {batch * gen} tokens, got {n}")
-    return n / seconds
+    return {"tok_s": n / seconds, **(await meter.per_token(n))}
 
 
 def raw_decode_rate(raw: RawLoop, text: str, gen: int) -> float:
@@ -169,19 +202,20 @@ def raw_decode_rate(raw: RawLoop, text: str, gen: int) -> float:
     return (gen - 1) / max(1e-9, full - prefill)
 
 
-async def measure(raw: RawLoop, target: str, args: argparse.Namespace) -> dict[str, Any]:
+async def measure(raw: RawLoop, target: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     gen, reps = args.gen_tokens, args.reps
     batches = [int(b) for b in args.batches.split(",") if b]
     singles: dict[str, dict[str, dict[str, list[float]]]] = {}
     mismatched: list[str] = []
-    aggregates: dict[str, dict[int, dict[str, list[float]]]] = {
+    aggregates: dict[str, dict[int, dict[str, list[dict[str, float]]]]] = {
         kind: {b: {"off": [], "auto": []} for b in batches} for kind in ("grounded", "control")
     }
     raw_rates: list[float] = []
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.LlmServiceStub(channel)
+        meter = Meter(stub, pid)
         for mode in MODES:  # warm-up
-            await single(stub, mode, GROUNDED["form_fields"], 8, sampled=False)
+            await single(meter, mode, GROUNDED["form_fields"], 8, sampled=False)
         before = await stub.GetStats(pb.GetStatsRequest())
         progress("warm-up done")
         for rep in range(reps):
@@ -191,9 +225,9 @@ async def measure(raw: RawLoop, target: str, args: argparse.Namespace) -> dict[s
                 for name, text in prompt_set(kind).items():
                     got = {}
                     for mode in order:
-                        got[mode] = await single(stub, mode, text, gen, sampled=kind == "control")
+                        got[mode] = await single(meter, mode, text, gen, sampled=kind == "control")
                         row = singles.setdefault(name, {}).setdefault(
-                            mode, {"decode_tok_s": [], "ttft_ms": [], "total_tok_s": []}
+                            mode, {key: [] for key in SINGLE_KEYS}
                         )
                         for key in row:
                             row[key].append(got[mode][key])
@@ -206,16 +240,32 @@ async def measure(raw: RawLoop, target: str, args: argparse.Namespace) -> dict[s
             for b in batches:
                 for kind in ("grounded", "control"):
                     for mode in order:
-                        aggregates[kind][b][mode].append(await aggregate(stub, mode, kind, b, gen))
+                        aggregates[kind][b][mode].append(await aggregate(meter, mode, kind, b, gen))
                     agg = aggregates[kind][b]
                     progress(
-                        f"rep {rep + 1}/{reps} B={b} {kind}: off {agg['off'][-1]:.1f} "
-                        f"auto {agg['auto'][-1]:.1f} tok/s"
+                        f"rep {rep + 1}/{reps} B={b} {kind}: off {agg['off'][-1]['tok_s']:.1f} "
+                        f"auto {agg['auto'][-1]['tok_s']:.1f} tok/s"
                     )
         after = await stub.GetStats(pb.GetStatsRequest())
     raw_rate = statistics.median(raw_rates)
+    # the grounded set as one workload: all its tokens over all its decode time, per rep
+    set_rates = {
+        mode: [
+            len(GROUNDED)
+            * gen
+            / sum(gen / singles[name][mode]["decode_tok_s"][rep] for name in GROUNDED)
+            for rep in range(reps)
+        ]
+        for mode in MODES
+    }
     return {
         "raw_b1_decode_tok_s": spread(raw_rates),
+        "grounded_set": {
+            "off_tok_s": spread(set_rates["off"]),
+            "auto_tok_s": spread(set_rates["auto"]),
+            "auto_vs_raw_b1": statistics.median(set_rates["auto"]) / raw_rate,
+            "speedup": statistics.median(set_rates["auto"]) / statistics.median(set_rates["off"]),
+        },
         "single": [
             single_row(name, singles[name], raw_rate, "grounded" if name in GROUNDED else "control")
             for name in singles
@@ -250,14 +300,20 @@ def single_row(name: str, got: dict[str, dict[str, list[float]]], raw: float, ki
     }
 
 
-def aggregate_row(kind: str, batch: int, got: dict[str, list[float]]) -> dict[str, Any]:
+def aggregate_row(kind: str, batch: int, got: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    off, auto = ([run["tok_s"] for run in got[mode]] for mode in ("off", "auto"))
     return {
         "kind": kind,
         "batch": batch,
-        "off_tok_s": spread(got["off"]),
-        "auto_tok_s": spread(got["auto"]),
-        "speedup": statistics.median(got["auto"]) / statistics.median(got["off"]),
-        "speedup_per_rep": [a / o for a, o in zip(got["auto"], got["off"], strict=True)],
+        "off_tok_s": spread(off),
+        "auto_tok_s": spread(auto),
+        "speedup": statistics.median(auto) / statistics.median(off),
+        "speedup_per_rep": [a / o for a, o in zip(auto, off, strict=True)],
+        **{
+            f"{mode}_{key}": spread([run[key] for run in got[mode]])
+            for mode in ("off", "auto")
+            for key in ("passes_per_token", "cpu_ms_per_token")
+        },
     }
 
 
@@ -279,8 +335,8 @@ def main() -> int:
     if args.draft_max is not None:
         extra += ["--draft-max", str(args.draft_max)]
     progress("starting llama-grpc --speculative auto")
-    with llama_grpc_server(*server_args(args.threads, *extra)) as target:
-        result = asyncio.run(measure(raw, target, args))
+    with llama_grpc_process(*server_args(args.threads, *extra)) as (target, proc):
+        result = asyncio.run(measure(raw, target, proc.pid, args))
     raw.close()
     data = {
         "benchmark": "speculative",
@@ -298,7 +354,12 @@ def main() -> int:
     write_json(args.name, finish_facts(data))
     plot(data, args.name)
     raw_rate = data["raw_b1_decode_tok_s"]["median"]
-    print(f"raw B=1 decode {raw_rate:.1f} tok/s")
+    grounded = data["grounded_set"]
+    print(
+        f"raw B=1 decode {raw_rate:.1f} tok/s; grounded set: off "
+        f"{grounded['off_tok_s']['median']:.1f} auto {grounded['auto_tok_s']['median']:.1f} "
+        f"tok/s (x{grounded['auto_vs_raw_b1']:.2f} raw)"
+    )
     for r in data["single"]:
         print(
             f"{r['prompt']:>18} ({r['kind']}): off {r['off']['decode_tok_s']['median']:6.1f} "
@@ -308,7 +369,11 @@ def main() -> int:
     for r in data["aggregate"]:
         print(
             f"B={r['batch']:>2} {r['kind']:>8}: off {r['off_tok_s']['median']:6.1f} auto "
-            f"{r['auto_tok_s']['median']:6.1f} tok/s  x{r['speedup']:.2f}"
+            f"{r['auto_tok_s']['median']:6.1f} tok/s  x{r['speedup']:.2f}; passes/token "
+            f"{r['off_passes_per_token']['median']:.3f} / "
+            f"{r['auto_passes_per_token']['median']:.3f}, CPU ms/token "
+            f"{r['off_cpu_ms_per_token']['median']:.1f} / "
+            f"{r['auto_cpu_ms_per_token']['median']:.1f}"
         )
     print(f"server: {data['server_spec']}; output mismatches: {data['output_mismatches']}")
     return 0
