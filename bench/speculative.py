@@ -292,7 +292,12 @@ def single_row(name: str, got: dict[str, dict[str, list[float]]], raw: float, ki
         "kind": kind,
         "off": {key: spread(values) for key, values in off.items()},
         "auto": {key: spread(values) for key, values in auto.items()},
-        "speedup": auto_m / off_m,
+        # AUTO/off: the median of the interleaved reps' paired ratios (a drift of the machine's
+        # speed between reps cancels out); the ratio of the medians next to it
+        "speedup": statistics.median(
+            a / o for a, o in zip(auto["decode_tok_s"], off["decode_tok_s"], strict=True)
+        ),
+        "speedup_of_medians": auto_m / off_m,
         "auto_vs_raw_b1": auto_m / raw,
         "speedup_per_rep": [
             a / o for a, o in zip(auto["decode_tok_s"], off["decode_tok_s"], strict=True)
@@ -307,7 +312,8 @@ def aggregate_row(kind: str, batch: int, got: dict[str, list[dict[str, float]]])
         "batch": batch,
         "off_tok_s": spread(off),
         "auto_tok_s": spread(auto),
-        "speedup": statistics.median(auto) / statistics.median(off),
+        "speedup": statistics.median(a / o for a, o in zip(auto, off, strict=True)),
+        "speedup_of_medians": statistics.median(auto) / statistics.median(off),
         "speedup_per_rep": [a / o for a, o in zip(auto, off, strict=True)],
         **{
             f"{mode}_{key}": spread([run[key] for run in got[mode]])

@@ -22,29 +22,29 @@ ACCEPT_PRIOR = 0.5  # p before any evidence
 CALIBRATION_SLACK = 2.0  # a calibration point dearer than this times its shape's fit was disturbed
 # T(N) / T(1) for a decode-only tick of N rows with logits for every row, measured on the 2-core
 # development box (Gemma 3 270M Q4_K_M, CPU; `python bench/decode_cost.py --rows 32 --name
-# decode_cost_shape`): 12.8 ms at N = 1 (llama.cpp's matrix-vector path). The cost is not
-# monotone: the output layer (a 262,144 x 640 Q8_0 matrix, llama.cpp's tiled CPU matmul) costs
-# ~10-15 ms more for an odd number of logits rows >= 3 than for one row more: 4 rows take 33.2
-# ms, 3 take 42.1; 16 take 82.8, 15 take 94.5 (and 4 tokens with 3 logits rows 49.5 ms, with 4
-# rows 35.6: it is the rows of logits, not the tokens). The model keeps that shape; beyond its
-# last point it continues each parity's last slope.
+# decode_cost_shape`, the fastest of its 3 reps of each N): 12.7 ms at N = 1 (llama.cpp's
+# matrix-vector path). The cost is not monotone: the output layer (a 262,144 x 640 Q8_0 matrix,
+# llama.cpp's tiled CPU matmul) costs ~10 ms more for an odd number of logits rows >= 3 than for
+# one row more: 4 rows take 32.7 ms, 3 take 42.5; 16 take 85.4, 15 take 96.1 (and 4 tokens with
+# 3 logits rows 49.5 ms, with 4 rows 35.6: it is the rows of logits, not the tokens). The model
+# keeps that shape; beyond its last point each parity goes on at its slope over the last 8 rows.
 # fmt: off
 PRIOR_SHAPE: tuple[float, ...] = (
-    1.00, 1.98, 3.29, 2.59, 3.94, 3.25, 4.55, 3.94,
-    5.30, 4.70, 5.95, 5.34, 6.65, 5.95, 7.38, 6.47,
-    7.98, 7.27, 8.76, 8.03, 9.16, 8.71, 9.88, 9.47,
-    10.64, 9.80, 11.14, 10.46, 11.79, 11.16, 12.09, 11.57,
+    1.00, 1.96, 3.36, 2.58, 4.00, 3.29, 4.87, 4.30,
+    5.45, 4.97, 6.38, 5.44, 7.20, 6.25, 7.59, 6.75,
+    8.54, 7.99, 9.37, 8.71, 9.92, 9.18, 10.60, 10.26,
+    11.65, 10.51, 11.80, 11.44, 12.08, 10.99, 12.44, 12.05,
 )
 # fmt: on
 
 
 def prior_shape(n: int) -> float:
-    """T(n) / T(1) by PRIOR_SHAPE; past its end along the slope of the last two points of n's
-    parity."""
+    """T(n) / T(1) by PRIOR_SHAPE; past its end along the slope of the last 8 rows of n's
+    parity (one reading's noise would tilt a slope over 2)."""
     if n <= len(PRIOR_SHAPE):
         return PRIOR_SHAPE[max(n, 1) - 1]
     last = len(PRIOR_SHAPE) - (len(PRIOR_SHAPE) - n) % 2  # the last point of n's parity
-    slope = (PRIOR_SHAPE[last - 1] - PRIOR_SHAPE[last - 3]) / 2
+    slope = (PRIOR_SHAPE[last - 1] - PRIOR_SHAPE[last - 9]) / 8
     return PRIOR_SHAPE[last - 1] + slope * (n - last)
 
 
