@@ -566,6 +566,26 @@ def decode_cost_shape(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def pad_odd(data: dict[str, Any]) -> list[str]:
+    """Padding odd decode ticks: two servers, alternating."""
+    lines = header(data, "Padding odd decode ticks (--pad-odd-ticks vs --no-pad-odd-ticks)", None)
+    lines += [
+        "| B | padded tok/s | not padded tok/s | padded / not (paired median; reps) "
+        "| passes/token padded / not | server CPU ms/token padded / not |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in data["rows"]:
+        reps = ", ".join(f"{x:.2f}" for x in r["speedup_per_rep"])
+        lines.append(
+            f"| {r['batch']} | {_range(r['padded_tok_s'], 1)} | {_range(r['plain_tok_s'], 1)} | "
+            f"{r['speedup']:.2f} ({reps}) | {r['padded_passes_per_token']['median']:.3f} / "
+            f"{r['plain_passes_per_token']['median']:.3f} | "
+            f"{r['padded_cpu_ms_per_token']['median']:.1f} / "
+            f"{r['plain_cpu_ms_per_token']['median']:.1f} |"
+        )
+    return [*lines, ""]
+
+
 def _paired(row: dict[str, Any]) -> float:
     """AUTO/off as the median of the per-rep paired ratios."""
     return float(statistics.median(row["speedup_per_rep"]))
@@ -653,6 +673,7 @@ def main() -> int:
         ("kv_tiers", kv_tiers),
         ("chat_turns", chat_turns),
         ("decode_cost_shape", decode_cost_shape),
+        ("pad_odd", pad_odd),
         ("speculative", speculative),
         ("peers", peers),
         ("soak", soak),

@@ -251,6 +251,9 @@ OPTIONS: tuple[Option, ...] = (
            "if the engine thread dies, keep the process up (health NOT_SERVING) instead of "
            "exiting with code 70 after --grace-s"),
     Option("cache_prompt", bool, "scheduler.cache_prompt", "reuse KV of a cached prefix"),
+    Option("pad_odd_ticks", bool, "scheduler.pad_odd_ticks",
+           "add a row, never sampled, to a decode pass of an odd number of rows when the "
+           "measured costs say it is cheaper (on CPUs where llama.cpp's output matmul is)"),
     Option("prompt_cache_ram_mb", int, "scheduler.prompt_cache_ram_mb",
            "RAM tier: MiB of saved slot caches kept after eviction (0 = off)", at_least(0)),
     Option("kv_cache_dir", str, "scheduler.kv_cache_dir",

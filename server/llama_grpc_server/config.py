@@ -68,6 +68,9 @@ class SchedulerSettings:
     draft_max: int = 16
     ngram_min: int = 2
     ngram_max: int = 4
+    # Pad decode ticks of an odd number of rows >= 3 where measured costs say one row more is
+    # cheaper (core.scheduler._pad).
+    pad_odd_ticks: bool = True
     max_stop_strings: int = 16
     max_stop_length: int = 256
     default_sampling: SamplingParams = field(default_factory=SamplingParams)

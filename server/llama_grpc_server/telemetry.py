@@ -36,7 +36,7 @@ class TickEvent:
     """One forward pass. Counts are tokens; slots and queue are as the tick left them."""
 
     tick: int
-    # tokens in the llama_decode batch: decode_tokens + prefill_tokens + draft_tokens
+    # tokens in the llama_decode batch: decode_tokens + prefill_tokens + draft_tokens + pad_tokens
     batch_size: int
     decode_tokens: int
     prefill_tokens: int
@@ -52,6 +52,8 @@ class TickEvent:
     # with (a request that finished inside its draft may not take them all).
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # Rows added to make the pass cheaper, never sampled (core.scheduler._pad)
+    pad_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -306,7 +308,8 @@ class Telemetry:
             is_ok=result.status == DECODE_OK,
             inter_token_ms=self._inter_token_ms(plan, result, now_ns),
             model=self.model,
-            draft_tokens=plan.num_draft,
+            draft_tokens=sum(c.num_draft for c in plan.chunks if not c.is_pad),
+            pad_tokens=sum(c.num_draft for c in plan.chunks if c.is_pad),
             accepted_draft_tokens=sum(
                 c.num_accepted(result.tokens_of(c.slot_id)) for c in plan.chunks if c.num_draft
             ),

@@ -159,7 +159,7 @@ class FakeRunner:
         for i in range(chunk.num_outputs):
             token = self._sample(chunk.request_id, seq[: first + i + 1])
             tokens.append(token)
-            if i == chunk.num_draft or token != chunk.tokens[i + 1]:
+            if i == chunk.num_draft or chunk.is_pad or token != chunk.tokens[i + 1]:
                 break
         return tuple(tokens)
 

@@ -187,7 +187,10 @@ async def test_request_events_have_real_values(observed: Observed) -> None:
     assert two.prefix_cache_tokens == second.usage.cached_prompt_tokens > 0
     assert two.prefix_cache_ratio == two.prefix_cache_tokens / two.prompt_tokens
     ticks = observed.recorder.ticks()
-    assert ticks and all(t.batch_size == t.decode_tokens + t.prefill_tokens for t in ticks)
+    assert ticks and all(
+        t.batch_size == t.decode_tokens + t.prefill_tokens + t.draft_tokens + t.pad_tokens
+        for t in ticks
+    )
     assert any(t.eval_ms > 0 for t in ticks)
 
 

@@ -248,3 +248,25 @@ async def test_kv_pressure_while_speculating_completes_every_request() -> None:
         assert sum(o.finished.usage.draft_tokens for o in outs) > 0
     finally:
         eng.close()
+
+
+async def test_pads_in_odd_decode_ticks_keep_the_output_and_leave_no_kv() -> None:
+    """Three greedy streams that do not speculate: an engine that pads its odd decode ticks
+    (the default; 3 rows cost ~10 ms more than 4 on this CPU) padded them, produced what an
+    engine that does not produced, and no pad token stayed in any sequence."""
+    padded = make_engine(n_parallel=3, cache_prompt=True)
+    plain = make_engine(n_parallel=3, pad_odd_ticks=False)
+    try:
+        outs = {}
+        for name, eng in (("padded", padded), ("plain", plain)):
+            reqs = [spec(eng, p, OFF, max_tokens=48, cache_prompt=True) for p in GROUNDED[:3]]
+            outs[name] = [o.token_ids for o in await run_all(eng, reqs)]
+        assert padded._scheduler.counters.pad_rows > 20  # type: ignore[attr-defined]
+        assert plain._scheduler.counters.pad_rows == 0  # type: ignore[attr-defined]
+        assert outs["padded"] == outs["plain"]
+        assert all(len(o) == 48 for o in outs["padded"])
+        await asyncio.sleep(0.2)
+        assert_kv_holds_what_the_slots_say(padded)
+    finally:
+        padded.close()
+        plain.close()

@@ -492,18 +492,24 @@ def counting(context: list[int]) -> int:
     return context[0] + len(context)
 
 
-def test_fillers_pad_odd_ticks_and_change_nothing() -> None:
-    """Three AUTO requests with nothing to look up: at the box's costs (3 rows 42 ms, 4 rows
-    33) each decode-only tick of three takes a one-token filler, and no tick of 1, 2 or 4
-    rows does; the output is the unspeculated one, and no request's acceptance learns from
-    its rejected fillers."""
-    requests = [req(f"n{i}", range(3 + i, 27 + i), 40, AUTO) for i in range(3)]
+def three_counting(mode: SpeculativeParams) -> tuple[list[Request], Scheduler, FakeRunner]:
+    """Three requests of `mode` decoding `counting` at the box's costs, added, not yet run."""
+    requests = [req(f"n{i}", range(3 + i, 27 + i), 40, mode) for i in range(3)]
     s = make(n_parallel=3)
     runner = FakeRunner(eos_id=EOS)
     runner.next_token = counting  # type: ignore[method-assign]
     runner.cost_ms = box_cost_ms
     for request in requests:
         s.add(request)
+    return requests, s, runner
+
+
+def test_fillers_pad_odd_ticks_and_change_nothing() -> None:
+    """Three AUTO requests with nothing to look up: at the box's costs (3 rows 42 ms, 4 rows
+    33) each decode-only tick of three takes a one-token filler, and no tick of 1, 2 or 4
+    rows does; the output is the unspeculated one, and no request's acceptance learns from
+    its rejected fillers."""
+    requests, s, runner = three_counting(AUTO)
     seen: set[float | None] = set()
     events = base_drive(
         s, runner, 3000, after=lambda: seen.update(s.spec.acceptance(r.key) for r in requests)
@@ -515,6 +521,26 @@ def test_fillers_pad_odd_ticks_and_change_nothing() -> None:
     off_events, _, _ = run(with_mode(requests, OFF), counting)
     assert outputs(events) == outputs(off_events)
     assert seen == {None, 0.5}
+
+
+@pytest.mark.parametrize("mode", [OFF, SpeculativeParams()])
+def test_odd_decode_ticks_take_a_pad_that_changes_nothing(mode: SpeculativeParams) -> None:
+    """Three plain decodes at the box's costs (3 rows 42 ms, 4 rows 33): each decode-only tick
+    of three takes a pad, also for requests that do not speculate (a pad is no draft; AUTO
+    ones take a filler instead, test above). The output is the same as without measured costs
+    (no pads), nothing counts as drafted, and the KV mirror holds after every tick (drive
+    checks it)."""
+    requests, s, runner = three_counting(mode)
+    events = drive(s, runner)
+    threes = [p for p in runner.plans if p.num_decode == 3 and not p.num_prefill]
+    pads = [c for p in threes for c in p.chunks if c.is_pad]
+    assert len(threes) > 20 and len(pads) >= len(threes) - 2
+    assert not any(c.is_pad for p in runner.plans if p.num_decode != 3 for c in p.chunks)
+    plain, _, _ = run(with_mode(requests, OFF), counting)
+    assert outputs(events) == outputs(plain)
+    usage = [e.usage for _, e in events if isinstance(e, Finished)]
+    assert all(u.draft_tokens == 0 for u in usage) and s.counters.spec_draft_tokens == 0
+    assert s.counters.pad_rows == len(pads)
 
 
 def test_auto_does_not_draft_without_measured_costs() -> None:
@@ -568,6 +594,7 @@ def test_a_decode_with_a_draft_is_not_a_prompt_chunk() -> None:
         Chunk(0, "a", 10, (1, 2, 3), True, num_draft=1),  # tokens != 1 + draft
         Chunk(0, "a", 10, tuple(range(34)), True, num_draft=33),  # over MAX_DRAFT_TOKENS
         Chunk(0, "a", 0, (1, 2), True, num_draft=1),  # at position 0: a prompt
+        Chunk(0, "a", 10, (1, 2, 3), True, num_draft=2, is_pad=True),  # a pad is one row
     ],
 )
 def test_bad_drafts_are_refused(chunk: Chunk) -> None:

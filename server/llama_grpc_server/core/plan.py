@@ -51,7 +51,10 @@ class Chunk:
 
     A speculative decode (num_draft > 0) is [the last sampled token, d1 .. dk]: logits for its
     last k + 1 positions; the runner samples position i only while the tokens it sampled so far
-    equal d1 .. di (exact-match verification)."""
+    equal d1 .. di (exact-match verification). A pad (is_pad, num_draft 1) is a decode with one
+    token more whose logits are computed and never sampled: a row that makes the pass cheaper
+    (core.scheduler, an odd number of logits rows), removed from the KV cache like a rejected
+    draft."""
 
     slot_id: int
     request_id: str  # the request's key, as in SamplerSpec
@@ -59,6 +62,7 @@ class Chunk:
     tokens: tuple[int, ...]
     wants_logits: bool
     num_draft: int = 0  # draft tokens after the decode token (speculative decoding)
+    is_pad: bool = False  # the draft token is a pad: never sampled, never accepted
 
     @property
     def is_decode(self) -> bool:
@@ -74,7 +78,12 @@ class Chunk:
         """Draft tokens the sampled ones (sampled[i] at the position after tokens[i]) agree
         with, up to the first disagreement."""
         n = 0
-        while n < self.num_draft and n < len(sampled) and sampled[n] == self.tokens[n + 1]:
+        while (
+            not self.is_pad
+            and n < self.num_draft
+            and n < len(sampled)
+            and sampled[n] == self.tokens[n + 1]
+        ):
             n += 1
         return n
 
@@ -101,7 +110,7 @@ class StepPlan:
 
     @property
     def num_draft(self) -> int:
-        """Draft tokens of speculative decodes in this forward pass."""
+        """Draft tokens of speculative decodes in this forward pass (pads included: rows)."""
         return sum(c.num_draft for c in self.chunks)
 
     @property
@@ -124,6 +133,8 @@ class StepPlan:
                 raise RuntimeError(f"non-contiguous chunk for slot {chunk.slot_id}")
             if chunk.num_draft and (not chunk.is_decode or chunk.num_draft > MAX_DRAFT_TOKENS):
                 raise RuntimeError(f"bad draft for slot {chunk.slot_id}")
+            if chunk.is_pad and chunk.num_draft != 1:
+                raise RuntimeError(f"bad draft (a pad) for slot {chunk.slot_id}")
             if not chunk.is_decode and len(chunk.tokens) > chunk_size:
                 raise RuntimeError(f"chunk over chunk_size for slot {chunk.slot_id}")
             seen.add(chunk.slot_id)

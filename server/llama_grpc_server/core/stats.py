@@ -33,6 +33,7 @@ class Counters:
     spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
     spec_accepted_tokens: int = 0  # ... the sampler agreed with (and the request took)
     spec_ticks: int = 0  # forward passes with at least one draft
+    pad_rows: int = 0  # pads added to odd decode ticks (core.scheduler._pad; not in GetStats)
 
 
 def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact

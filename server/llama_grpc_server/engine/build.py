@@ -99,6 +99,7 @@ def build_engine(
             ram_cache_bytes=sched.prompt_cache_ram_mb * 1024 * 1024,
             session_idle_s=sched.session_idle_s,
             tenants=sched.tenant_limits,
+            pad_odd_ticks=sched.pad_odd_ticks,
             speculative=SpeculativeConfig(
                 SpeculativeMode(sched.speculative),
                 sched.draft_max,

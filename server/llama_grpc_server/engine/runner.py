@@ -147,7 +147,7 @@ class Runner:
             tokens.append(token)
             if k is not None:
                 logprobs.append(self.logprobs.compute(ctx, index + i, token, k))
-            if i == chunk.num_draft or token != chunk.tokens[i + 1]:
+            if i == chunk.num_draft or chunk.is_pad or token != chunk.tokens[i + 1]:
                 break
         if not tokens:
             return
