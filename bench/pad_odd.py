@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -31,10 +30,9 @@ from common import (
     progress,
     server_args,
     spread,
-    stream_tokens,
     write_json,
 )
-from speculative import Meter
+from speculative import Meter, concurrent
 
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 
@@ -51,19 +49,8 @@ PROMPTS = (
 
 
 async def run(meter: Meter, batch: int, gen: int) -> dict[str, float]:
-    await meter.start()
-    t0 = time.perf_counter()
-    records = await asyncio.gather(
-        *(
-            stream_tokens(meter.stub, text=PROMPTS[i % len(PROMPTS)], params=greedy_params(gen))
-            for i in range(batch)
-        )
-    )
-    seconds = time.perf_counter() - t0
-    n = sum(r.n_tokens for r in records)
-    if n != batch * gen:
-        raise RuntimeError(f"expected {batch * gen} tokens, got {n}")
-    return {"tok_s": n / seconds, **(await meter.per_token(n))}
+    texts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+    return await concurrent(meter, texts, greedy_params(gen))
 
 
 async def measure(targets: dict[str, tuple[str, int]], args: argparse.Namespace) -> list[dict]:

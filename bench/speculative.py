@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -170,27 +171,27 @@ async def single(meter: Meter, mode: str, text: str, gen: int, *, sampled: bool)
     }
 
 
+async def concurrent(meter: Meter, texts: Sequence[str], params: Any) -> dict[str, float]:
+    """One stream per text, all at once, with the same params (every stream must produce
+    params' max_tokens): aggregate tok/s, forward passes and server CPU time per token."""
+    await meter.start()
+    t0 = time.perf_counter()
+    records = await asyncio.gather(
+        *(stream_tokens(meter.stub, text=text, params=params) for text in texts)
+    )
+    seconds = time.perf_counter() - t0
+    n, want = sum(r.n_tokens for r in records), len(texts) * params.stopping.max_tokens
+    if n != want:
+        raise RuntimeError(f"expected {want} tokens, got {n}")
+    return {"tok_s": n / seconds, **(await meter.per_token(n))}
+
+
 async def aggregate(meter: Meter, mode: str, kind: str, batch: int, gen: int) -> dict[str, float]:
     """Aggregate tok/s of `batch` concurrent streams cycling through one prompt set, with the
     forward passes and server CPU time per token."""
     texts = list(prompt_set(kind).values())
-    sampled = kind == "control"
-    stub = meter.stub
-    await meter.start()
-    t0 = time.perf_counter()
-    records = await asyncio.gather(
-        *(
-            stream_tokens(
-                stub, text=texts[i % len(texts)], params=params(mode, gen, sampled=sampled)
-            )
-            for i in range(batch)
-        )
-    )
-    seconds = time.perf_counter() - t0
-    n = sum(r.n_tokens for r in records)
-    if n != batch * gen:
-        raise RuntimeError(f"expected {batch * gen} tokens, got {n}")
-    return {"tok_s": n / seconds, **(await meter.per_token(n))}
+    cycled = [texts[i % len(texts)] for i in range(batch)]
+    return await concurrent(meter, cycled, params(mode, gen, sampled=kind == "control"))
 
 
 def raw_decode_rate(raw: RawLoop, text: str, gen: int) -> float:

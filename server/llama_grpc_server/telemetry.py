@@ -308,8 +308,8 @@ class Telemetry:
             is_ok=result.status == DECODE_OK,
             inter_token_ms=self._inter_token_ms(plan, result, now_ns),
             model=self.model,
-            draft_tokens=sum(c.num_draft for c in plan.chunks if not c.is_pad),
-            pad_tokens=sum(c.num_draft for c in plan.chunks if c.is_pad),
+            draft_tokens=plan.num_draft - plan.num_pad,
+            pad_tokens=plan.num_pad,
             accepted_draft_tokens=sum(
                 c.num_accepted(result.tokens_of(c.slot_id)) for c in plan.chunks if c.num_draft
             ),

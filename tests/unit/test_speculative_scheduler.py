@@ -6,6 +6,7 @@ tick), cancellation and KV pressure while speculating, AUTO's choices, usage and
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 from collections.abc import Callable, Sequence
 
@@ -541,6 +542,26 @@ def test_odd_decode_ticks_take_a_pad_that_changes_nothing(mode: SpeculativeParam
     usage = [e.usage for _, e in events if isinstance(e, Finished)]
     assert all(u.draft_tokens == 0 for u in usage) and s.counters.spec_draft_tokens == 0
     assert s.counters.pad_rows == len(pads)
+
+
+def test_a_pad_that_does_not_fit_the_kv_cache_is_dropped_not_a_preemption() -> None:
+    """A runner whose cache holds the three requests' tokens but not one cell more: the padded
+    tick that finds no KV slot is retried without its pad; nobody is preempted, the output is
+    the unpadded one."""
+    requests, s, runner = three_counting(OFF)
+    runner.kv_cells = 3 * (24 + 39)  # every token fed, and no pad, at the last tick
+    events = drive(s, runner)
+
+    def starts(plan: StepPlan) -> list[int]:
+        return [c.start_pos for c in plan.chunks]
+
+    retries = [  # the same positions fed again: the padded tick failed
+        b for a, b in itertools.pairwise(runner.plans) if a.num_pad and starts(a) == starts(b)
+    ]
+    assert retries and not any(b.num_pad for b in retries)
+    assert s.counters.preemptions == 0
+    plain, _, _ = run(with_mode(requests, OFF), counting)
+    assert outputs(events) == outputs(plain)
 
 
 def test_auto_does_not_draft_without_measured_costs() -> None:

@@ -70,6 +70,11 @@ class Chunk:
         return len(self.tokens) == 1 + self.num_draft and self.wants_logits and self.start_pos > 0
 
     @property
+    def num_pad(self) -> int:
+        """Pad rows (0 or 1): counted in num_draft as rows, never as drafted tokens."""
+        return self.num_draft if self.is_pad else 0
+
+    @property
     def num_outputs(self) -> int:
         """Positions with logits."""
         return self.num_draft + 1 if self.wants_logits else 0
@@ -112,6 +117,11 @@ class StepPlan:
     def num_draft(self) -> int:
         """Draft tokens of speculative decodes in this forward pass (pads included: rows)."""
         return sum(c.num_draft for c in self.chunks)
+
+    @property
+    def num_pad(self) -> int:
+        """Pad rows in this forward pass (Chunk.is_pad)."""
+        return sum(c.num_pad for c in self.chunks)
 
     @property
     def num_tokens(self) -> int:

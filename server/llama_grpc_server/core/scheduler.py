@@ -449,7 +449,7 @@ class Scheduler:
         self.counters.batch_tokens += num_tokens
         self.counters.decode_ms += result.eval_ms
         self.counters.decode_cpu_ms += result.eval_cpu_ms
-        num_spec = sum(c.num_draft for c in chunks if not c.is_pad)
+        num_spec = num_draft - sum(c.num_pad for c in chunks)
         if num_spec:
             self.counters.spec_ticks += 1
             self.counters.spec_draft_tokens += num_spec

@@ -204,7 +204,7 @@ def choose_drafts(
         + [
             1.0 + sum(o.gain(j) for j in range(1, out.get(o.slot_id, 0) + 1))
             for o in options
-            if o not in free
+            if o.is_forced or o.max_len <= 0  # those not in free
         ]
     )
     value = [1.0] * len(free)
