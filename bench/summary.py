@@ -544,13 +544,19 @@ def soak(data: dict[str, Any]) -> list[str]:
 def decode_cost_shape(data: dict[str, Any]) -> list[str]:
     """The cost of one forward pass of N tokens of one sequence, by N: the source of the
     speculation cost model's prior shape (core/spec_policy.py)."""
-    lines = header(data, "Forward-pass cost by row count (speculation's cost model)", None)
+    avx512 = "AVX512 = 1" in data["machine"].get("llama_system_info", "")
+    build = "AVX-512 build" if avx512 else "x86-64-v3 build"
+    lines = header(data, f"Forward-pass cost by row count, {build} (the cost model's prior)", None)
     all_ms = {r["extra_tokens"] + 1: r["ms_median"] for r in data["rows"]["all_logits"]}
     last_ms = {r["extra_tokens"] + 1: r["ms_median"] for r in data["rows"]["last_logits"]}
+    dear = (
+        "Counts that are not a multiple of 4 cost more than the next multiple"
+        if avx512
+        else "An odd number of logits rows (3 or more) costs more than one row more"
+    )
     lines += [
         "Median llama_decode ms of N tokens after a 50-token prompt, with logits for every row "
-        "(verifying a draft) and for the last one only. An odd number of logits rows (3 or more) "
-        "costs more than one row more.",
+        f"(verifying a draft) and for the last one only. {dear}.",
         "",
     ]
     ns = sorted(all_ms)
@@ -566,9 +572,33 @@ def decode_cost_shape(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def build_isa(data: dict[str, Any]) -> list[str]:
+    """Two llama.cpp builds side by side in the raw loop (`make install` picks the second where
+    the CPU has AVX-512 and no AMX)."""
+    names = [data["baseline"], data["candidate"]]
+    base, cand = (data["builds"][n] for n in names)
+    lines = header(data, f"llama.cpp build: {names[0]} vs {names[1]}", None)
+    rows = sorted(int(n) for n in base["rows_ms"])
+    lines += [
+        "Median over interleaved reps (each rep a fresh process) of the median llama_decode ms: "
+        "N tokens with logits for every row (a B = N decode tick, or a draft of N - 1 tokens "
+        "verified), and a 256-token prompt with logits for the last row.",
+        "",
+        "| N | " + " | ".join(str(n) for n in rows) + " | prefill 256 |",
+        "| --- |" + " ---: |" * (len(rows) + 1),
+    ]
+    for name, got in ((names[0], base), (names[1], cand)):
+        cells = [f"{got['rows_ms'][str(n)]['median']:.1f}" for n in rows]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {got['prefill_ms']['median']:.0f} |")
+    speed = data["speedup"]
+    cells = [f"{speed['rows'][str(n)]:.2f}" for n in rows]
+    lines += ["| speed-up | " + " | ".join(cells) + f" | {speed['prefill']:.2f} |", ""]
+    return lines
+
+
 def pad_odd(data: dict[str, Any]) -> list[str]:
-    """Padding odd decode ticks: two servers, alternating."""
-    lines = header(data, "Padding odd decode ticks (--pad-odd-ticks vs --no-pad-odd-ticks)", None)
+    """Padding decode ticks to a cheaper row count: two servers, alternating."""
+    lines = header(data, "Padding decode ticks (--pad-odd-ticks vs --no-pad-odd-ticks)", None)
     lines += [
         "| B | padded tok/s | not padded tok/s | padded / not (paired median; reps) "
         "| passes/token padded / not | server CPU ms/token padded / not |",
@@ -672,7 +702,9 @@ def main() -> int:
         ("cluster", cluster),
         ("kv_tiers", kv_tiers),
         ("chat_turns", chat_turns),
+        ("build_isa", build_isa),
         ("decode_cost_shape", decode_cost_shape),
+        ("decode_cost_shape_avx512", decode_cost_shape),
         ("pad_odd", pad_odd),
         ("speculative", speculative),
         ("peers", peers),

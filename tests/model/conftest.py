@@ -19,6 +19,7 @@ from llama_grpc_server.core.request import (
     SamplingParams,
     StoppingParams,
     TokenDelta,
+    TokenLogprob,
 )
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.loop import EngineLoop
@@ -35,6 +36,7 @@ class Outcome:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     final: Event | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
 
     @property
     def finished(self) -> Finished:
@@ -94,6 +96,7 @@ async def run(engine: EngineLoop, req: GenerationRequest) -> Outcome:
         if isinstance(event, TokenDelta):
             out.token_ids += event.token_ids
             out.text += event.text
+            out.logprobs += event.logprobs
         else:
             out.final = event
     return out
