@@ -36,6 +36,7 @@ from llama_grpc_server.core.request import (
     TokenDelta,
 )
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.core.spec_policy import PRIOR_SHAPE_AVX512
 from llama_grpc_server.testing import FakeRunner
 
 from .test_scheduler import PIECES, Clock, finals, outputs
@@ -544,6 +545,40 @@ def test_odd_decode_ticks_take_a_pad_that_changes_nothing(mode: SpeculativeParam
     assert s.counters.pad_rows == len(pads)
 
 
+# The AVX-512 build's costs on the development box (bench/results/decode_cost_shape_avx512.json,
+# medians): multiples of 4 rows are the cheap counts.
+AVX512_BOX = {
+    1: 13.3, 2: 27.6, 3: 28.1, 4: 33.4, 5: 51.5, 6: 54.4, 7: 56.2, 8: 47.5, 9: 73.8,
+    10: 66.6, 11: 77.2, 12: 69.4,
+}  # fmt: skip
+
+
+def test_six_decodes_take_two_pad_rows_where_eight_rows_cost_less() -> None:
+    """Six plain decodes at the AVX-512 build's costs (6 rows 54.4 ms, 8 rows 47.5) with that
+    build's prior shape: each decode-only tick of six takes a pad of two rows, and once two
+    have finished the ticks of four (the cheap count) none; the output is the unpadded one, pad
+    rows are counted, nothing as drafted, and the KV mirror holds after every tick (drive
+    checks it)."""
+    requests = [req(f"n{i}", range(3 + i, 27 + i), 40 if i < 4 else 24, OFF) for i in range(6)]
+    s = make(n_parallel=6)
+    s.spec.costs.use_shape(PRIOR_SHAPE_AVX512)
+    runner = FakeRunner(eos_id=EOS)
+    runner.next_token = counting  # type: ignore[method-assign]
+    runner.cost_ms = lambda rows: AVX512_BOX.get(rows, 5.0 * rows + 20.0)
+    for request in requests:
+        s.add(request)
+    events = drive(s, runner)
+    sixes = [p for p in runner.plans if p.num_decode == 6 and not p.num_prefill]
+    pads = [c for p in sixes for c in p.chunks if c.is_pad]
+    fours = [p for p in runner.plans if p.num_decode == 4 and not p.num_prefill]
+    assert len(sixes) > 15 and len(pads) >= len(sixes) - 2 and len(fours) > 10
+    assert all(c.num_draft == 2 and len(c.tokens) == 3 for c in pads)
+    assert not any(p.num_pad for p in fours)
+    plain, _, _ = run(with_mode(requests, OFF), counting, n_parallel=6)
+    assert outputs(events) == outputs(plain)
+    assert s.counters.spec_draft_tokens == 0 and s.counters.pad_rows == 2 * len(pads)
+
+
 def test_a_pad_that_does_not_fit_the_kv_cache_is_dropped_not_a_preemption() -> None:
     """A runner whose cache holds the three requests' tokens but not one cell more: the padded
     tick that finds no KV slot is retried without its pad; nobody is preempted, the output is
@@ -615,7 +650,7 @@ def test_a_decode_with_a_draft_is_not_a_prompt_chunk() -> None:
         Chunk(0, "a", 10, (1, 2, 3), True, num_draft=1),  # tokens != 1 + draft
         Chunk(0, "a", 10, tuple(range(34)), True, num_draft=33),  # over MAX_DRAFT_TOKENS
         Chunk(0, "a", 0, (1, 2), True, num_draft=1),  # at position 0: a prompt
-        Chunk(0, "a", 10, (1, 2, 3), True, num_draft=2, is_pad=True),  # a pad is one row
+        Chunk(0, "a", 10, (1,) * 5, True, num_draft=4, is_pad=True),  # over MAX_PAD_ROWS
     ],
 )
 def test_bad_drafts_are_refused(chunk: Chunk) -> None:

@@ -14,6 +14,8 @@ from llama_grpc_server.core.request import (
     SamplingParams,
 )
 
+MAX_PAD_ROWS = 3  # enough to reach the next multiple of 4 rows (the AVX-512 build's cheap counts)
+
 
 class SeqOpKind(enum.Enum):
     REMOVE = "remove"  # llama_memory_seq_rm(seq_id, p0, -1)
@@ -51,10 +53,10 @@ class Chunk:
 
     A speculative decode (num_draft > 0) is [the last sampled token, d1 .. dk]: logits for its
     last k + 1 positions; the runner samples position i only while the tokens it sampled so far
-    equal d1 .. di (exact-match verification). A pad (is_pad, num_draft 1) is a decode with one
-    token more whose logits are computed and never sampled: a row that makes the pass cheaper
-    (core.scheduler, an odd number of logits rows), removed from the KV cache like a rejected
-    draft."""
+    equal d1 .. di (exact-match verification). A pad (is_pad, num_draft 1 .. MAX_PAD_ROWS) is a
+    decode with tokens more whose logits are computed and never sampled: rows that make the pass
+    cheaper (core.scheduler: llama.cpp's tiled matmul makes some row counts dearer than a larger
+    one), removed from the KV cache like a rejected draft."""
 
     slot_id: int
     request_id: str  # the request's key, as in SamplerSpec
@@ -71,7 +73,7 @@ class Chunk:
 
     @property
     def num_pad(self) -> int:
-        """Pad rows (0 or 1): counted in num_draft as rows, never as drafted tokens."""
+        """Pad rows (0 .. MAX_PAD_ROWS): counted in num_draft as rows, never as drafted tokens."""
         return self.num_draft if self.is_pad else 0
 
     @property
@@ -143,7 +145,7 @@ class StepPlan:
                 raise RuntimeError(f"non-contiguous chunk for slot {chunk.slot_id}")
             if chunk.num_draft and (not chunk.is_decode or chunk.num_draft > MAX_DRAFT_TOKENS):
                 raise RuntimeError(f"bad draft for slot {chunk.slot_id}")
-            if chunk.is_pad and chunk.num_draft != 1:
+            if chunk.is_pad and not 1 <= chunk.num_draft <= MAX_PAD_ROWS:
                 raise RuntimeError(f"bad draft (a pad) for slot {chunk.slot_id}")
             if not chunk.is_decode and len(chunk.tokens) > chunk_size:
                 raise RuntimeError(f"chunk over chunk_size for slot {chunk.slot_id}")

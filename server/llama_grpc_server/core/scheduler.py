@@ -21,6 +21,7 @@ from llama_grpc_server.core.outputs import Outputs
 from llama_grpc_server.core.plan import (
     DECODE_KV_FULL,
     DECODE_OK,
+    MAX_PAD_ROWS,
     Chunk,
     SampledLogprob,
     SamplerSpec,
@@ -378,29 +379,39 @@ class Scheduler:
         ]
 
     def _pad(self, chunks: list[Chunk]) -> list[Chunk]:
-        """One row more where the measured costs say it makes a decode-only tick cheaper by
-        MIN_GAIN: on the development box an odd number of logits rows >= 3 costs ~10 ms more
-        than one row more (3 rows 42.8 ms, 4 rows 34.6; core.spec_policy). The pad repeats a
-        plain decode's token at the next position; its logits are never sampled and its KV
-        cell is removed after the pass, like a rejected draft's (causal attention: no other
-        row sees it). Requests of every speculative mode, OFF included: nothing is drafted."""
+        """Up to MAX_PAD_ROWS rows more where the measured costs say they make a decode-only
+        tick cheaper by MIN_GAIN: llama.cpp's tiled CPU matmul of the output layer makes some
+        row counts dearer than a larger one (x86-64-v3 build: 3 rows 42.8 ms, 4 rows 34.6;
+        AVX-512 build: 6 rows 54.4 ms, 8 rows 47.5; core.spec_policy). The pad repeats a plain
+        decode's token at the next positions; its logits are never sampled and its KV cells
+        are removed after the pass, like a rejected draft's (causal attention: no other row
+        sees them). Requests of every speculative mode, OFF included: nothing is drafted."""
         if not self.limits.pad_odd_ticks or not chunks or not all(c.is_decode for c in chunks):
             return chunks
         rows = sum(c.num_outputs for c in chunks)
-        if rows < PAD_FROM_ROWS or rows % 2 == 0:
+        now = self.spec.costs.tick_ms(rows) if rows >= PAD_FROM_ROWS else None
+        if now is None:
             return chunks
-        now, padded = self.spec.costs.tick_ms(rows), self.spec.costs.tick_ms(rows + 1)
-        if now is None or padded is None or padded * MIN_GAIN > now:
+        best, best_ms = 0, now / MIN_GAIN
+        for k in range(1, MAX_PAD_ROWS + 1):
+            ms = self.spec.costs.tick_ms(rows + k)
+            if ms is not None and ms < best_ms:
+                best, best_ms = k, ms
+        if not best:
             return chunks
         used = sum(len(c.tokens) for c in chunks)
-        if used >= self.limits.n_batch or self.limits.n_ctx - self.kv.num_used_cells() <= used:
+        free = self.limits.n_ctx - self.kv.num_used_cells()
+        if used + best > self.limits.n_batch or free < used + best:
             return chunks
         for i, chunk in enumerate(chunks):
-            if not chunk.num_draft and chunk.start_pos + 2 <= self.limits.n_ctx:
+            if not chunk.num_draft and chunk.start_pos + 1 + best <= self.limits.n_ctx:
                 padded_chunk = dataclasses.replace(
-                    chunk, tokens=chunk.tokens + chunk.tokens[-1:], num_draft=1, is_pad=True
+                    chunk,
+                    tokens=chunk.tokens + chunk.tokens[-1:] * best,
+                    num_draft=best,
+                    is_pad=True,
                 )
-                self.counters.pad_rows += 1
+                self.counters.pad_rows += best
                 return [*chunks[:i], padded_chunk, *chunks[i + 1 :]]
         return chunks
 

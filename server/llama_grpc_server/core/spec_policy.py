@@ -14,6 +14,8 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from llama_grpc_server.core.plan import MAX_PAD_ROWS
+
 MIN_GAIN = 1.10  # AUTO drafts only for at least 10 % more expected tokens per millisecond
 COST_ALPHA = 0.1  # EWMA weight of one measured tick
 MAX_SURPRISE = 3.0  # a measured tick moves its point as if it were at most this far off
@@ -23,11 +25,12 @@ CALIBRATION_SLACK = 2.0  # a calibration point dearer than this times its shape'
 # T(N) / T(1) for a decode-only tick of N rows with logits for every row, measured on the 2-core
 # development box (Gemma 3 270M Q4_K_M, CPU; `python bench/decode_cost.py --rows 32 --name
 # decode_cost_shape`, the fastest of its 3 reps of each N): 12.7 ms at N = 1 (llama.cpp's
-# matrix-vector path). The cost is not monotone: the output layer (a 262,144 x 640 Q8_0 matrix,
-# llama.cpp's tiled CPU matmul) costs ~10 ms more for an odd number of logits rows >= 3 than for
-# one row more: 4 rows take 32.7 ms, 3 take 42.5; 16 take 85.4, 15 take 96.1 (and 4 tokens with
-# 3 logits rows 49.5 ms, with 4 rows 35.6: it is the rows of logits, not the tokens). The model
-# keeps that shape; beyond its last point each parity goes on at its slope over the last 8 rows.
+# matrix-vector path). The cost is not monotone: with the x86-64-v3 (AVX2) build the output
+# layer (a 262,144 x 640 Q8_0 matrix, llama.cpp's tiled tinyBLAS matmul: tiles of 4 x 2 with 16
+# vector registers) costs ~10 ms more for an odd number of logits rows >= 3 than for one row
+# more: 4 rows take 32.7 ms, 3 take 42.5; 16 take 85.4, 15 take 96.1 (and 4 tokens with 3 logits
+# rows 49.5 ms, with 4 rows 35.6: it is the rows of logits, not the tokens). The model keeps
+# that shape; beyond its last point each parity goes on at its slope over the last 8 rows.
 # fmt: off
 PRIOR_SHAPE: tuple[float, ...] = (
     1.00, 1.96, 3.36, 2.58, 4.00, 3.29, 4.87, 4.30,
@@ -35,17 +38,27 @@ PRIOR_SHAPE: tuple[float, ...] = (
     8.54, 7.99, 9.37, 8.71, 9.92, 9.18, 10.60, 10.26,
     11.65, 10.51, 11.80, 11.44, 12.08, 10.99, 12.44, 12.05,
 )
+# The same with the AVX-512 build `make install` makes where the CPU has it (32 vector
+# registers: tiles of 4 x 4, dpbusd): `python bench/decode_cost.py --rows 32 --name
+# decode_cost_shape_avx512` on the AMD EPYC (Zen 4) box, 13.2 ms at N = 1. Multiples of 4 rows
+# are the cheap ones here: 8 rows 47.5 ms against 51.5 / 54.4 / 56.2 for 5 / 6 / 7.
+PRIOR_SHAPE_AVX512: tuple[float, ...] = (
+    1.00, 1.89, 2.03, 2.36, 3.78, 4.03, 4.24, 3.51,
+    4.90, 5.02, 5.69, 4.42, 5.87, 5.82, 6.25, 5.47,
+    7.54, 7.26, 7.19, 6.33, 7.53, 7.86, 8.12, 6.98,
+    8.29, 8.82, 8.81, 7.93, 9.10, 9.34, 9.74, 8.60,
+)
 # fmt: on
 
 
-def prior_shape(n: int) -> float:
-    """T(n) / T(1) by PRIOR_SHAPE; past its end along the slope of the last 8 rows of n's
+def prior_shape(n: int, shape: Sequence[float] = PRIOR_SHAPE) -> float:
+    """T(n) / T(1) by a prior shape; past its end along the slope of the last 8 rows of n's
     parity (one reading's noise would tilt a slope over 2)."""
-    if n <= len(PRIOR_SHAPE):
-        return PRIOR_SHAPE[max(n, 1) - 1]
-    last = len(PRIOR_SHAPE) - (len(PRIOR_SHAPE) - n) % 2  # the last point of n's parity
-    slope = (PRIOR_SHAPE[last - 1] - PRIOR_SHAPE[last - 9]) / 8
-    return PRIOR_SHAPE[last - 1] + slope * (n - last)
+    if n <= len(shape):
+        return shape[max(n, 1) - 1]
+    last = len(shape) - (len(shape) - n) % 2  # the last point of n's parity
+    slope = (shape[last - 1] - shape[last - 9]) / 8
+    return shape[last - 1] + slope * (n - last)
 
 
 class TickCostModel:
@@ -57,8 +70,16 @@ class TickCostModel:
     row nearer). Not monotone in N: on the development box 4 rows cost less than 3.
     Unknown (None) until some N has been measured."""
 
-    def __init__(self) -> None:
+    def __init__(self, shape: Sequence[float] = PRIOR_SHAPE) -> None:
         self._ms: dict[int, float] = {}
+        self._shape = tuple(shape)
+
+    def use_shape(self, shape: Sequence[float]) -> None:
+        """The prior shape of this build of llama.cpp (the engine knows which it runs)."""
+        self._shape = tuple(shape)
+
+    def _prior(self, n: int) -> float:
+        return prior_shape(n, self._shape)
 
     def calibrate(self, points: Iterable[tuple[int, float]]) -> None:
         """Start from timed decodes (rows, ms), replacing what was known; the fastest reading of
@@ -72,9 +93,9 @@ class TickCostModel:
         if not best:
             self._ms = {}
             return
-        scale = statistics.median(ms / prior_shape(rows) for rows, ms in best.items())
+        scale = statistics.median(ms / self._prior(rows) for rows, ms in best.items())
         self._ms = {
-            rows: min(ms, CALIBRATION_SLACK * scale * prior_shape(rows))
+            rows: min(ms, CALIBRATION_SLACK * scale * self._prior(rows))
             for rows, ms in best.items()
         }
 
@@ -103,7 +124,7 @@ class TickCostModel:
             return known
         # the nearest measured N, counting one of the other parity 1.5 rows further away
         near = min(self._ms, key=lambda n: (abs(n - rows) + 1.5 * ((n - rows) % 2), n))
-        return self._ms[near] * prior_shape(rows) / prior_shape(near)
+        return self._ms[near] * self._prior(rows) / self._prior(near)
 
     def snapshot(self) -> tuple[tuple[int, float], ...]:
         """The measured points (rows, ms), for logs and tests."""
@@ -214,13 +235,13 @@ def choose_drafts(
     picks: list[int] = []  # indexes into free, in the order their draft tokens were taken
     best_k, best_rate = 0, min(stuck, heap[0][0]) / base_ms
     threshold = best_rate * MIN_GAIN
-    padded = False
+    padding = 0
     while heap and len(picks) < room:
         v, _, i = heapq.heappop(heap)
-        if v > stuck:  # the slowest cannot be helped: one row more may still be cheaper
-            if padded:
+        if v > stuck:  # the slowest cannot be helped: a few rows more may still be cheaper
+            padding += 1
+            if padding > MAX_PAD_ROWS:
                 break
-            padded = True
         taken[i] += 1
         value[i] += free[i].gain(taken[i])
         picks.append(i)

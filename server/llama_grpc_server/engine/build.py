@@ -11,10 +11,10 @@ from llama_grpc_server.config import Settings
 from llama_grpc_server.core.plan import Chunk, StepPlan
 from llama_grpc_server.core.request import SpeculativeConfig, SpeculativeMode
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
-from llama_grpc_server.core.spec_policy import TickCostModel
+from llama_grpc_server.core.spec_policy import PRIOR_SHAPE, PRIOR_SHAPE_AVX512, TickCostModel
 from llama_grpc_server.core.strategies import load_strategy
 from llama_grpc_server.engine import logs, openmp
-from llama_grpc_server.engine.llama import LlamaModel
+from llama_grpc_server.engine.llama import LlamaModel, system_info
 from llama_grpc_server.engine.runner import Runner
 from llama_grpc_server.kv_disk import KvDiskStore
 from llama_grpc_server.loop import DoneHook, EngineLoop, TickHook
@@ -112,6 +112,9 @@ def build_engine(
         strategy=strategy,
         disk=disk,
     )
+    # the cost of a pass of N rows has another shape with AVX-512 (core.spec_policy)
+    avx512 = "AVX512 = 1" in system_info()
+    scheduler.spec.costs.use_shape(PRIOR_SHAPE_AVX512 if avx512 else PRIOR_SHAPE)
 
     def close() -> None:
         if disk is not None:

@@ -25,6 +25,11 @@ def _init_backend() -> None:
     llama_cpp.llama_backend_init()
 
 
+def system_info() -> str:
+    """llama.cpp's build features, e.g. "CPU : SSE3 = 1 | ... | AVX512 = 1 | ..."."""
+    return bytes(llama_cpp.llama_print_system_info()).decode(errors="replace")
+
+
 class ModelLoadError(RuntimeError):
     """The GGUF file could not be loaded or the context could not be created."""
 
