@@ -188,7 +188,7 @@ bench-speculative: $(BENCH_STAMP)
 V3_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_BMI2=ON
 bench-build-isa: $(BENCH_STAMP)
-	@v3=$$($(MAKE) -s wheelhouse LLAMA_CMAKE_ARGS="$(V3_CMAKE_ARGS)"); \
+	@v3=$$($(MAKE) -s --no-print-directory wheelhouse LLAMA_CMAKE_ARGS="$(V3_CMAKE_ARGS)"); \
 	ls $$v3/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
 		CMAKE_ARGS="$(V3_CMAKE_ARGS)" $(PY) -m pip wheel --no-deps --no-cache-dir \
 		--no-binary llama-cpp-python -w $$v3 llama-cpp-python==$(LLAMA_CPP_VERSION); \

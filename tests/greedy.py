@@ -71,27 +71,37 @@ def assert_greedy_equal(
 def assert_text_greedy_equal(
     reference: str, steps: Sequence[_StepText], got: str, what: str = ""
 ) -> None:
-    """assert_greedy_equal for a client that reports text only: the first differing character
-    is mapped to the reference token that holds it, which must be a near-tie."""
+    """assert_greedy_equal for a client that reports text only. The reference's tokens must
+    spell its text. The first differing character lies in reference token i (or starts it, and
+    then token i - 1 may be the one that differs: ' the' against ' then'); got must take the
+    second choice of such a token whose top two are a near-tie, and run past it: a got that
+    stops inside the reference, or that differs anywhere else, fails."""
     if got == reference:
         return
+    starts, pos = [], 0
+    for step in steps:
+        starts.append(pos)
+        pos += len(step.token)
+    assert pos == len(reference), f"{what}: the reference's tokens do not spell its text"
     at = next(
         (i for i, (x, y) in enumerate(zip(reference, got, strict=False)) if x != y),
         min(len(reference), len(got)),
     )
-    pos = 0
-    for i, step in enumerate(steps):
-        pos += len(step.token)
-        if pos > at:
-            top = step.top
-            assert len(top) >= 2, f"{what}: the reference needs top_logprobs >= 2"
-            gap = top[0].logprob - top[1].logprob
-            assert gap < TIE, (
-                f"{what}: differs at character {at}, in token {i} ({step.token!r}), where the "
-                f"reference's top two were {gap:.3f} apart (a near-tie is < {TIE}): {got!r}"
-            )
+    assert at < len(reference), f"{what}: {got!r} runs past the reference {reference!r}"
+    assert at < len(got), f"{what}: {got!r} stops inside the reference {reference!r}"
+    holder = max(i for i, start in enumerate(starts) if start <= at)
+    candidates = [holder] + ([holder - 1] if starts[holder] == at and holder > 0 else [])
+    for i in candidates:
+        top = steps[i].top
+        assert len(top) >= 2, f"{what}: the reference needs top_logprobs >= 2"
+        tail, alt = got[starts[i] :], top[1].token
+        if top[0].logprob - top[1].logprob < TIE and tail.startswith(alt) and len(tail) > len(alt):
             return
-    raise AssertionError(f"{what}: {got!r} runs past the reference {reference!r}")
+    gaps = [(i, steps[i].top[0].logprob - steps[i].top[1].logprob) for i in candidates]
+    raise AssertionError(
+        f"{what}: differs at character {at}, in reference token(s) {gaps} (index, top-two gap), "
+        f"not a near-tie (< {TIE}) whose second choice got took: {got!r} vs {reference!r}"
+    )
 
 
 class _StepText(_Step, Protocol):

@@ -137,8 +137,9 @@ async def test_concurrent_node_streams_match_python_greedy(
     for done in dones:
         assert done["text"] == streamed[done["stream"]], done
         assert_text_greedy_equal(expected.text, expected.logprobs, done["text"], str(done))
-        assert done["usage"]["completion_tokens"] == expected.usage.completion_tokens
-        assert done["finish_reason"] == f"FINISH_REASON_{expected.finish_reason.upper()}"
+        if done["text"] == expected.text:  # past a near-tie, one side may meet EOS first
+            assert done["usage"]["completion_tokens"] == expected.usage.completion_tokens
+            assert done["finish_reason"] == f"FINISH_REASON_{expected.finish_reason.upper()}"
         assert done["request_id"] == f"{request_id}-{done['stream']}"
     # Concurrent, not one after another: every stream had begun before any one ended.
     assert max(p[0] for p in positions.values()) < min(p[-1] for p in positions.values())

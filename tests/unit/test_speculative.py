@@ -13,6 +13,8 @@ from llama_grpc_server.core.ngram import NgramIndex
 from llama_grpc_server.core.plan import MAX_PAD_ROWS
 from llama_grpc_server.core.spec_policy import (
     MIN_GAIN,
+    PRIOR_PERIOD_AVX512,
+    PRIOR_SHAPE_AVX512,
     Acceptance,
     DraftOption,
     TickCostModel,
@@ -171,6 +173,21 @@ def test_a_row_count_not_measured_scales_the_nearest_of_its_parity() -> None:
     assert costs.tick_ms(3) == pytest.approx(12.8 * prior_shape(3))
     assert costs.tick_ms(3) > costs.tick_ms(4)  # type: ignore[operator]
     assert costs.tick_ms(6) == pytest.approx(33.2 * prior_shape(6) / prior_shape(4))
+
+
+def test_past_the_avx512_shape_each_residue_of_4_goes_on_along_its_own_slope() -> None:
+    """The AVX-512 build's cheap counts are the multiples of 4: beyond the shape's 32 rows, 36
+    still costs less than 33, 34 and 35 (a parity-based extrapolation would make 34 the cheap
+    one), so a pad past 32 rows aims at a multiple of 4."""
+
+    def shape(n: int) -> float:
+        return prior_shape(n, PRIOR_SHAPE_AVX512, PRIOR_PERIOD_AVX512)
+
+    assert shape(36) < min(shape(33), shape(34), shape(35))
+    assert shape(40) < min(shape(37), shape(38), shape(39))
+    assert shape(36) == pytest.approx(
+        PRIOR_SHAPE_AVX512[31] + (PRIOR_SHAPE_AVX512[31] - PRIOR_SHAPE_AVX512[23]) / 2
+    )
 
 
 def test_beyond_the_measured_points_along_the_prior_shape() -> None:

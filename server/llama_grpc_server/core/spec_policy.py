@@ -51,12 +51,15 @@ PRIOR_SHAPE_AVX512: tuple[float, ...] = (
 # fmt: on
 
 
-def prior_shape(n: int, shape: Sequence[float] = PRIOR_SHAPE) -> float:
-    """T(n) / T(1) by a prior shape; past its end along the slope of the last 8 rows of n's
-    parity (one reading's noise would tilt a slope over 2)."""
+PRIOR_PERIOD, PRIOR_PERIOD_AVX512 = 2, 4  # the row counts that repeat the shape's steps
+
+
+def prior_shape(n: int, shape: Sequence[float] = PRIOR_SHAPE, period: int = PRIOR_PERIOD) -> float:
+    """T(n) / T(1) by a prior shape; past its end along the slope of its last 8 rows of n's
+    residue modulo the shape's period (one reading's noise would tilt a slope over 2)."""
     if n <= len(shape):
         return shape[max(n, 1) - 1]
-    last = len(shape) - (len(shape) - n) % 2  # the last point of n's parity
+    last = len(shape) - (len(shape) - n) % period  # the last point of n's residue
     slope = (shape[last - 1] - shape[last - 9]) / 8
     return shape[last - 1] + slope * (n - last)
 
@@ -70,16 +73,16 @@ class TickCostModel:
     row nearer). Not monotone in N: on the development box 4 rows cost less than 3.
     Unknown (None) until some N has been measured."""
 
-    def __init__(self, shape: Sequence[float] = PRIOR_SHAPE) -> None:
+    def __init__(self, shape: Sequence[float] = PRIOR_SHAPE, period: int = PRIOR_PERIOD) -> None:
         self._ms: dict[int, float] = {}
-        self._shape = tuple(shape)
+        self.use_shape(shape, period)
 
-    def use_shape(self, shape: Sequence[float]) -> None:
+    def use_shape(self, shape: Sequence[float], period: int) -> None:
         """The prior shape of this build of llama.cpp (the engine knows which it runs)."""
-        self._shape = tuple(shape)
+        self._shape, self._period = tuple(shape), period
 
     def _prior(self, n: int) -> float:
-        return prior_shape(n, self._shape)
+        return prior_shape(n, self._shape, self._period)
 
     def calibrate(self, points: Iterable[tuple[int, float]]) -> None:
         """Start from timed decodes (rows, ms), replacing what was known; the fastest reading of
