@@ -13,7 +13,7 @@ from llama_grpc_server.core.ngram import NgramIndex
 from llama_grpc_server.core.plan import MAX_PAD_ROWS
 from llama_grpc_server.core.spec_policy import (
     MIN_GAIN,
-    PRIOR_PERIOD_AVX512,
+    PRIOR_AVX512,
     PRIOR_SHAPE_AVX512,
     Acceptance,
     DraftOption,
@@ -181,7 +181,7 @@ def test_past_the_avx512_shape_each_residue_of_4_goes_on_along_its_own_slope() -
     one), so a pad past 32 rows aims at a multiple of 4."""
 
     def shape(n: int) -> float:
-        return prior_shape(n, PRIOR_SHAPE_AVX512, PRIOR_PERIOD_AVX512)
+        return PRIOR_AVX512.at(n)
 
     assert shape(36) < min(shape(33), shape(34), shape(35))
     assert shape(40) < min(shape(37), shape(38), shape(39))

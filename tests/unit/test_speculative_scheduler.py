@@ -36,7 +36,7 @@ from llama_grpc_server.core.request import (
     TokenDelta,
 )
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
-from llama_grpc_server.core.spec_policy import PRIOR_PERIOD_AVX512, PRIOR_SHAPE_AVX512
+from llama_grpc_server.core.spec_policy import PRIOR_AVX512
 from llama_grpc_server.testing import FakeRunner
 
 from .test_scheduler import PIECES, Clock, finals, outputs
@@ -561,7 +561,7 @@ def test_six_decodes_take_two_pad_rows_where_eight_rows_cost_less() -> None:
     checks it)."""
     requests = [req(f"n{i}", range(3 + i, 27 + i), 40 if i < 4 else 24, OFF) for i in range(6)]
     s = make(n_parallel=6)
-    s.spec.costs.use_shape(PRIOR_SHAPE_AVX512, PRIOR_PERIOD_AVX512)
+    s.spec.costs.prior = PRIOR_AVX512
     runner = FakeRunner(eos_id=EOS)
     runner.next_token = counting  # type: ignore[method-assign]
     runner.cost_ms = lambda rows: AVX512_BOX.get(rows, 5.0 * rows + 20.0)

@@ -51,17 +51,31 @@ PRIOR_SHAPE_AVX512: tuple[float, ...] = (
 # fmt: on
 
 
-PRIOR_PERIOD, PRIOR_PERIOD_AVX512 = 2, 4  # the row counts that repeat the shape's steps
+@dataclass(frozen=True, slots=True)
+class PriorShape:
+    """One build's T(N) / T(1) curve (ratios[N - 1]) and the period of its steps in N (2: odd
+    counts dear; 4: counts short of a multiple of 4 dear)."""
+
+    ratios: tuple[float, ...]
+    period: int
+
+    def at(self, n: int) -> float:
+        """T(n) / T(1); past the curve's end along the slope of its last 8 rows of n's residue
+        modulo the period (one reading's noise would tilt a slope over 2)."""
+        if n <= len(self.ratios):
+            return self.ratios[max(n, 1) - 1]
+        last = len(self.ratios) - (len(self.ratios) - n) % self.period  # n's residue's last
+        slope = (self.ratios[last - 1] - self.ratios[last - 9]) / 8
+        return self.ratios[last - 1] + slope * (n - last)
 
 
-def prior_shape(n: int, shape: Sequence[float] = PRIOR_SHAPE, period: int = PRIOR_PERIOD) -> float:
-    """T(n) / T(1) by a prior shape; past its end along the slope of its last 8 rows of n's
-    residue modulo the shape's period (one reading's noise would tilt a slope over 2)."""
-    if n <= len(shape):
-        return shape[max(n, 1) - 1]
-    last = len(shape) - (len(shape) - n) % period  # the last point of n's residue
-    slope = (shape[last - 1] - shape[last - 9]) / 8
-    return shape[last - 1] + slope * (n - last)
+PRIOR_X86_64_V3 = PriorShape(PRIOR_SHAPE, period=2)
+PRIOR_AVX512 = PriorShape(PRIOR_SHAPE_AVX512, period=4)
+
+
+def prior_shape(n: int) -> float:
+    """T(n) / T(1) by the x86-64-v3 build's curve (the default prior)."""
+    return PRIOR_X86_64_V3.at(n)
 
 
 class TickCostModel:
@@ -69,20 +83,13 @@ class TickCostModel:
     ms a row for a sampled request against ~5 ms a row of forward pass here, is left out). Each
     N measured (by the warm-up calibration or a tick since) has an EWMA of its measured times;
     T of an N not measured is the nearest measured point (of the same parity when as near)
-    scaled along PRIOR_SHAPE (one of the same parity unless the other parity's is more than a
-    row nearer). Not monotone in N: on the development box 4 rows cost less than 3.
-    Unknown (None) until some N has been measured."""
+    scaled along the prior shape of the llama.cpp build (one of the same parity unless the
+    other parity's is more than a row nearer). Not monotone in N: on the development box 4
+    rows cost less than 3. Unknown (None) until some N has been measured."""
 
-    def __init__(self, shape: Sequence[float] = PRIOR_SHAPE, period: int = PRIOR_PERIOD) -> None:
+    def __init__(self, prior: PriorShape = PRIOR_X86_64_V3) -> None:
         self._ms: dict[int, float] = {}
-        self.use_shape(shape, period)
-
-    def use_shape(self, shape: Sequence[float], period: int) -> None:
-        """The prior shape of this build of llama.cpp (the engine knows which it runs)."""
-        self._shape, self._period = tuple(shape), period
-
-    def _prior(self, n: int) -> float:
-        return prior_shape(n, self._shape, self._period)
+        self.prior = prior  # the engine sets its llama.cpp build's (engine/build.py)
 
     def calibrate(self, points: Iterable[tuple[int, float]]) -> None:
         """Start from timed decodes (rows, ms), replacing what was known; the fastest reading of
@@ -96,9 +103,9 @@ class TickCostModel:
         if not best:
             self._ms = {}
             return
-        scale = statistics.median(ms / self._prior(rows) for rows, ms in best.items())
+        scale = statistics.median(ms / self.prior.at(rows) for rows, ms in best.items())
         self._ms = {
-            rows: min(ms, CALIBRATION_SLACK * scale * self._prior(rows))
+            rows: min(ms, CALIBRATION_SLACK * scale * self.prior.at(rows))
             for rows, ms in best.items()
         }
 
@@ -127,7 +134,7 @@ class TickCostModel:
             return known
         # the nearest measured N, counting one of the other parity 1.5 rows further away
         near = min(self._ms, key=lambda n: (abs(n - rows) + 1.5 * ((n - rows) % 2), n))
-        return self._ms[near] * self._prior(rows) / self._prior(near)
+        return self._ms[near] * self.prior.at(rows) / self.prior.at(near)
 
     def snapshot(self) -> tuple[tuple[int, float], ...]:
         """The measured points (rows, ms), for logs and tests."""

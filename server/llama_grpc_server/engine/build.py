@@ -11,13 +11,7 @@ from llama_grpc_server.config import Settings
 from llama_grpc_server.core.plan import Chunk, StepPlan
 from llama_grpc_server.core.request import SpeculativeConfig, SpeculativeMode
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
-from llama_grpc_server.core.spec_policy import (
-    PRIOR_PERIOD,
-    PRIOR_PERIOD_AVX512,
-    PRIOR_SHAPE,
-    PRIOR_SHAPE_AVX512,
-    TickCostModel,
-)
+from llama_grpc_server.core.spec_policy import PRIOR_AVX512, PRIOR_X86_64_V3, TickCostModel
 from llama_grpc_server.core.strategies import load_strategy
 from llama_grpc_server.engine import logs, openmp
 from llama_grpc_server.engine.llama import LlamaModel, system_info
@@ -120,10 +114,7 @@ def build_engine(
     )
     # the cost of a pass of N rows has another shape with AVX-512 (core.spec_policy)
     avx512 = "AVX512 = 1" in system_info()
-    if avx512:
-        scheduler.spec.costs.use_shape(PRIOR_SHAPE_AVX512, PRIOR_PERIOD_AVX512)
-    else:
-        scheduler.spec.costs.use_shape(PRIOR_SHAPE, PRIOR_PERIOD)
+    scheduler.spec.costs.prior = PRIOR_AVX512 if avx512 else PRIOR_X86_64_V3
 
     def close() -> None:
         if disk is not None:
