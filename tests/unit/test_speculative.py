@@ -9,8 +9,16 @@ import time
 import pytest
 
 from llama_grpc_server.core.kv_cells import CellMap
-from llama_grpc_server.core.ngram import NgramIndex
+from llama_grpc_server.core.ngram import Match, NgramIndex
 from llama_grpc_server.core.plan import MAX_PAD_ROWS
+from llama_grpc_server.core.request import (
+    GenerationRequest,
+    Request,
+    SamplingParams,
+    SpeculativeMode,
+    SpeculativeParams,
+    StoppingParams,
+)
 from llama_grpc_server.core.spec_policy import (
     MIN_GAIN,
     PRIOR_AVX512,
@@ -22,6 +30,7 @@ from llama_grpc_server.core.spec_policy import (
     expected_accepted,
     prior_shape,
 )
+from llama_grpc_server.core.speculative import Speculator
 
 # Measured on the development box (spec_policy.PRIOR_SHAPE's source): ms per decode-only tick of
 # N rows, logits for every row; an odd number of rows >= 3 costs more than one row more.
@@ -31,14 +40,20 @@ BOX = {
 }  # fmt: skip
 
 
-def reference_draft(tokens: list[int], n_min: int, n_max: int, k: int) -> tuple[int, ...]:
-    """The drafter's contract by brute force: longest suffix first, most recent occurrence."""
+def reference_lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> Match:
+    """The drafter's contract by brute force: longest suffix first, most recent occurrence;
+    ambiguous when the suffix's earlier occurrences were not all followed by the same token."""
     for n in range(min(n_max, len(tokens)), n_min - 1, -1):
         suffix = tokens[len(tokens) - n :]
-        for end in range(len(tokens) - 1, n - 1, -1):
-            if tokens[end - n : end] == suffix:
-                return tuple(tokens[end : end + k])
-    return ()
+        ends = [e for e in range(n, len(tokens)) if tokens[e - n : e] == suffix]
+        if ends:
+            followers = {tokens[e] for e in ends}
+            return Match(tuple(tokens[ends[-1] : ends[-1] + k]), n, len(followers) > 1)
+    return Match((), 0)
+
+
+def reference_draft(tokens: list[int], n_min: int, n_max: int, k: int) -> tuple[int, ...]:
+    return reference_lookup(tokens, n_min, n_max, k).draft
 
 
 def box_costs() -> TickCostModel:
@@ -108,15 +123,24 @@ def test_incremental_index_matches_a_rescan(seed: int) -> None:
     for _ in range(300):
         tokens.extend(rng.randint(0, 6) for _ in range(rng.randint(1, 4)))
         k = rng.randint(1, 8)
-        assert index.draft(tokens, k) == reference_draft(tokens, n_min, n_max, k)
+        assert index.lookup(tokens, k) == reference_lookup(tokens, n_min, n_max, k)
 
 
 def test_lookup_tells_how_long_a_suffix_matched() -> None:
     """The longest suffix first: 4 tokens here, then 2 where only 2 occurred before."""
     index = NgramIndex(2, 4)
-    assert index.lookup([1, 2, 3, 4, 5, 9, 1, 2, 3, 4], 2) == ((5, 9), 4)
-    assert NgramIndex(2, 4).lookup([7, 3, 4, 5, 9, 3, 4], 2) == ((5, 9), 2)
-    assert NgramIndex(2, 4).lookup([1, 2, 3], 2) == ((), 0)
+    assert index.lookup([1, 2, 3, 4, 5, 9, 1, 2, 3, 4], 2) == Match((5, 9), 4)
+    assert NgramIndex(2, 4).lookup([7, 3, 4, 5, 9, 3, 4], 2) == Match((5, 9), 2)
+    assert NgramIndex(2, 4).lookup([1, 2, 3], 2) == Match((), 0)
+
+
+def test_lookup_tells_whether_the_suffix_had_other_followers() -> None:
+    """(1, 2) was followed by 7 and then by 8: the draft (from the most recent) is ambiguous;
+    (3, 4) was followed by 5 both times: it is not. The index learns it as the list grows."""
+    index = NgramIndex(2, 2)
+    assert index.lookup([1, 2, 7, 1, 2], 3) == Match((7, 1, 2), 2, False)
+    assert index.lookup([1, 2, 7, 1, 2, 8, 1, 2], 3) == Match((8, 1, 2), 2, True)
+    assert NgramIndex(2, 2).lookup([3, 4, 5, 0, 3, 4, 5, 6, 3, 4], 2) == Match((5, 6), 2, False)
 
 
 def test_filler_is_what_last_followed_the_last_token() -> None:
@@ -173,6 +197,23 @@ def test_a_row_count_not_measured_scales_the_nearest_of_its_parity() -> None:
     assert costs.tick_ms(3) == pytest.approx(12.8 * prior_shape(3))
     assert costs.tick_ms(3) > costs.tick_ms(4)  # type: ignore[operator]
     assert costs.tick_ms(6) == pytest.approx(33.2 * prior_shape(6) / prior_shape(4))
+
+
+def test_a_newly_measured_row_count_becomes_the_nearest_for_its_neighbours() -> None:
+    """The nearest measured N of a row count is remembered, and forgotten when a row count is
+    measured for the first time or the prior changes; a measured point's new value is used at
+    once. Measured 1, 2, 4, T(7) scales T(4); once 8 is measured, T(8)."""
+    costs = TickCostModel()
+    costs.calibrate([(1, 12.8), (2, 25.3), (4, 33.2)])
+    assert costs.tick_ms(7) == pytest.approx(33.2 * prior_shape(7) / prior_shape(4))
+    costs.observe(4, 43.2)  # moves T(4) by a tenth of 10 ms
+    assert costs.tick_ms(7) == pytest.approx(34.2 * prior_shape(7) / prior_shape(4))
+    costs.observe(8, 50.0)  # first measured: starts from its estimate, then moves
+    t8 = costs.tick_ms(8)
+    assert t8 is not None
+    assert costs.tick_ms(7) == pytest.approx(t8 * prior_shape(7) / prior_shape(8))
+    costs.prior = PRIOR_AVX512
+    assert costs.tick_ms(7) == pytest.approx(t8 * PRIOR_AVX512.at(7) / PRIOR_AVX512.at(8))
 
 
 def test_past_the_avx512_shape_each_residue_of_4_goes_on_along_its_own_slope() -> None:
@@ -395,3 +436,31 @@ def test_trimming_after_a_copy_keeps_shared_cells_shared() -> None:
     cells.trimmed(0, 12)
     cells.computed(0, 12, 3)
     assert cells.num_cells(0) == 15 and cells.num_used() == 15
+
+
+# -- the speculator's kinds of lookup --------------------------------------------------------------
+
+
+def first_drafts(prompt: list[int]) -> dict[int, tuple[int, ...]]:
+    """What a fresh AUTO speculator sends for a request that has just its prompt, alone, at the
+    box's costs."""
+    spec = Speculator()
+    spec.costs.calibrate(BOX.items())
+    auto = SpeculativeParams(SpeculativeMode.AUTO)
+    stop = StoppingParams(max_tokens=40)
+    request = Request(
+        GenerationRequest("r", tuple(prompt), SamplingParams(), stop, speculative=auto)
+    )
+    request.slot_id = 0
+    return spec.propose([request], num_rows=1, room=64, n_ctx=4096, has_prefill=False)
+
+
+def test_an_ambiguous_match_waits_for_evidence_an_unambiguous_one_drafts_at_once() -> None:
+    """The prompt ends with a 4-token suffix it held twice before: followed by the same token
+    both times, the draft is sent from the first decode on (the long prior pays); followed by
+    different tokens, the same lookup starts from the ambiguous prior, which does not pay."""
+    gram = [10, 11, 12, 13]
+    same = [*gram, *range(20, 36), 5, *gram, *range(20, 36), 6, *gram]
+    other = [*gram, *range(40, 56), 5, *gram, *range(20, 36), 6, *gram]
+    assert first_drafts(same) == {0: tuple(range(20, 20 + len(first_drafts(same)[0])))}
+    assert first_drafts(other) == {}

@@ -89,7 +89,22 @@ class TickCostModel:
 
     def __init__(self, prior: PriorShape = PRIOR_X86_64_V3) -> None:
         self._ms: dict[int, float] = {}
-        self.prior = prior  # the engine sets its llama.cpp build's (engine/build.py)
+        self._prior = prior
+        # rows not measured -> (the measured N it scales, the prior's T(rows) / T(N)): depends
+        # on which N are measured only, so it is cleared when that changes (AUTO asks for
+        # dozens of row counts a tick; finding the nearest each time was ~0.4 ms of a B = 16
+        # tick's engine-thread time)
+        self._near: dict[int, tuple[int, float]] = {}
+
+    @property
+    def prior(self) -> PriorShape:
+        return self._prior
+
+    @prior.setter
+    def prior(self, prior: PriorShape) -> None:
+        """The engine sets its llama.cpp build's (engine/build.py)."""
+        self._prior = prior
+        self._near = {}
 
     def calibrate(self, points: Iterable[tuple[int, float]]) -> None:
         """Start from timed decodes (rows, ms), replacing what was known; the fastest reading of
@@ -100,6 +115,7 @@ class TickCostModel:
         for rows, ms in points:
             if rows > 0 and ms > 0:
                 best[rows] = min(ms, best.get(rows, math.inf))
+        self._near = {}
         if not best:
             self._ms = {}
             return
@@ -118,6 +134,7 @@ class TickCostModel:
         old = self._ms.get(rows)
         if old is None:
             old = self.tick_ms(rows)
+            self._near = {}  # a row count measured for the first time
         if old is None:
             self._ms[rows] = tick_ms
             return
@@ -132,9 +149,12 @@ class TickCostModel:
         known = self._ms.get(rows)
         if known is not None or not self._ms:
             return known
-        # the nearest measured N, counting one of the other parity 1.5 rows further away
-        near = min(self._ms, key=lambda n: (abs(n - rows) + 1.5 * ((n - rows) % 2), n))
-        return self._ms[near] * self.prior.at(rows) / self.prior.at(near)
+        scaled = self._near.get(rows)
+        if scaled is None:
+            # the nearest measured N, counting one of the other parity 1.5 rows further away
+            near = min(self._ms, key=lambda n: (abs(n - rows) + 1.5 * ((n - rows) % 2), n))
+            scaled = self._near[rows] = (near, self._prior.at(rows) / self._prior.at(near))
+        return self._ms[scaled[0]] * scaled[1]
 
     def snapshot(self) -> tuple[tuple[int, float], ...]:
         """The measured points (rows, ms), for logs and tests."""

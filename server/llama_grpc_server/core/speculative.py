@@ -32,9 +32,15 @@ MAX_SHADOWS = 4  # shadow drafts of one request waiting to be settled at most
 # likelier to be right (measured on bench/speculative.py's outputs: the first token of a draft
 # matched on 8 tokens was accepted 97 % of the time and 12.4 of 16 tokens on average; matched
 # on 1-2 tokens, 53 % and 1.5-3), so a request keeps one acceptance estimate for each kind.
+# A third kind is a draft whose suffix was ambiguous, followed by other tokens elsewhere in the
+# request's tokens: its first token was accepted 0-50 % of the time when matched on 2 tokens,
+# 28-84 % on 4, against 65-100 % and 93-100 % for one whose suffix always had the same follower
+# (drafts of bench/speculative.py's outputs and two sets of 8 other prompts).
 LONG_MATCH = 3
 LONG_PRIOR = 0.8  # a long draft's first-token acceptance before any evidence
 LONG_PRIOR_NEXT = 0.9  # and its further tokens'
+AMBIGUOUS_PRIOR = 0.3  # an ambiguous draft's first-token acceptance before any evidence
+SHORT, LONG, AMBIGUOUS = range(3)  # a lookup's kind, each with its own acceptance estimate
 
 
 @dataclass(slots=True)
@@ -45,16 +51,19 @@ class _State:
     index: NgramIndex
     acceptance: Acceptance = field(default_factory=Acceptance)  # of drafts matched short
     long: Acceptance = field(default_factory=lambda: Acceptance(LONG_PRIOR, LONG_PRIOR_NEXT))
+    ambiguous: Acceptance = field(default_factory=lambda: Acceptance(AMBIGUOUS_PRIOR))
     # Drafts not sent, waiting for the tokens they predicted: (draft, where in the request's
-    # tokens its first token would be, whether it was matched long).
-    shadows: list[tuple[tuple[int, ...], int, bool]] = field(default_factory=list)
+    # tokens its first token would be, its kind).
+    shadows: list[tuple[tuple[int, ...], int, int]] = field(default_factory=list)
     # What this tick's draft is: NgramIndex.filler's padding (learned from by nobody), or a
-    # lookup matched long or short.
+    # lookup of a kind (SHORT, LONG, AMBIGUOUS).
     is_filler: bool = False
-    is_long: bool = False
+    kind: int = SHORT
 
-    def of(self, is_long: bool) -> Acceptance:
-        return self.long if is_long else self.acceptance
+    def of(self, kind: int) -> Acceptance:
+        return (
+            self.long if kind == LONG else self.ambiguous if kind == AMBIGUOUS else self.acceptance
+        )
 
 
 class Speculator:
@@ -96,13 +105,13 @@ class Speculator:
                 request.spec.stopping.max_tokens - request.num_output - 1,
                 n_ctx - len(request.tokens),
             )
-            draft, matched = state.index.lookup(request.tokens, cap)
-            state.is_long = matched >= LONG_MATCH
+            draft, matched, is_ambiguous = state.index.lookup(request.tokens, cap)
+            state.kind = AMBIGUOUS if is_ambiguous else LONG if matched >= LONG_MATCH else SHORT
             is_forced = state.config.mode is SpeculativeMode.ON
             if draft:
                 found[request.slot_id] = draft
                 if is_forced or not has_prefill:
-                    acceptance = state.of(state.is_long)
+                    acceptance = state.of(state.kind)
                     options.append(
                         DraftOption(
                             request.slot_id,
@@ -121,7 +130,7 @@ class Speculator:
             draft = found.get(request.slot_id, ())
             state.is_filler = request.slot_id in fillers and request.slot_id in chosen
             if draft and not chosen.get(request.slot_id) and len(state.shadows) < MAX_SHADOWS:
-                state.shadows.append((draft, len(request.tokens), state.is_long))
+                state.shadows.append((draft, len(request.tokens), state.kind))
         found.update(fillers)
         return {slot_id: found[slot_id][:k] for slot_id, k in chosen.items() if k > 0}
 
@@ -145,7 +154,7 @@ class Speculator:
         filler's outcome says nothing about the request's lookups and is not learned from."""
         state = self._states.get(request.key)
         if state is not None and not state.is_filler:
-            state.of(state.is_long).record(num_accepted, num_draft)
+            state.of(state.kind).record(num_accepted, num_draft)
 
     def observe_tokens(self, request: Request) -> None:
         """The request took new tokens: settle the shadow drafts they decide."""
@@ -153,15 +162,15 @@ class Speculator:
         if state is None or not state.shadows:
             return
         tokens, waiting = request.tokens, []
-        for shadow, start, is_long in state.shadows:
+        for shadow, start, kind in state.shadows:
             got = tokens[start : start + len(shadow)]
             n = 0
             while n < len(got) and got[n] == shadow[n]:
                 n += 1
             if n < len(got) or len(got) == len(shadow):
-                state.of(is_long).record(n, len(shadow))
+                state.of(kind).record(n, len(shadow))
             else:
-                waiting.append((shadow, start, is_long))
+                waiting.append((shadow, start, kind))
         state.shadows = waiting
 
     def acceptance(self, key: str) -> float | None:
