@@ -281,14 +281,31 @@ def test_acceptance_learns_first_tokens_and_further_ones_apart() -> None:
     only; nothing verified changes nothing."""
     a = Acceptance(0.0, 0.0)
     a.record(4, 4)
-    assert (a.p, a.p_next) == (pytest.approx(0.2), pytest.approx(1 - 0.8**3))
+    assert (a.p, a.p_next) == (pytest.approx(0.2), pytest.approx(1 - 0.95**3))
     b = Acceptance(0.5, 0.5)
     b.record(1, 4)
-    assert (b.p, b.p_next) == (pytest.approx(0.6), pytest.approx(0.4))
+    assert (b.p, b.p_next) == (pytest.approx(0.6), pytest.approx(0.475))
     b.record(0, 4)
-    assert (b.p, b.p_next) == (pytest.approx(0.48), pytest.approx(0.4))
+    assert (b.p, b.p_next) == (pytest.approx(0.48), pytest.approx(0.475))
     b.record(0, 0)
-    assert (b.p, b.p_next) == (pytest.approx(0.48), pytest.approx(0.4))
+    assert (b.p, b.p_next) == (pytest.approx(0.48), pytest.approx(0.475))
+
+
+def test_one_copy_ending_barely_moves_the_further_tokens_estimate() -> None:
+    """A draft's further tokens are many more events than its first one: after copies of 16
+    tokens, one rejection (a copy's end) takes a twentieth off p_next, so the next copy still
+    gets the long drafts (7 on the box's costs) that a fifth off, as for p, would cut (to 5)."""
+    a = Acceptance(0.9, 0.9)
+    for _ in range(3):
+        a.record(16, 16)
+    a.record(4, 16)
+    assert 0.9 < a.p_next < 0.96
+
+    def draft_length(p_next: float) -> int:
+        option = DraftOption(0, 16, a.p, p_next=p_next)
+        return choose_drafts(1, [option], box_costs().tick_ms, 64)[0]
+
+    assert draft_length(a.p_next) > draft_length(a.p_next * 0.8 / 0.95)
 
 
 def test_acceptance_backs_off_after_a_few_rejections() -> None:
