@@ -1,18 +1,18 @@
 """Replay the AUTO speculation policy offline (issue 17). The outputs of bench/speculative.py's
 prompts (greedy, the control's seeded and sampled as there) are recorded once from a real server
 (speculation off: verification is exact-match, so they are what AUTO generates too, up to the
-numerics of batch shape); then core.speculative.Speculator
-runs over them as the scheduler drives it for one stream, each tick costed at a measured curve of
-forward-pass times (bench/results/decode_cost_shape*.json), next to the perfect-foresight bound
-(each step's best draft length known in advance, with the same n-gram lookup).
+numerics of batch shape); then core.speculative.Speculator runs over them as the scheduler
+drives it for one stream, each tick costed at a measured curve of forward-pass times
+(bench/results/decode_cost_shape*.json), next to the perfect-foresight bound (each step's best
+draft length known in advance, with the same n-gram lookup).
 
 Deterministic, so a policy change's effect shows without the box's ±10 % run-to-run noise. It
 leaves out what the server adds per tick (~1 ms here), so it predicts AUTO / off rather than AUTO
-/ raw: form_fields replayed 0.98, measured 0.97. Record again after any change to the build or
-the model: outputs recorded with the x86-64-v3 build differed from the AVX-512 build's in
-form_fields from its second token.
+/ raw: form_fields replayed 0.99, measured 0.96-1.01 in five runs. Record again after any change
+to the build or the model: outputs recorded with the x86-64-v3 build differed from the AVX-512
+build's in form_fields from its second token.
 
-    python bench/spec_replay.py record      # writes bench/results/spec_outputs.json (~1 min)
+    python bench/spec_replay.py record      # writes bench/results/spec_outputs.json (~15 s)
     python bench/spec_replay.py             # the replay, at this build's cost curve
     python bench/spec_replay.py --costs bench/results/decode_cost_shape.json --draft-max 24
 """
