@@ -49,9 +49,14 @@ class _State:
 
     config: SpeculativeConfig
     index: NgramIndex
-    acceptance: Acceptance = field(default_factory=Acceptance)  # of drafts matched short
-    long: Acceptance = field(default_factory=lambda: Acceptance(LONG_PRIOR, LONG_PRIOR_NEXT))
-    ambiguous: Acceptance = field(default_factory=lambda: Acceptance(AMBIGUOUS_PRIOR))
+    # one acceptance estimate per kind of lookup, indexed by SHORT, LONG, AMBIGUOUS
+    estimates: tuple[Acceptance, Acceptance, Acceptance] = field(
+        default_factory=lambda: (
+            Acceptance(),
+            Acceptance(LONG_PRIOR, LONG_PRIOR_NEXT),
+            Acceptance(AMBIGUOUS_PRIOR),
+        )
+    )
     # Drafts not sent, waiting for the tokens they predicted: (draft, where in the request's
     # tokens its first token would be, its kind).
     shadows: list[tuple[tuple[int, ...], int, int]] = field(default_factory=list)
@@ -61,9 +66,7 @@ class _State:
     kind: int = SHORT
 
     def of(self, kind: int) -> Acceptance:
-        return (
-            self.long if kind == LONG else self.ambiguous if kind == AMBIGUOUS else self.acceptance
-        )
+        return self.estimates[kind]
 
 
 class Speculator:
@@ -174,9 +177,10 @@ class Speculator:
         state.shadows = waiting
 
     def acceptance(self, key: str) -> float | None:
-        """A request's acceptance estimate (None when it does not speculate)."""
+        """A request's first-token acceptance estimate for its short lookups (None when it does
+        not speculate)."""
         state = self._states.get(key)
-        return state.acceptance.p if state is not None else None
+        return state.of(SHORT).p if state is not None else None
 
     def forget(self, key: str) -> None:
         self._states.pop(key, None)
