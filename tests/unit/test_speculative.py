@@ -20,6 +20,8 @@ from llama_grpc_server.core.request import (
     StoppingParams,
 )
 from llama_grpc_server.core.spec_policy import (
+    ACCEPT_ALPHA,
+    ACCEPT_ALPHA_NEXT,
     MIN_GAIN,
     PRIOR_AVX512,
     PRIOR_SHAPE_AVX512,
@@ -30,7 +32,7 @@ from llama_grpc_server.core.spec_policy import (
     expected_accepted,
     prior_shape,
 )
-from llama_grpc_server.core.speculative import Speculator
+from llama_grpc_server.core.speculative import AMBIGUOUS, AMBIGUOUS_PRIOR, LONG, SHORT, Speculator
 
 # Measured on the development box (spec_policy.PRIOR_SHAPE's source): ms per decode-only tick of
 # N rows, logits for every row; an odd number of rows >= 3 costs more than one row more.
@@ -278,17 +280,50 @@ def test_observations_move_a_point_by_ewma() -> None:
 def test_acceptance_learns_first_tokens_and_further_ones_apart() -> None:
     """4 of 4 accepted: the first token a 1 for p, three 1s for p_next; 1 of 4: a 1 for p and
     a 0 for p_next (the tokens after the rejected one were never verified); 0 of 4: a 0 for p
-    only; nothing verified changes nothing."""
+    only; nothing verified changes nothing. The n-th verified token of each weighs
+    1 / (n + PRIOR_WEIGHT) until that falls to the floor."""
     a = Acceptance(0.0, 0.0)
     a.record(4, 4)
-    assert (a.p, a.p_next) == (pytest.approx(0.2), pytest.approx(1 - 0.95**3))
+    assert (a.p, a.p_next) == (pytest.approx(1 / 3), pytest.approx(1 - (2 / 3) * (3 / 4) * (4 / 5)))
     b = Acceptance(0.5, 0.5)
     b.record(1, 4)
-    assert (b.p, b.p_next) == (pytest.approx(0.6), pytest.approx(0.475))
+    assert (b.p, b.p_next) == (pytest.approx(0.5 + 0.5 / 3), pytest.approx(0.5 - 0.5 / 3))
     b.record(0, 4)
-    assert (b.p, b.p_next) == (pytest.approx(0.48), pytest.approx(0.475))
+    assert (b.p, b.p_next) == (pytest.approx((0.5 + 0.5 / 3) * 3 / 4), pytest.approx(1 / 3))
     b.record(0, 0)
-    assert (b.p, b.p_next) == (pytest.approx(0.48), pytest.approx(0.475))
+    assert (b.n, b.n_next) == (2, 1)
+
+
+def test_acceptance_weighs_the_floor_once_evidence_outweighs_the_prior() -> None:
+    """After many verified tokens a first token moves p by ACCEPT_ALPHA and a further one moves
+    p_next by ACCEPT_ALPHA_NEXT, whatever came before."""
+    a = Acceptance()
+    for _ in range(40):
+        a.record(3, 3)
+    p, p_next = a.p, a.p_next
+    a.record(1, 3)
+    assert a.p == pytest.approx(p + ACCEPT_ALPHA * (1 - p))
+    assert a.p_next == pytest.approx(p_next * (1 - ACCEPT_ALPHA_NEXT))
+
+
+def test_drafts_that_fail_after_one_token_stop_being_long_at_once() -> None:
+    """Long lookups in free writing: the first token right, the second wrong (measured in the
+    sampled control of bench/speculative.py). One such draft brings a long-lookup estimate
+    (prior 0.8 / 0.9) down to where the box's costs take no draft at all; with p_next learning
+    at its floor weight from the start, two of them would leave it drafting 5 tokens a step."""
+    a = Acceptance(0.8, 0.9)
+
+    def draft_length(acceptance: Acceptance) -> int:
+        option = DraftOption(0, 16, acceptance.p, p_next=acceptance.p_next)
+        return choose_drafts(1, [option], box_costs().tick_ms, 64).get(0, 0)
+
+    assert draft_length(a) == 5
+    a.record(1, 15)
+    assert draft_length(a) == 0
+    floor_only = Acceptance(0.8, 0.9, n=100, n_next=100)  # the prior already outweighed
+    for _ in range(2):
+        floor_only.record(1, 15)
+    assert draft_length(floor_only) == 5
 
 
 def test_one_copy_ending_barely_moves_the_further_tokens_estimate() -> None:
@@ -461,6 +496,11 @@ def test_trimming_after_a_copy_keeps_shared_cells_shared() -> None:
 def first_drafts(prompt: list[int]) -> dict[int, tuple[int, ...]]:
     """What a fresh AUTO speculator sends for a request that has just its prompt, alone, at the
     box's costs."""
+    return propose(*speculating(prompt))
+
+
+def speculating(prompt: list[int]) -> tuple[Speculator, Request]:
+    """A fresh AUTO speculator at the box's costs and a request that has just its prompt."""
     spec = Speculator()
     spec.costs.calibrate(BOX.items())
     auto = SpeculativeParams(SpeculativeMode.AUTO)
@@ -469,6 +509,11 @@ def first_drafts(prompt: list[int]) -> dict[int, tuple[int, ...]]:
         GenerationRequest("r", tuple(prompt), SamplingParams(), stop, speculative=auto)
     )
     request.slot_id = 0
+    return spec, request
+
+
+def propose(spec: Speculator, request: Request) -> dict[int, tuple[int, ...]]:
+    """The speculator's drafts for the request alone in a decode-only tick."""
     return spec.propose([request], num_rows=1, room=64, n_ctx=4096, has_prefill=False)
 
 
@@ -481,3 +526,41 @@ def test_an_ambiguous_match_waits_for_evidence_an_unambiguous_one_drafts_at_once
     other = [*gram, *range(40, 56), 5, *gram, *range(20, 36), 6, *gram]
     assert first_drafts(same) == {0: tuple(range(20, 20 + len(first_drafts(same)[0])))}
     assert first_drafts(other) == {}
+
+
+def test_a_shadow_drafts_first_token_is_learned_from_as_soon_as_it_is_generated() -> None:
+    """An ambiguous lookup is not sent (its prior does not pay) but kept as a shadow: its first
+    token counts for the ambiguous estimate's p the moment that token is generated, its further
+    tokens for p_next once one of them differs."""
+    gram = [10, 11, 12, 13]
+    spec, request = speculating([*gram, *range(40, 56), 5, *gram, *range(20, 36), 6, *gram])
+    assert propose(spec, request) == {}
+    estimate = spec._states[request.key].of(AMBIGUOUS)
+    request.tokens.append(20)  # the shadow's first token
+    spec.observe_tokens(request)
+    assert (estimate.n, estimate.p) == (
+        1,
+        pytest.approx(AMBIGUOUS_PRIOR + (1 - AMBIGUOUS_PRIOR) / 3),
+    )
+    assert estimate.n_next == 0
+    request.tokens.append(99)  # its second token differs
+    spec.observe_tokens(request)
+    assert (estimate.n, estimate.n_next, estimate.p_next) == (1, 1, pytest.approx(0.5 - 0.5 / 3))
+
+
+def test_failing_short_lookups_hold_back_a_long_lookups_untested_prior() -> None:
+    """A long lookup drafts at once on its prior in a request whose short lookups are untested
+    (a copy from the start); in one whose short lookups failed (free writing) it waits, until a
+    verified long draft of its own replaces the prior."""
+    gram = [10, 11, 12, 13]
+    prompt = [*gram, *range(20, 36), 5, *gram, *range(20, 36), 6, *gram]
+    spec, request = speculating(prompt)
+    assert propose(spec, request)
+    spec, request = speculating(prompt)
+    assert propose(spec, request)  # makes the request's state
+    state = spec._states[request.key]
+    for _ in range(3):
+        state.of(SHORT).record(0, 2)
+    assert propose(spec, request) == {}
+    state.of(LONG).record(3, 3)
+    assert propose(spec, request)

@@ -28,6 +28,7 @@ ACCEPT_ALPHA = 0.2  # EWMA weight of one verified draft's first token (real or s
 # sets that are not the benchmark's.
 ACCEPT_ALPHA_NEXT = 0.05
 ACCEPT_PRIOR = 0.5  # p before any evidence
+PRIOR_WEIGHT = 2.0  # the prior counts as this many verified tokens
 CALIBRATION_SLACK = 2.0  # a calibration point dearer than this times its shape's fit was disturbed
 # T(N) / T(1) for a decode-only tick of N rows with logits for every row, measured on the 2-core
 # development box (Gemma 3 270M Q4_K_M, CPU; `python bench/decode_cost.py --rows 32 --name
@@ -176,20 +177,34 @@ class Acceptance:
     being accepted) or not (then it fails at once). Each is an EWMA over verified tokens, a 1
     (accepted) or a 0 (the first rejected one; those after it are not verified). Real
     verifications and shadow ones (a draft not sent, compared with the tokens generated next)
-    count alike. A rejected first token takes a fifth off p, a rejected further token a
-    twentieth off p_next."""
+    count alike. The n-th verified token weighs max(floor, 1 / (n + PRIOR_WEIGHT)): the prior
+    counts as PRIOR_WEIGHT observations, so the first evidence moves an estimate at once and
+    later tokens weigh the floor (ACCEPT_ALPHA for p, ACCEPT_ALPHA_NEXT for p_next)."""
 
     p: float = ACCEPT_PRIOR
     p_next: float = ACCEPT_PRIOR
+    n: int = 0  # first tokens verified
+    n_next: int = 0  # further tokens verified
 
     def record(self, accepted: int, drafted: int) -> None:
+        """A verified draft: `accepted` of its `drafted` tokens agreed."""
         if drafted <= 0:
             return
-        self.p += ACCEPT_ALPHA * ((1.0 if accepted else 0.0) - self.p)
+        self.record_first(accepted > 0)
         if accepted:  # tokens 2 .. accepted were accepted; the one after, if any, was not
-            self.p_next = 1.0 - (1.0 - self.p_next) * (1.0 - ACCEPT_ALPHA_NEXT) ** (accepted - 1)
-            if accepted < drafted:
-                self.p_next *= 1.0 - ACCEPT_ALPHA_NEXT
+            self.record_further(accepted - 1, is_rejected=accepted < drafted)
+
+    def record_first(self, is_accepted: bool) -> None:
+        self.n += 1
+        weight = max(ACCEPT_ALPHA, 1.0 / (self.n + PRIOR_WEIGHT))
+        self.p += weight * ((1.0 if is_accepted else 0.0) - self.p)
+
+    def record_further(self, accepted: int, *, is_rejected: bool) -> None:
+        """`accepted` further tokens agreed, then one did not if is_rejected."""
+        for outcome in [1.0] * accepted + ([0.0] if is_rejected else []):
+            self.n_next += 1
+            weight = max(ACCEPT_ALPHA_NEXT, 1.0 / (self.n_next + PRIOR_WEIGHT))
+            self.p_next += weight * (outcome - self.p_next)
 
     def expected(self, k: int) -> float:
         """Expected accepted tokens of a k-token draft."""

@@ -21,6 +21,7 @@ from llama_grpc_server.core.request import (
     SpeculativeMode,
 )
 from llama_grpc_server.core.spec_policy import (
+    ACCEPT_PRIOR,
     Acceptance,
     DraftOption,
     TickCostModel,
@@ -58,8 +59,8 @@ class _State:
         )
     )
     # Drafts not sent, waiting for the tokens they predicted: (draft, where in the request's
-    # tokens its first token would be, its kind).
-    shadows: list[tuple[tuple[int, ...], int, int]] = field(default_factory=list)
+    # tokens its first token would be, its kind, whether its first token was learned from).
+    shadows: list[tuple[tuple[int, ...], int, int, bool]] = field(default_factory=list)
     # What this tick's draft is: NgramIndex.filler's padding (learned from by nobody), or a
     # lookup of a kind (SHORT, LONG, AMBIGUOUS).
     is_filler: bool = False
@@ -67,6 +68,22 @@ class _State:
 
     def of(self, kind: int) -> Acceptance:
         return self.estimates[kind]
+
+    def option(self, slot_id: int, length: int, is_forced: bool) -> DraftOption:
+        """This tick's lookup as a draft option, with its kind's estimates. Those of a long or
+        ambiguous lookup that no verification has moved yet are their priors scaled down by how
+        the request's short lookups fared against theirs: in free writing short lookups fail
+        (p 0.13-0.36 after 3-5 of them in the sampled control of bench/speculative.py) and so
+        did the first long drafts, 11-15 tokens with one token or none accepted; a request that
+        copies its input drafts long before any short lookup is settled."""
+        own = self.estimates[self.kind]
+        p, p_next = own.p, own.p_next
+        short = self.estimates[SHORT]
+        if self.kind != SHORT and short.n > 0:
+            factor = min(1.0, short.p / ACCEPT_PRIOR)
+            p *= factor if own.n == 0 else 1.0
+            p_next *= factor if own.n_next == 0 else 1.0
+        return DraftOption(slot_id, length, p, is_forced, p_next)
 
 
 class Speculator:
@@ -114,16 +131,7 @@ class Speculator:
             if draft:
                 found[request.slot_id] = draft
                 if is_forced or not has_prefill:
-                    acceptance = state.of(state.kind)
-                    options.append(
-                        DraftOption(
-                            request.slot_id,
-                            len(draft),
-                            acceptance.p,
-                            is_forced,
-                            acceptance.p_next,
-                        )
-                    )
+                    options.append(state.option(request.slot_id, len(draft), is_forced))
             elif cap > 0 and not is_forced and not has_prefill:
                 # nothing to look up: a guess, sent only where one row more makes the tick cheaper
                 fillers[request.slot_id] = (state.index.filler(request.tokens),)
@@ -133,7 +141,7 @@ class Speculator:
             draft = found.get(request.slot_id, ())
             state.is_filler = request.slot_id in fillers and request.slot_id in chosen
             if draft and not chosen.get(request.slot_id) and len(state.shadows) < MAX_SHADOWS:
-                state.shadows.append((draft, len(request.tokens), state.kind))
+                state.shadows.append((draft, len(request.tokens), state.kind, False))
         found.update(fillers)
         return {slot_id: found[slot_id][:k] for slot_id, k in chosen.items() if k > 0}
 
@@ -160,20 +168,31 @@ class Speculator:
             state.of(state.kind).record(num_accepted, num_draft)
 
     def observe_tokens(self, request: Request) -> None:
-        """The request took new tokens: settle the shadow drafts they decide."""
+        """The request took new tokens: settle what they decide of the shadow drafts. A
+        shadow's first token is learned from as soon as it is generated, its further tokens once
+        one differs or all are there: a request whose lookups start to be right (a copy begins)
+        drafts from the next tick on, not once a whole shadow draft has been generated."""
         state = self._states.get(request.key)
         if state is None or not state.shadows:
             return
         tokens, waiting = request.tokens, []
-        for shadow, start, kind in state.shadows:
+        for shadow, start, kind, is_first_settled in state.shadows:
             got = tokens[start : start + len(shadow)]
-            n = 0
+            if not got:
+                waiting.append((shadow, start, kind, is_first_settled))
+                continue
+            acceptance = state.of(kind)
+            if not is_first_settled:
+                acceptance.record_first(got[0] == shadow[0])
+                if got[0] != shadow[0]:
+                    continue
+            n = 1
             while n < len(got) and got[n] == shadow[n]:
                 n += 1
             if n < len(got) or len(got) == len(shadow):
-                state.of(kind).record(n, len(shadow))
+                acceptance.record_further(n - 1, is_rejected=n < len(got))
             else:
-                waiting.append((shadow, start, kind))
+                waiting.append((shadow, start, kind, True))
         state.shadows = waiting
 
     def acceptance(self, key: str) -> float | None:
