@@ -15,6 +15,15 @@ build's in form_fields from its second token.
     python bench/spec_replay.py record      # writes bench/results/spec_outputs.json (~15 s)
     python bench/spec_replay.py             # the replay, at this build's cost curve
     python bench/spec_replay.py --costs bench/results/decode_cost_shape.json --draft-max 24
+
+A policy tuned on the benchmark's own prompts would flatter it: bench/spec_prompts/ holds two
+more sets of 6 input-grounded prompts and 2 free-writing ones (tune.json to tune on, val.json to
+check), written for this, replayed the same way:
+
+    python bench/spec_replay.py record --prompts bench/spec_prompts/tune.json \
+        --outputs bench/results/spec_outputs_tune.json
+    python bench/spec_replay.py --prompts bench/spec_prompts/tune.json \
+        --outputs bench/results/spec_outputs_tune.json
 """
 
 from __future__ import annotations
@@ -51,13 +60,24 @@ from llama_grpc_server.core.speculative import Speculator
 OUTPUTS = RESULTS / "spec_outputs.json"
 
 
-async def record_outputs(target: str) -> dict[str, list[list[int]]]:
+def prompt_sets(path: Path | None) -> tuple[dict[str, str], dict[str, str]]:
+    """(grounded, control) prompts: speculative.py's, or a file's ({"grounded": {name: text},
+    "control": {name: text}})."""
+    if path is None:
+        return GROUNDED, CONTROL
+    sets = json.loads(path.read_text())
+    return sets["grounded"], sets["control"]
+
+
+async def record_outputs(
+    target: str, grounded: dict[str, str], control: dict[str, str]
+) -> dict[str, list[list[int]]]:
     out: dict[str, list[list[int]]] = {}
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.LlmServiceStub(channel)
-        for name, text in {**GROUNDED, **CONTROL}.items():
+        for name, text in {**grounded, **control}.items():
             prompt = await stub.Tokenize(pb.TokenizeRequest(text=text))
-            sampled = name in CONTROL  # as speculative.py sends them: seeded, temperature 0.8
+            sampled = name in control  # as speculative.py sends them: seeded, temperature 0.8
             got = await stream_tokens(
                 stub, text=text, params=params("off", GEN_TOKENS, sampled=sampled)
             )
@@ -133,10 +153,15 @@ def main() -> int:
     )
     parser.add_argument("--draft-max", type=int, default=16)
     parser.add_argument("--outputs", type=Path, default=OUTPUTS)
+    parser.add_argument(
+        "--prompts", type=Path, help="another prompt set, e.g. bench/spec_prompts/tune.json"
+    )
     args = parser.parse_args()
+    grounded, control = prompt_sets(args.prompts)
     if args.mode == "record":
         with llama_grpc_process(*server_args(2, "--n-ctx", "8192")) as (target, _):
-            args.outputs.write_text(json.dumps(asyncio.run(record_outputs(target))))
+            recorded = asyncio.run(record_outputs(target, grounded, control))
+            args.outputs.write_text(json.dumps(recorded))
         progress(f"wrote {args.outputs}")
         return 0
     from llama_grpc_server.engine.llama import system_info
@@ -154,7 +179,7 @@ def main() -> int:
             oracle(prompt, gen, costs, args.draft_max),
         )
         off = costs[1] * len(gen)
-        kind = "grounded" if name in GROUNDED else "control"
+        kind = "grounded" if name in grounded else "control"
         totals[kind][0] += auto
         totals[kind][1] += best
         totals[kind][2] += len(gen)
