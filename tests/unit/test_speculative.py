@@ -294,6 +294,15 @@ def test_acceptance_learns_first_tokens_and_further_ones_apart() -> None:
     assert (b.n, b.n_next) == (2, 1)
 
 
+def test_acceptance_takes_impossible_counts_as_the_nearest_possible() -> None:
+    """A count below 0 is none accepted, one above the draft's length is all of it."""
+    for accepted, drafted, same_as in ((-1, 4, 0), (5, 4, 4)):
+        a, b = Acceptance(), Acceptance()
+        a.record(accepted, drafted)
+        b.record(same_as, drafted)
+        assert (a.p, a.p_next, a.n, a.n_next) == (b.p, b.p_next, b.n, b.n_next)
+
+
 def test_acceptance_weighs_the_floor_once_evidence_outweighs_the_prior() -> None:
     """After many verified tokens a first token moves p by ACCEPT_ALPHA and a further one moves
     p_next by ACCEPT_ALPHA_NEXT, whatever came before."""
@@ -555,9 +564,7 @@ def test_failing_short_lookups_hold_back_a_long_lookups_untested_prior() -> None
     gram = [10, 11, 12, 13]
     prompt = [*gram, *range(20, 36), 5, *gram, *range(20, 36), 6, *gram]
     spec, request = speculating(prompt)
-    assert propose(spec, request)
-    spec, request = speculating(prompt)
-    assert propose(spec, request)  # makes the request's state
+    assert propose(spec, request)  # and makes the request's state
     state = spec._states[request.key]
     for _ in range(3):
         state.of(SHORT).record(0, 2)

@@ -19,7 +19,9 @@ from llama_grpc_server.core.plan import MAX_PAD_ROWS
 MIN_GAIN = 1.10  # AUTO drafts only for at least 10 % more expected tokens per millisecond
 COST_ALPHA = 0.1  # EWMA weight of one measured tick
 MAX_SURPRISE = 3.0  # a measured tick moves its point as if it were at most this far off
-ACCEPT_ALPHA = 0.2  # EWMA weight of one verified draft's first token (real or shadow)
+# EWMA weights, once the evidence outweighs the prior (Acceptance): of one verified draft's
+# first token (real or shadow),
+ACCEPT_ALPHA = 0.2
 # and of one verified further token: a draft verifies one first token but up to draft_max
 # further ones, so with the same weight one copy's end (a rejection after 20 accepted tokens,
 # as likely as not at p_next 0.965) took a fifth off p_next and the next copy started with
@@ -190,6 +192,7 @@ class Acceptance:
         """A verified draft: `accepted` of its `drafted` tokens agreed."""
         if drafted <= 0:
             return
+        accepted = min(max(accepted, 0), drafted)
         self.record_first(accepted > 0)
         if accepted:  # tokens 2 .. accepted were accepted; the one after, if any, was not
             self.record_further(accepted - 1, is_rejected=accepted < drafted)
@@ -201,7 +204,7 @@ class Acceptance:
 
     def record_further(self, accepted: int, *, is_rejected: bool) -> None:
         """`accepted` further tokens agreed, then one did not if is_rejected."""
-        for outcome in [1.0] * accepted + ([0.0] if is_rejected else []):
+        for outcome in [1.0] * max(accepted, 0) + ([0.0] if is_rejected else []):
             self.n_next += 1
             weight = max(ACCEPT_ALPHA_NEXT, 1.0 / (self.n_next + PRIOR_WEIGHT))
             self.p_next += weight * (outcome - self.p_next)
