@@ -203,11 +203,20 @@ class Acceptance:
         self.p += weight * ((1.0 if is_accepted else 0.0) - self.p)
 
     def record_further(self, accepted: int, *, is_rejected: bool) -> None:
-        """`accepted` further tokens agreed, then one did not if is_rejected."""
-        for outcome in [1.0] * max(accepted, 0) + ([0.0] if is_rejected else []):
+        """`accepted` further tokens agreed, then one did not if is_rejected. Once the weight is
+        down to its floor, a run of agreeing tokens is applied in closed form (a draft verifies
+        up to draft_max of them a tick)."""
+        accepted = max(accepted, 0)
+        while accepted and 1.0 / (self.n_next + 1 + PRIOR_WEIGHT) > ACCEPT_ALPHA_NEXT:
             self.n_next += 1
-            weight = max(ACCEPT_ALPHA_NEXT, 1.0 / (self.n_next + PRIOR_WEIGHT))
-            self.p_next += weight * (outcome - self.p_next)
+            self.p_next += (1.0 - self.p_next) / (self.n_next + PRIOR_WEIGHT)
+            accepted -= 1
+        if accepted:
+            self.n_next += accepted
+            self.p_next = 1.0 - (1.0 - self.p_next) * (1.0 - ACCEPT_ALPHA_NEXT) ** accepted
+        if is_rejected:
+            self.n_next += 1
+            self.p_next -= max(ACCEPT_ALPHA_NEXT, 1.0 / (self.n_next + PRIOR_WEIGHT)) * self.p_next
 
     def expected(self, k: int) -> float:
         """Expected accepted tokens of a k-token draft."""

@@ -87,8 +87,10 @@ class _State:
         short = self.estimates[SHORT]
         if self.kind != SHORT and short.n > 0:
             factor = min(1.0, short.p / ACCEPT_PRIOR)
-            p *= factor if own.n == 0 else 1.0
-            p_next *= factor if own.n_next == 0 else 1.0
+            if own.n == 0:
+                p *= factor
+            if own.n_next == 0:
+                p_next *= factor
         return DraftOption(slot_id, length, p, is_forced, p_next)
 
 
@@ -175,9 +177,9 @@ class Speculator:
 
     def observe_tokens(self, request: Request) -> None:
         """The request took new tokens: settle what they decide of the shadow drafts. A
-        shadow's first token is learned from as soon as it is generated, its further tokens once
-        one differs or all are there: a request whose lookups start to be right (a copy begins)
-        drafts from the next tick on, not once a whole shadow draft has been generated."""
+        shadow's first token is learned from as soon as it is generated (a request whose lookups
+        start to be right sees it at the next tick), its further tokens once one differs or all
+        are there."""
         state = self._states.get(request.key)
         if state is None or not state.shadows:
             return
