@@ -192,7 +192,8 @@ def test_the_zip_is_deterministic_and_flat(model: Path, tmp_path: Path) -> None:
 def test_caches_in_memory_and_on_disk(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Built once per file sha256; with cache_dir a new process reads it back from disk."""
+    """Built once per file sha256; with cache_dir a new process reads it back from disk without
+    reading the model's vocabulary again."""
     calls = []
     build = tokenizer_export.tokenizer_json
 
@@ -211,8 +212,15 @@ def test_caches_in_memory_and_on_disk(
     assert [p.name for p in cache.iterdir()] == [
         f"{tokenizer_export.file_sha256(model)}-v{tokenizer_export.FORMAT_VERSION}.zip"
     ]
-    tokenizer_export.clear_cache()  # as a new process would
+    tokenizer_export.clear_cache()  # as a new process would: the disk, not the GGUF's vocabulary
+
+    def unread(path: object) -> None:
+        raise AssertionError(f"{path} read again")
+
+    monkeypatch.setattr(tokenizer_export, "read_vocab", unread)
     assert tokenizer_export.export_files(model, None, cache_dir=cache) == first
+    override = tokenizer_export.export_files(model, "{{ t }}", cache_dir=cache)
+    assert json.loads(override["tokenizer_config.json"])["chat_template"] == "{{ t }}"
     assert calls == ["Tiny"]
 
 
