@@ -29,9 +29,11 @@ that is no token. Not detected: where two tokens have the same score, llama.cpp 
 leftmost pair first and the export the lower id's (BPE ranks are unique); a result differs only
 if two such pairs compete for one symbol. In Gemma 3 the only tied scores are the user-defined
 tokens' (never merged: they are split off first); Llama 2's tied runs of U+2581 matched
-llama.cpp on 2,432 encodings of space runs and random strings. Exports are cached per model file sha256 (in memory,
-and on disk under `cache_dir` when given); `tokenizer_zip` gives the files as one zip archive
-with deterministic bytes (what the engine protocol's GetTokenizer streams).
+llama.cpp on 2,432 encodings of space runs and random strings.
+
+Exports are cached per model file sha256 (in memory, and on disk under `cache_dir` when given);
+`tokenizer_zip` gives the files as one zip archive with deterministic bytes (what the engine
+protocol's GetTokenizer streams).
 """
 
 from __future__ import annotations
