@@ -197,12 +197,14 @@ def run_add(args: argparse.Namespace) -> int:
 def run_export_tokenizer(args: argparse.Namespace) -> int:
     """Write one model's tokenizer as HuggingFace files (tokenizer.json, tokenizer_config.json,
     config.json, ...) into DIR: what an LLM gateway such as SMG loads to tokenize exactly as
-    llama.cpp does. Fails, writing nothing, on a vocabulary that cannot be exported exactly."""
+    llama.cpp does. Fails, writing nothing, on a vocabulary that cannot be exported exactly.
+    Exports are kept under $XDG_CACHE_HOME/llama-grpc/tokenizers by the model's sha256."""
     from llama_grpc_server import tokenizer_export
 
     entry = catalog.lookup(args.model, _models_dir(args))
     template = BUILTIN_TEMPLATES[args.chat_template] if args.chat_template else None
-    files = tokenizer_export.export_files(entry.path, template)
+    cache = None if args.no_cache else tokenizer_export.default_cache_dir()
+    files = tokenizer_export.export_files(entry.path, template, cache_dir=cache)
     for path in tokenizer_export.write_files(files, args.directory):
         print(f"{path} ({len(files[path.name])} bytes)")
     return 0
@@ -279,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--chat-template", choices=sorted(BUILTIN_TEMPLATES), metavar="NAME",
                         help="the chat template to include: " + " | ".join(BUILTIN_TEMPLATES)
                         + " (default: the model's own, if it has one)")  # fmt: skip
+    export.add_argument(
+        "--no-cache", action="store_true", help="build afresh, not reading or writing the cache"
+    )
     return parser
 
 

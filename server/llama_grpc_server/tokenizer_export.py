@@ -474,6 +474,13 @@ def _validate(document: bytes) -> None:
         raise TokenizerExportError(f"tokenizers rejects the tokenizer.json made: {exc}") from exc
 
 
+def default_cache_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """$XDG_CACHE_HOME/llama-grpc/tokenizers (~/.cache/... without it): where the CLI keeps
+    exports, and a server may."""
+    cache = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "llama-grpc" / "tokenizers"
+
+
 def _disk_path(cache_dir: Path, digest: str) -> Path:
     return cache_dir / f"{digest}-v{FORMAT_VERSION}.zip"
 

@@ -272,11 +272,12 @@ def test_vocabularies_that_cannot_be_exact_are_refused(tmp_path: Path) -> None:
 def test_export_tokenizer_command(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """By catalog name (the embedded one here) and by path; a refused vocabulary exits 1 with
-    one error line and writes nothing."""
+    """By catalog name (the embedded one here) and by path, the export kept in the cache
+    directory; a refused vocabulary exits 1 with one error line and writes nothing."""
     embedded = _write(tmp_path / "embedded.gguf")
     monkeypatch.setattr(catalog, "default_model_path", lambda: embedded)
     monkeypatch.delenv(catalog.MODELS_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     out = tmp_path / "out"
     argv = ["export-tokenizer", DEFAULT_MODEL_NAME, str(out), "--chat-template", "chatml"]
     assert models_cli.main(argv) == 0
@@ -286,6 +287,10 @@ def test_export_tokenizer_command(
     ]
     config = json.loads((out / "tokenizer_config.json").read_text())
     assert config["chat_template"].startswith("{%- for message in messages -%}")
+    cached = tmp_path / "xdg" / "llama-grpc" / "tokenizers"
+    assert [p.name for p in cached.iterdir()] == [
+        f"{tokenizer_export.file_sha256(embedded)}-v{tokenizer_export.FORMAT_VERSION}.zip"
+    ]
     bad = _write(tmp_path / "bpe.gguf", **{"tokenizer.ggml.model": (STRING, "gpt2")})
     assert models_cli.main(["export-tokenizer", str(bad), str(tmp_path / "none")]) == 1
     err = capsys.readouterr().err
