@@ -25,11 +25,12 @@ parse_special=True)`; with `tokenizer.encode_special_tokens = True` it equals
 `parse_special=False`. A vocabulary the exporter cannot reproduce exactly raises
 TokenizerExportError naming the reason: another tokenizer model (BPE "gpt2", UGM, WPM...), two
 tokens with one text, missing byte tokens, a token llama.cpp could merge through a character
-that is no token. Not detected: where two tokens have the same score, llama.cpp merges the
-leftmost pair first and the export the lower id's (BPE ranks are unique); a result differs only
-if two such pairs compete for one symbol. In Gemma 3 the only tied scores are the user-defined
-tokens' (never merged: they are split off first); Llama 2's tied runs of U+2581 matched
-llama.cpp on 2,432 encodings of space runs and random strings.
+that is no token, added tokens that overlap (see _check_added). Not detected: where two tokens
+have the same score, llama.cpp merges the leftmost pair first and the export the lower id's (BPE
+ranks are unique); a result differs only if two such pairs compete for one symbol. In Gemma 3
+the only tied scores are the user-defined tokens' (never merged: they are split off first);
+Llama 2's tied runs of U+2581 matched llama.cpp on 2,432 encodings of space runs and random
+strings.
 
 Exports are cached per model file sha256 (in memory, and on disk under `cache_dir` when given);
 `tokenizer_zip` gives the files as one zip archive with deterministic bytes (what the engine
@@ -68,6 +69,7 @@ _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 # llama.cpp's token types (tokenizer.ggml.token_type; llama_token_type in llama.h)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _TYPES = frozenset({NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE})
+_ADDED = frozenset({CONTROL, UNKNOWN, USER_DEFINED})  # llama.cpp's cache_special_tokens
 
 # Texts llama.cpp (llama-vocab.cpp, as bundled with llama-cpp-python 0.3.36) marks as
 # end-of-generation whatever the file says; it makes each a control token too.
@@ -244,6 +246,42 @@ def _check(vocab: GGUFVocab, types: list[int]) -> dict[str, int]:
     return ids
 
 
+def _check_added(vocab: GGUFVocab, types: list[int]) -> None:
+    """Refuse added tokens that llama.cpp and HuggingFace would split off differently.
+
+    llama.cpp (tokenizer_st_partition) splits the longest added token off first, wherever it is;
+    HuggingFace takes the leftmost match (the longest there) and, when specials are not parsed,
+    skips a special match without looking inside it for a user-defined token. They agree unless
+    two added tokens overlap (A's end is B's start, B at least as long, not two runs of one
+    character), or a user-defined token overlaps a special token or lies inside one."""
+    added = [(t, k) for t, k in zip(vocab.tokens, types, strict=True) if k in _ADDED]
+    starts: dict[str, list[tuple[str, int]]] = {}
+    for text, kind in added:
+        for cut in range(1, len(text)):
+            starts.setdefault(text[:cut], []).append((text, kind))
+    for first, first_kind in added:
+        for cut in range(1, len(first)):
+            for second, second_kind in starts.get(first[cut:], ()):
+                runs = len(set(first + second)) == 1
+                longer = len(second) >= len(first) and not runs
+                if second != first and (
+                    longer or (first_kind != USER_DEFINED and second_kind == USER_DEFINED)
+                ):
+                    raise TokenizerExportError(
+                        f"added tokens {first!r} and {second!r} overlap: llama.cpp would split "
+                        "them off the text differently from HuggingFace"
+                    )
+    specials = [t for t, k in added if k != USER_DEFINED]
+    for text, kind in added:
+        if kind == USER_DEFINED:
+            inside = next((s for s in specials if len(s) > len(text) and text in s), None)
+            if inside is not None:
+                raise TokenizerExportError(
+                    f"user-defined token {text!r} lies inside special token {inside!r}: "
+                    "HuggingFace would not split it off there when specials are not parsed"
+                )
+
+
 def _is_byte_text(text: str) -> bool:
     return len(text) == 6 and text.startswith("<0x") and text.endswith(">")  # noqa: PLR2004
 
@@ -284,7 +322,7 @@ def _added_tokens(vocab: GGUFVocab, types: list[int]) -> list[dict[str, Any]]:
     special: always split off first), each matched in the raw text as llama.cpp does."""
     out = []
     for i, text in enumerate(vocab.tokens):
-        if types[i] in (CONTROL, UNKNOWN, USER_DEFINED):
+        if types[i] in _ADDED:
             out.append({
                 "id": i,
                 "content": text,
@@ -326,6 +364,7 @@ def tokenizer_json(vocab: GGUFVocab) -> dict[str, Any]:
     """The tokenizer.json document for `vocab` (see the module docstring)."""
     types = _effective_types(vocab)
     ids = _check(vocab, types)
+    _check_added(vocab, types)
     if vocab.unk_id is None:
         raise TokenizerExportError("the vocabulary has no unknown token")
     normalizers: list[dict[str, Any]] = []

@@ -269,6 +269,34 @@ def test_vocabularies_that_cannot_be_exact_are_refused(tmp_path: Path) -> None:
         tokenizer_export.export_files(_with_pieces(tmp_path, unknown_char), None)
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        # llama.cpp splits the longer "q>z" off "<q>z" first, HuggingFace the leftmost "<q>"
+        ([("<q>", USER_DEFINED), ("q>zz", USER_DEFINED)], r"'<q>' and 'q>zz' overlap"),
+        # equal lengths: llama.cpp's order is unspecified
+        ([("mn", USER_DEFINED), ("no", USER_DEFINED)], r"'mn' and 'no' overlap"),
+        # specials not parsed: HuggingFace skips "<x>" whole, llama.cpp still splits "x>" off
+        ([("<x>", CONTROL), ("x>", USER_DEFINED)], r"'x>' lies inside special token '<x>'"),
+        ([("<y", CONTROL), ("y>", USER_DEFINED)], r"'<y' and 'y>' overlap"),
+    ],
+)
+def test_overlapping_added_tokens_are_refused(
+    tmp_path: Path, extra: list[tuple[str, int]], message: str
+) -> None:
+    pieces = [*PIECES, *((text, kind, -1000.0) for text, kind in extra)]
+    with pytest.raises(TokenizerExportError, match=message):
+        tokenizer_export.export_files(_with_pieces(tmp_path, pieces), None)
+
+
+def test_runs_of_one_character_may_overlap(tmp_path: Path) -> None:
+    """Runs of newlines (Gemma has 1 to 31) are split greedily from the left both ways."""
+    runs = [("\n" * n, USER_DEFINED, -1000.0) for n in (2, 3)]
+    files = tokenizer_export.export_files(_with_pieces(tmp_path, [*PIECES, *runs]), None)
+    ids = _tokenizer(files).encode("a" + "\n" * 6 + "b", add_special_tokens=False).ids
+    assert ids == [IDS["a"], len(PIECES) + 1, len(PIECES) + 1, IDS["b"]]
+
+
 def test_export_tokenizer_command(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
