@@ -39,6 +39,8 @@ protocol's GetTokenizer streams).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import io
 import json
 import os
@@ -520,8 +522,16 @@ def default_cache_dir(env: Mapping[str, str] = os.environ) -> Path:
     return Path(cache) / "llama-grpc" / "tokenizers"
 
 
+@functools.cache
+def exporter_id() -> str:
+    """A digest of this module's and gguf_header's source: a changed exporter never reads an
+    older one's files from the disk cache, whether or not FORMAT_VERSION was raised."""
+    sources = (Path(__file__), Path(__file__).with_name("gguf_header.py"))
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
+
+
 def _disk_path(cache_dir: Path, digest: str) -> Path:
-    return cache_dir / f"{digest}-v{FORMAT_VERSION}.zip"
+    return cache_dir / f"{digest}-v{FORMAT_VERSION}-{exporter_id()}.zip"
 
 
 def _read_disk(cache_dir: Path, digest: str) -> dict[str, bytes] | None:

@@ -93,6 +93,11 @@ def _tokenizer(files: dict[str, bytes]) -> Tokenizer:
     return Tokenizer.from_str(files["tokenizer.json"].decode())
 
 
+def _cache_name(model: Path) -> str:
+    digest, version = tokenizer_export.file_sha256(model), tokenizer_export.FORMAT_VERSION
+    return f"{digest}-v{version}-{tokenizer_export.exporter_id()}.zip"
+
+
 def _ids(*texts: str) -> list[int]:
     return [IDS[t] for t in texts]
 
@@ -193,7 +198,7 @@ def test_caches_in_memory_and_on_disk(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Built once per file sha256; with cache_dir a new process reads it back from disk without
-    reading the model's vocabulary again."""
+    reading the model's vocabulary again, unless the exporter's source changed."""
     calls = []
     build = tokenizer_export.tokenizer_json
 
@@ -209,9 +214,7 @@ def test_caches_in_memory_and_on_disk(
     copy.write_bytes(model.read_bytes())
     assert tokenizer_export.export_files(copy, None) == first
     assert calls == ["Tiny"]
-    assert [p.name for p in cache.iterdir()] == [
-        f"{tokenizer_export.file_sha256(model)}-v{tokenizer_export.FORMAT_VERSION}.zip"
-    ]
+    assert [p.name for p in cache.iterdir()] == [_cache_name(model)]
     tokenizer_export.clear_cache()  # as a new process would: the disk, not the GGUF's vocabulary
 
     def unread(path: object) -> None:
@@ -222,6 +225,10 @@ def test_caches_in_memory_and_on_disk(
     override = tokenizer_export.export_files(model, "{{ t }}", cache_dir=cache)
     assert json.loads(override["tokenizer_config.json"])["chat_template"] == "{{ t }}"
     assert calls == ["Tiny"]
+    tokenizer_export.clear_cache()  # another exporter's files are never read
+    monkeypatch.setattr(tokenizer_export, "exporter_id", lambda: "changed")
+    with pytest.raises(AssertionError, match="read again"):
+        tokenizer_export.export_files(model, None, cache_dir=cache)
 
 
 @pytest.mark.parametrize(
@@ -316,9 +323,7 @@ def test_export_tokenizer_command(
     config = json.loads((out / "tokenizer_config.json").read_text())
     assert config["chat_template"].startswith("{%- for message in messages -%}")
     cached = tmp_path / "xdg" / "llama-grpc" / "tokenizers"
-    assert [p.name for p in cached.iterdir()] == [
-        f"{tokenizer_export.file_sha256(embedded)}-v{tokenizer_export.FORMAT_VERSION}.zip"
-    ]
+    assert [p.name for p in cached.iterdir()] == [_cache_name(embedded)]
     bad = _write(tmp_path / "bpe.gguf", **{"tokenizer.ggml.model": (STRING, "gpt2")})
     assert models_cli.main(["export-tokenizer", str(bad), str(tmp_path / "none")]) == 1
     err = capsys.readouterr().err
