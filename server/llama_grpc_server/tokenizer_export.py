@@ -416,19 +416,20 @@ def _json_bytes(document: Any, *, compact: bool = False) -> bytes:
     return (text + "\n").encode("utf-8")
 
 
+def _special_tokens(vocab: GGUFVocab) -> dict[str, str]:
+    """{"bos_token": "<bos>", ...}: the texts of the special tokens the file names."""
+    named = (
+        ("bos_token", vocab.bos_id),
+        ("eos_token", vocab.eos_id),
+        ("unk_token", vocab.unk_id),
+        ("pad_token", vocab.pad_id),
+    )
+    return {key: vocab.tokens[token_id] for key, token_id in named if token_id is not None}
+
+
 def _base_files(vocab: GGUFVocab) -> dict[str, bytes]:
     """Every file, tokenizer_config.json with the GGUF's own chat template (if any)."""
     eog = list(vocab.eog_ids())
-    special = {
-        key: vocab.text(token_id)
-        for key, token_id in (
-            ("bos_token", vocab.bos_id),
-            ("eos_token", vocab.eos_id),
-            ("unk_token", vocab.unk_id),
-            ("pad_token", vocab.pad_id),
-        )
-        if token_id is not None
-    }
     ids = {
         "bos_token_id": vocab.bos_id,
         "eos_token_id": vocab.eos_id,
@@ -444,7 +445,7 @@ def _base_files(vocab: GGUFVocab) -> dict[str, bytes]:
     return {
         TOKENIZER_CONFIG: _json_bytes(_tokenizer_config(vocab)),
         TOKENIZER_JSON: _json_bytes(tokenizer_json(vocab), compact=True),
-        SPECIAL_TOKENS_MAP: _json_bytes(special),
+        SPECIAL_TOKENS_MAP: _json_bytes(_special_tokens(vocab)),
         CONFIG: _json_bytes(config),
         GENERATION_CONFIG: _json_bytes(generation),
     }
@@ -458,14 +459,7 @@ def _tokenizer_config(vocab: GGUFVocab) -> dict[str, Any]:
         "clean_up_tokenization_spaces": False,
         "model_max_length": vocab.context_length or None,
     }
-    for key, token_id in (
-        ("bos_token", vocab.bos_id),
-        ("eos_token", vocab.eos_id),
-        ("unk_token", vocab.unk_id),
-        ("pad_token", vocab.pad_id),
-    ):
-        if token_id is not None:
-            config[key] = vocab.tokens[token_id]
+    config |= _special_tokens(vocab)
     if vocab.chat_template:
         config["chat_template"] = vocab.chat_template
     return config
