@@ -261,7 +261,8 @@ def build_parser(default_target: str = DEFAULT_TARGET) -> argparse.ArgumentParse
     commands.add_parser("serve", help="run a server (needs the [server] extra; see serve --help)")
     commands.add_parser(
         "models",
-        help="list, inspect, verify and name local GGUF models: list | info | verify | add "
+        help="list, inspect, verify and name local GGUF models, export their tokenizers: "
+        "list | info | verify | add | export-tokenizer "
         "(needs the [server] extra; see models --help)",
     )
     return parser

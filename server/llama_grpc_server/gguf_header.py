@@ -2,7 +2,8 @@
 so `llama-grpc models list` can describe a directory of models in milliseconds.
 
 The file is memory-mapped and parsed in place: a 262k-token vocabulary array is skipped by
-walking its string lengths, never materialized (about 40 ms for the embedded model). Format:
+walking its string lengths, never materialized (about 40 ms for the embedded model), unless the
+caller names its key in `full` (tokenizer_export.py reads the vocabulary so, in ~0.3 s). Format:
 https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (versions 2 and 3; version 1 used
 32-bit counts and is long gone)."""
 
@@ -12,7 +13,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,9 +138,10 @@ def format_count(n: int) -> str:
 class _Reader:
     """A cursor over the mapped file; every read checks bounds (a short file is truncated)."""
 
-    def __init__(self, data: mmap.mmap | bytes) -> None:
+    def __init__(self, data: mmap.mmap | bytes, full: Collection[str] = ()) -> None:
         self.data = data
         self.pos = 0
+        self.full = full  # keys whose arrays are read whole, however long
 
     def unpack(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
@@ -187,6 +189,39 @@ class _Reader:
         self.skip(kind, length)
         return ArraySummary(TYPE_NAMES.get(kind, str(kind)), length)
 
+    def whole_array(self) -> MetaValue:
+        """An array of scalars or strings, every element (a 262k-token vocabulary: ~0.1 s)."""
+        kind, length = self.u32(), self.u64()
+        if kind in _SCALARS:
+            fmt = _SCALARS[kind]
+            size = struct.calcsize(fmt) * length
+            self.need(size)
+            values = struct.unpack_from(f"<{length}{fmt[1:]}", self.data, self.pos)
+            self.pos += size
+            return tuple(values)
+        if kind == STRING:
+            return self._strings(length)
+        raise ValueError(f"array of {TYPE_NAMES.get(kind, kind)} at offset {self.pos}")
+
+    def _strings(self, length: int) -> tuple[str, ...]:
+        """Strictly UTF-8 (a vocabulary must not change in decoding): ValueError otherwise."""
+        data, pos, end, unpack = self.data, self.pos, len(self.data), _U64.unpack_from
+        out = []
+        for _ in range(length):
+            if pos + 8 > end:
+                raise EOFError(f"needs 8 bytes at offset {pos}")
+            n = unpack(data, pos)[0]
+            pos += 8
+            if pos + n > end:
+                raise EOFError(f"string runs past the end of the file at offset {pos}")
+            try:
+                out.append(str(data[pos : pos + n], "utf-8"))
+            except UnicodeDecodeError:
+                raise ValueError(f"string {len(out)} at offset {pos} is not UTF-8") from None
+            pos += n
+        self.pos = pos
+        return tuple(out)
+
     def _skip_strings(self, length: int) -> None:
         """The hot loop of a vocabulary (262k strings): locals only, one bounds check each."""
         data, pos, end, unpack = self.data, self.pos, len(self.data), _U64.unpack_from
@@ -225,7 +260,10 @@ def _parse(reader: _Reader) -> tuple[int, int, dict[str, MetaValue], int]:
     metadata: dict[str, MetaValue] = {}
     for _ in range(kv_count):
         key = reader.string()
-        metadata[key] = reader.value(reader.u32())
+        kind = reader.u32()
+        metadata[key] = (
+            reader.whole_array() if kind == ARRAY and key in reader.full else (reader.value(kind))
+        )
     n_params = 0
     for _ in range(tensor_count):
         reader.skip_string()  # tensor name
@@ -237,9 +275,10 @@ def _parse(reader: _Reader) -> tuple[int, int, dict[str, MetaValue], int]:
     return version, tensor_count, metadata, n_params
 
 
-def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
-    """Parse the header of the GGUF file at `path`. GGUFError (naming the file) when it is
-    missing, unreadable, not GGUF, of an unsupported version, or truncated."""
+def read_header(path: str | os.PathLike[str], *, full: Collection[str] = ()) -> GGUFHeader:
+    """Parse the header of the GGUF file at `path`; the arrays of the keys in `full` are read
+    whole (scalars or strings), the other long ones summarized. GGUFError (naming the file) when
+    it is missing, unreadable, not GGUF, of an unsupported version, or truncated."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -247,7 +286,7 @@ def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
             if size == 0:
                 raise GGUFError(f"{path}: not a GGUF file (empty)")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                version, tensor_count, metadata, n_params = _parse(_Reader(data))
+                version, tensor_count, metadata, n_params = _parse(_Reader(data, full))
     except OSError as exc:
         raise GGUFError(f"{path}: {exc.strerror or exc}") from None
     except EOFError as exc:

@@ -1,6 +1,7 @@
-"""`llama-grpc models list | info | verify | add`: the offline model catalog on the command line.
-list, info and add read GGUF headers only (gguf_header.py); verify hashes the file and runs it
-through the engine (engine/verify.py, imported only then). Exit 0 on success, 1 on any failure
+"""`llama-grpc models list | info | verify | add | export-tokenizer`: the offline model catalog on
+the command line. list, info and add read GGUF headers only (gguf_header.py); verify hashes the
+file and runs it through the engine (engine/verify.py, imported only then); export-tokenizer
+writes the HuggingFace tokenizer files of tokenizer_export.py. Exit 0 on success, 1 on any failure
 (with one `error:` line), 2 for bad usage."""
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from typing import Any
 from llama_grpc_server import catalog
 from llama_grpc_server.catalog import MODELS_DIR_ENV, CatalogError, ModelEntry
 from llama_grpc_server.config import AUTO, GpuLayers
+from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
 from llama_grpc_server.gguf_header import ArraySummary, GGUFError, GGUFHeader, read_header
 from llama_grpc_server.model_files import file_sha256
 from llama_grpc_server.telemetry import configure_logging
+from llama_grpc_server.tokenizer_export import TokenizerExportError
 
 PROG = "llama-grpc models"
 EXIT_FAILED = 1
@@ -191,6 +194,22 @@ def run_add(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_export_tokenizer(args: argparse.Namespace) -> int:
+    """Write one model's tokenizer as HuggingFace files (tokenizer.json, tokenizer_config.json,
+    config.json, ...) into DIR: what an LLM gateway such as SMG loads to tokenize exactly as
+    llama.cpp does. Fails, writing nothing, on a vocabulary that cannot be exported exactly.
+    Exports are kept under $XDG_CACHE_HOME/llama-grpc/tokenizers by the model's sha256."""
+    from llama_grpc_server import tokenizer_export
+
+    entry = catalog.lookup(args.model, _models_dir(args))
+    template = BUILTIN_TEMPLATES[args.chat_template] if args.chat_template else None
+    cache = None if args.no_cache else tokenizer_export.default_cache_dir()
+    files = tokenizer_export.export_files(entry.path, template, cache_dir=cache)
+    for path in tokenizer_export.write_files(files, args.directory):
+        print(f"{path} ({len(files[path.name])} bytes)")
+    return 0
+
+
 def _sha256_arg(text: str) -> str:
     digest = text.strip().lower()
     if not _SHA256.fullmatch(digest):
@@ -255,6 +274,16 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("name", metavar="NAME")
     add.add_argument("path", metavar="PATH", help="the GGUF file (stored as an absolute path)")
     add.add_argument("--force", action="store_true", help="replace an existing name")
+    export = _command(commands, "export-tokenizer", run_export_tokenizer, common,
+                      "write a model's tokenizer as HuggingFace files")  # fmt: skip
+    export.add_argument("model", metavar="NAME|PATH")
+    export.add_argument("directory", metavar="DIR", help="where to write (created if need be)")
+    export.add_argument("--chat-template", choices=sorted(BUILTIN_TEMPLATES), metavar="NAME",
+                        help="the chat template to include: " + " | ".join(BUILTIN_TEMPLATES)
+                        + " (default: the model's own, if it has one)")  # fmt: skip
+    export.add_argument(
+        "--no-cache", action="store_true", help="build afresh, not reading or writing the cache"
+    )
     return parser
 
 
@@ -264,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging("console", args.log_level, cache_loggers=False)  # a short-lived process
     try:
         return int(args.run(args))
-    except (Failed, CatalogError, GGUFError) as exc:
+    except (Failed, CatalogError, GGUFError, TokenizerExportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:

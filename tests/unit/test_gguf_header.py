@@ -138,3 +138,22 @@ def test_format_count() -> None:
     assert [format_count(n) for n in (999, 1500, 268_098_176, 1_240_000_000, 70_000_000_000)] == [
         "999", "1.5K", "268M", "1.2B", "70B",
     ]  # fmt: skip
+
+
+def test_arrays_named_full_are_read_whole_and_strictly(tmp_path: Path) -> None:
+    """A long array named in `full` comes back element by element (strings, scalars); one not
+    named stays a summary; a string that is not UTF-8 in a full array is an error."""
+    tokens = [f"t{i}" for i in range(40)] + ["é▁"]
+    meta = {
+        "tokenizer.ggml.tokens": (ARRAY, (STRING, tokens)),
+        "tokenizer.ggml.scores": (ARRAY, (FLOAT32, [float(-i) for i in range(41)])),
+        "tokenizer.ggml.token_type": (ARRAY, (INT32, [1] * 41)),
+    }
+    path = write(tmp_path, gguf_bytes(meta))
+    header = read_header(path, full=("tokenizer.ggml.tokens", "tokenizer.ggml.scores"))
+    assert header.metadata["tokenizer.ggml.tokens"] == tuple(tokens)
+    assert header.metadata["tokenizer.ggml.scores"] == tuple(float(-i) for i in range(41))
+    assert header.metadata["tokenizer.ggml.token_type"] == ArraySummary("int32", 41)
+    bad = {"tokenizer.ggml.tokens": (ARRAY, (STRING, [b"ok"] * 20 + [b"\xff\xfe"]))}
+    with pytest.raises(GGUFError, match=r"string 20 at offset \d+ is not UTF-8"):
+        read_header(write(tmp_path, gguf_bytes(bad), "bad.gguf"), full=("tokenizer.ggml.tokens",))

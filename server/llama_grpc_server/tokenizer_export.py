@@ -1,0 +1,614 @@
+"""Export a GGUF model's tokenizer as HuggingFace `tokenizers` files that give llama.cpp's ids.
+
+An LLM gateway (SMG) tokenizes with HuggingFace `tokenizers` and sends token ids to its workers,
+so the tokenizer it runs must split text exactly as llama.cpp's `llama_tokenize` does, or prefix
+caching and stop tokens silently break. The files are built from the GGUF metadata alone (the
+PyPI `gguf` reader; no llama_cpp, no torch, no transformers) and checked by loading them with
+`tokenizers`:
+
+- `tokenizer.json`: the vocabulary as a BPE model whose merges rebuild llama.cpp's SentencePiece
+  merging (`tokenizer.ggml.model` "llama": GGUF files such as Gemma's store no merges). llama.cpp
+  merges any two adjacent symbols whose concatenation is a token, highest score first, the
+  leftmost on a tie; so every way of splitting a token into two tokens is a merge, ranked by the
+  token's score (then its id). Control (and unknown) tokens are special added tokens, matched in
+  the raw text only when specials are parsed; user-defined tokens (Gemma: runs of newlines,
+  spaces and tabs, HTML tags) are added tokens matched in the raw text always, before the rest
+  is normalized (space -> U+2581, a leading U+2581 when `add_space_prefix`), just as
+  llama.cpp's partition does. Bytes with no token fall back to the <0xNN> tokens. The
+  post-processor adds BOS/EOS as `add_bos_token` / `add_eos_token` say.
+- `tokenizer_config.json` (special tokens, `add_bos_token`, `chat_template`: the GGUF's own or
+  the one given), `special_tokens_map.json`, `config.json` and `generation_config.json` (BOS,
+  EOS, the end-of-generation ids, the context length).
+
+`encode(text, add_special_tokens=B)` then equals `llama_tokenize(text, add_special=B,
+parse_special=True)`; with `tokenizer.encode_special_tokens = True` it equals
+`parse_special=False`. A vocabulary the exporter cannot reproduce exactly raises
+TokenizerExportError naming the reason: another tokenizer model (BPE "gpt2", UGM, WPM...), two
+tokens with one text, missing byte tokens, a token llama.cpp could merge through a character
+that is no token, added tokens that overlap (see _check_added). Not detected: where two tokens
+have the same score, llama.cpp merges the leftmost pair first and the export the lower id's (BPE
+ranks are unique); a result differs only if two such pairs compete for one symbol. In Gemma 3
+the only tied scores are the user-defined tokens' (never merged: they are split off first);
+Llama 2's tied runs of U+2581 matched llama.cpp on 2,432 encodings of space runs and random
+strings.
+
+Exports are cached per model file sha256 (in memory, and on disk under `cache_dir` when given);
+`tokenizer_zip` gives the files as one zip archive with deterministic bytes (what the engine
+protocol's GetTokenizer streams).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import os
+import threading
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llama_grpc_server.gguf_header import GGUFError, read_header
+from llama_grpc_server.model_files import file_sha256
+
+FORMAT_VERSION = 1
+"""Raised whenever the exported bytes change for the same model file (part of the disk cache's
+key)."""
+
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+FILES = (CONFIG, GENERATION_CONFIG, SPECIAL_TOKENS_MAP, TOKENIZER_JSON, TOKENIZER_CONFIG)
+
+SPACE_MARK = "\u2581"  # SentencePiece's visible space (llama_escape_whitespace)
+_ZIP_DATE = (1980, 1, 1, 0, 0, 0)
+
+# llama.cpp's token types (tokenizer.ggml.token_type; llama_token_type in llama.h)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+_TYPES = frozenset({NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE})
+_ADDED = frozenset({CONTROL, UNKNOWN, USER_DEFINED})  # llama.cpp's cache_special_tokens
+
+# Texts llama.cpp (llama-vocab.cpp, as bundled with llama-cpp-python 0.3.36) marks as
+# end-of-generation whatever the file says; it makes each a control token too.
+EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]",
+    "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+})  # fmt: skip
+
+
+class TokenizerExportError(ValueError):
+    """The model's vocabulary cannot be exported so that it tokenizes exactly as llama.cpp."""
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFVocab:
+    """The tokenizer part of a GGUF file's metadata (llama.cpp's defaults applied)."""
+
+    model: str  # tokenizer.ggml.model
+    tokens: tuple[str, ...]
+    scores: tuple[float, ...]
+    types: tuple[int, ...]
+    bos_id: int | None
+    eos_id: int | None
+    unk_id: int | None
+    pad_id: int | None
+    other_eog_ids: tuple[int, ...]  # EOT, EOM and the FIM pad/repo/separator tokens, if set
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    chat_template: str | None
+    architecture: str
+    name: str
+    context_length: int
+
+    def text(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.tokens[token_id]
+
+    def eog_ids(self) -> tuple[int, ...]:
+        """llama.cpp's end-of-generation set: EOS, EOT, EOM, FIM pad/rep/sep and the tokens
+        named EOG_TEXTS."""
+        ids = set(self.other_eog_ids) | ({self.eos_id} if self.eos_id is not None else set())
+        ids |= {i for i, text in enumerate(self.tokens) if text in EOG_TEXTS}
+        return tuple(sorted(ids))
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+
+def _keys() -> Any:
+    """gguf's names of the tokenizer keys (gguf imports numpy: only when exporting)."""
+    import gguf
+
+    return gguf.Keys.Tokenizer
+
+
+def _token_id(meta: Mapping[str, Any], key: str, n_tokens: int, default: int | None) -> int | None:
+    value = meta.get(key, default)
+    if value is None or isinstance(value, bool) or not isinstance(value, int):
+        return None
+    if value < 0 or value == 0xFFFFFFFF:  # noqa: PLR2004  # LLAMA_TOKEN_NULL as uint32
+        return None
+    if value >= n_tokens:
+        raise TokenizerExportError(f"{key} = {value} is outside the vocabulary ({n_tokens})")
+    return value
+
+
+def _numbers(
+    meta: Mapping[str, Any], key: str, n_tokens: int, path: str | os.PathLike[str]
+) -> tuple[float, ...]:
+    values = meta.get(key)
+    if (
+        not isinstance(values, tuple)
+        or len(values) != n_tokens
+        or not all(isinstance(v, int | float) for v in values)
+    ):
+        raise TokenizerExportError(f"{path}: {key} must list all {n_tokens} tokens")
+    return tuple(float(v) for v in values)
+
+
+def _flag(meta: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = meta.get(key)
+    return value if isinstance(value, bool) else default
+
+
+def read_vocab(path: str | os.PathLike[str]) -> GGUFVocab:
+    """The tokenizer metadata of the GGUF file at `path`; TokenizerExportError when it has none
+    or it is not one this module can export. Read with gguf_header (the vocabulary arrays
+    whole): gguf.GGUFReader takes ~23 s to open a 262k-token vocabulary, this ~0.3 s."""
+    keys = _keys()
+    try:
+        header = read_header(path, full=(keys.LIST, keys.SCORES, keys.TOKEN_TYPE))
+    except GGUFError as exc:
+        raise TokenizerExportError(str(exc)) from None
+    meta = header.metadata
+    model = meta.get(keys.MODEL)
+    if model is None:
+        raise TokenizerExportError(f"{path}: the file has no tokenizer ({keys.MODEL})")
+    if model != "llama":
+        raise TokenizerExportError(
+            f"{path}: {keys.MODEL} {model!r} is not supported: only 'llama' "
+            "(SentencePiece-style, as in Gemma and Llama 2) can be exported exactly"
+        )
+    listed = meta.get(keys.LIST)
+    if not isinstance(listed, tuple) or not all(isinstance(t, str) for t in listed):
+        raise TokenizerExportError(f"{path}: {keys.LIST} is not a list of strings")
+    tokens = tuple(str(t) for t in listed)
+    n = len(tokens)
+    scores = _numbers(meta, keys.SCORES, n, path)
+    types = tuple(int(t) for t in _numbers(meta, keys.TOKEN_TYPE, n, path))
+    template = meta.get(keys.CHAT_TEMPLATE)
+    context = meta.get(f"{header.architecture}.context_length")
+    return GGUFVocab(
+        model=str(model),
+        tokens=tokens,
+        scores=scores,
+        types=types,
+        # llama.cpp's SPM defaults: BOS 1, EOS 2, UNK 0; BOS added, EOS not, a prefix space
+        bos_id=_token_id(meta, keys.BOS_ID, n, 1),
+        eos_id=_token_id(meta, keys.EOS_ID, n, 2),
+        unk_id=_token_id(meta, keys.UNK_ID, n, 0),
+        pad_id=_token_id(meta, keys.PAD_ID, n, None),
+        other_eog_ids=tuple(
+            i
+            for key in (keys.EOT_ID, keys.EOM_ID, keys.FIM_PAD_ID, keys.FIM_REP_ID, keys.FIM_SEP_ID)
+            if (i := _token_id(meta, key, n, None)) is not None
+        ),
+        add_bos=_flag(meta, keys.ADD_BOS, True),
+        add_eos=_flag(meta, keys.ADD_EOS, False),
+        add_space_prefix=_flag(meta, keys.ADD_PREFIX, True),
+        chat_template=template if isinstance(template, str) and template else None,
+        architecture=header.architecture,
+        name=header.name,
+        context_length=context if isinstance(context, int) and not isinstance(context, bool) else 0,
+    )
+
+
+# -- the tokenizer -------------------------------------------------------------------------------
+
+
+def _effective_types(vocab: GGUFVocab) -> list[int]:
+    """Token types as llama.cpp uses them: the EOG-named tokens become control tokens."""
+    types = list(vocab.types)
+    for i, text in enumerate(vocab.tokens):
+        if text in EOG_TEXTS:
+            types[i] = CONTROL
+    return types
+
+
+def _check(vocab: GGUFVocab, types: list[int]) -> dict[str, int]:
+    """The vocabulary as {text: id}; TokenizerExportError for what could not be exact."""
+    ids: dict[str, int] = {}
+    for i, text in enumerate(vocab.tokens):
+        if text in ids:
+            raise TokenizerExportError(
+                f"tokens {ids[text]} and {i} are both {text!r}: llama.cpp keeps only the last, "
+                "a HuggingFace vocabulary cannot hold both"
+            )
+        if not text:
+            raise TokenizerExportError(f"token {i} is empty")
+        if types[i] not in _TYPES:
+            raise TokenizerExportError(f"token {i} ({text!r}) has unknown type {types[i]}")
+        ids[text] = i
+    missing = [b for b in range(256) if f"<0x{b:02X}>" not in ids]
+    if missing:
+        raise TokenizerExportError(
+            f"{len(missing)} byte tokens are missing (e.g. <0x{missing[0]:02X}>): llama.cpp's "
+            "byte fallback and HuggingFace's would differ"
+        )
+    for i, text in enumerate(vocab.tokens):
+        if types[i] == BYTE and ids.get(text) == i and not _is_byte_text(text):
+            raise TokenizerExportError(f"byte token {i} is {text!r}, not <0xNN>")
+    return ids
+
+
+def _check_added(vocab: GGUFVocab, types: list[int]) -> None:
+    """Refuse added tokens that llama.cpp and HuggingFace would split off differently.
+
+    llama.cpp (tokenizer_st_partition) splits the longest added token off first, wherever it is;
+    HuggingFace takes the leftmost match (the longest there) and, when specials are not parsed,
+    skips a special match without looking inside it for a user-defined token. They agree unless
+    two added tokens overlap (A's end is B's start, B at least as long, not two runs of one
+    character), or a user-defined token overlaps a special token or lies inside one."""
+    added = [(t, k) for t, k in zip(vocab.tokens, types, strict=True) if k in _ADDED]
+    starts: dict[str, list[tuple[str, int]]] = {}
+    for text, kind in added:
+        for cut in range(1, len(text)):
+            starts.setdefault(text[:cut], []).append((text, kind))
+    for first, first_kind in added:
+        for cut in range(1, len(first)):
+            for second, second_kind in starts.get(first[cut:], ()):
+                runs = len(set(first + second)) == 1
+                longer = len(second) >= len(first) and not runs
+                if second != first and (
+                    longer or (first_kind != USER_DEFINED and second_kind == USER_DEFINED)
+                ):
+                    raise TokenizerExportError(
+                        f"added tokens {first!r} and {second!r} overlap: llama.cpp would split "
+                        "them off the text differently from HuggingFace"
+                    )
+    specials = [t for t, k in added if k != USER_DEFINED]
+    for text, kind in added:
+        if kind == USER_DEFINED:
+            inside = next((s for s in specials if len(s) > len(text) and text in s), None)
+            if inside is not None:
+                raise TokenizerExportError(
+                    f"user-defined token {text!r} lies inside special token {inside!r}: "
+                    "HuggingFace would not split it off there when specials are not parsed"
+                )
+
+
+def _is_byte_text(text: str) -> bool:
+    return len(text) == 6 and text.startswith("<0x") and text.endswith(">")  # noqa: PLR2004
+
+
+def _merges(vocab: GGUFVocab, ids: Mapping[str, int], types: list[int]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens, ranked by the token's score (then its id).
+
+    llama.cpp (llm_tokenizer_spm_session) merges any adjacent pair of symbols whose
+    concatenation is a token; its symbols start as single characters, so a pair with a
+    character that is no token could merge there and never in a BPE model: refused."""
+    scores = vocab.scores
+    # characters no merging ever sees: spaces are respelled first, and a one-character
+    # user-defined token is split off the raw text wherever it occurs
+    unseen = {" "} | {t for t, kind in zip(vocab.tokens, types, strict=True)
+                      if kind == USER_DEFINED and len(t) == 1}  # fmt: skip
+
+    def symbol(piece: str) -> bool:
+        return len(piece) == 1 and piece not in unseen
+
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for token_id, text in enumerate(vocab.tokens):
+        for cut in range(1, len(text)):
+            left, right = text[:cut], text[cut:]
+            left_known, right_known = left in ids, right in ids
+            if left_known and right_known:
+                ranked.append((-scores[token_id], token_id, cut, left, right))
+            elif (left_known or symbol(left)) and (right_known or symbol(right)):
+                raise TokenizerExportError(
+                    f"token {token_id} ({text!r}) can be merged from {left!r} + {right!r}, "
+                    "which is not a token: llama.cpp would merge it, a BPE model cannot"
+                )
+    ranked.sort()
+    return [(left, right) for _, _, _, left, right in ranked]
+
+
+def _added_tokens(vocab: GGUFVocab, types: list[int]) -> list[dict[str, Any]]:
+    """Control and unknown tokens (special: parsed only with specials), user-defined ones (not
+    special: always split off first), each matched in the raw text as llama.cpp does."""
+    out = []
+    for i, text in enumerate(vocab.tokens):
+        if types[i] in _ADDED:
+            out.append({
+                "id": i,
+                "content": text,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": types[i] != USER_DEFINED,
+            })  # fmt: skip
+    return out
+
+
+def _post_processor(vocab: GGUFVocab) -> dict[str, Any]:
+    bos = vocab.text(vocab.bos_id) if vocab.add_bos else None
+    eos = vocab.text(vocab.eos_id) if vocab.add_eos else None
+
+    def piece(seq: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if bos is not None:
+            out.append({"SpecialToken": {"id": bos, "type_id": 0}})
+        out.append({"Sequence": {"id": seq, "type_id": 0}})
+        if eos is not None:
+            out.append({"SpecialToken": {"id": eos, "type_id": 0}})
+        return out
+
+    special = {
+        text: {"id": text, "ids": [vocab.tokens.index(text)], "tokens": [text]}
+        for text in sorted({t for t in (bos, eos) if t is not None})
+    }
+    return {
+        "type": "TemplateProcessing",
+        "single": piece("A"),
+        "pair": piece("A") + piece("B"),
+        "special_tokens": special,
+    }
+
+
+def tokenizer_json(vocab: GGUFVocab) -> dict[str, Any]:
+    """The tokenizer.json document for `vocab` (see the module docstring)."""
+    types = _effective_types(vocab)
+    ids = _check(vocab, types)
+    _check_added(vocab, types)
+    if vocab.unk_id is None:
+        raise TokenizerExportError("the vocabulary has no unknown token")
+    normalizers: list[dict[str, Any]] = []
+    if vocab.add_space_prefix:
+        normalizers.append({"type": "Prepend", "prepend": SPACE_MARK})
+    normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": SPACE_MARK})
+    decoders: list[dict[str, Any]] = [
+        {"type": "Replace", "pattern": {"String": SPACE_MARK}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]
+    if vocab.add_space_prefix:
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": _added_tokens(vocab, types),
+        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "pre_tokenizer": None,
+        "post_processor": _post_processor(vocab),
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": vocab.tokens[vocab.unk_id],
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": True,
+            "ignore_merges": False,
+            "vocab": ids,
+            "merges": [list(pair) for pair in _merges(vocab, ids, types)],
+        },
+    }
+
+
+# -- the files -----------------------------------------------------------------------------------
+
+
+def _json_bytes(document: Any, *, compact: bool = False) -> bytes:
+    """UTF-8 JSON; tokenizer.json compact (json's C encoder: 1 s, not 15 s with an indent)."""
+    if compact:
+        text = json.dumps(document, ensure_ascii=False, separators=(",", ":"))
+    else:
+        text = json.dumps(document, ensure_ascii=False, indent=2)
+    return (text + "\n").encode("utf-8")
+
+
+def _special_tokens(vocab: GGUFVocab) -> dict[str, str]:
+    """{"bos_token": "<bos>", ...}: the texts of the special tokens the file names."""
+    named = (
+        ("bos_token", vocab.bos_id),
+        ("eos_token", vocab.eos_id),
+        ("unk_token", vocab.unk_id),
+        ("pad_token", vocab.pad_id),
+    )
+    return {key: vocab.tokens[token_id] for key, token_id in named if token_id is not None}
+
+
+def _base_files(vocab: GGUFVocab) -> dict[str, bytes]:
+    """Every file, tokenizer_config.json with the GGUF's own chat template (if any)."""
+    eog = list(vocab.eog_ids())
+    ids = {
+        "bos_token_id": vocab.bos_id,
+        "eos_token_id": vocab.eos_id,
+        "pad_token_id": vocab.pad_id,
+    }
+    config = {
+        "model_type": vocab.architecture,
+        "vocab_size": len(vocab.tokens),
+        "max_position_embeddings": vocab.context_length,
+        **ids,
+    }
+    generation = {**ids, "eos_token_id": eog if len(eog) > 1 else vocab.eos_id}
+    return {
+        TOKENIZER_CONFIG: _json_bytes(_tokenizer_config(vocab)),
+        TOKENIZER_JSON: _json_bytes(tokenizer_json(vocab), compact=True),
+        SPECIAL_TOKENS_MAP: _json_bytes(_special_tokens(vocab)),
+        CONFIG: _json_bytes(config),
+        GENERATION_CONFIG: _json_bytes(generation),
+    }
+
+
+def _tokenizer_config(vocab: GGUFVocab) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": vocab.add_bos,
+        "add_eos_token": vocab.add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": vocab.context_length or None,
+    }
+    config |= _special_tokens(vocab)
+    if vocab.chat_template:
+        config["chat_template"] = vocab.chat_template
+    return config
+
+
+def _with_template(config: bytes, chat_template: str) -> bytes:
+    """tokenizer_config.json with `chat_template` in place of the GGUF's ("" for none)."""
+    document = json.loads(config)
+    document.pop("chat_template", None)
+    if chat_template:
+        document["chat_template"] = chat_template
+    return _json_bytes(document)
+
+
+@dataclass(frozen=True, slots=True)
+class _Export:
+    files: dict[str, bytes]  # tokenizer_config.json with the GGUF's own template
+    zips: dict[str | None, bytes]  # by chat template, made when first asked for
+
+
+_memory: dict[str, _Export] = {}
+_lock = threading.Lock()
+
+
+def _export(model_path: str | os.PathLike[str], cache_dir: Path | None) -> _Export:
+    digest = file_sha256(Path(model_path))
+    with _lock:  # one export per model at a time; a second caller waits for the first
+        cached = _memory.get(digest)
+        if cached is None:
+            files = _read_disk(cache_dir, digest) if cache_dir is not None else None
+            if files is None:
+                files = _base_files(read_vocab(model_path))
+                _validate(files[TOKENIZER_JSON])
+                if cache_dir is not None:
+                    _write_disk(cache_dir, digest, files)
+            cached = _memory[digest] = _Export(files, {})
+        return cached
+
+
+def _validate(document: bytes) -> None:
+    """Load tokenizer.json with `tokenizers`: what the gateway will do with it."""
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_str(document.decode("utf-8"))
+    except Exception as exc:  # tokenizers raises plain Exception subclasses
+        raise TokenizerExportError(f"tokenizers rejects the tokenizer.json made: {exc}") from exc
+
+
+def default_cache_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """$XDG_CACHE_HOME/llama-grpc/tokenizers (~/.cache/... without it): where the CLI keeps
+    exports, and a server may."""
+    cache = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "llama-grpc" / "tokenizers"
+
+
+@functools.cache
+def exporter_id() -> str:
+    """A digest of this module's and gguf_header's source: a changed exporter never reads an
+    older one's files from the disk cache, whether or not FORMAT_VERSION was raised."""
+    sources = (Path(__file__), Path(__file__).with_name("gguf_header.py"))
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
+
+
+def _disk_path(cache_dir: Path, digest: str) -> Path:
+    return cache_dir / f"{digest}-v{FORMAT_VERSION}-{exporter_id()}.zip"
+
+
+def _read_disk(cache_dir: Path, digest: str) -> dict[str, bytes] | None:
+    try:
+        with zipfile.ZipFile(_disk_path(cache_dir, digest)) as archive:
+            files = {name: archive.read(name) for name in archive.namelist()}
+    except (OSError, zipfile.BadZipFile, KeyError):
+        return None
+    return files if set(files) == set(FILES) else None
+
+
+def _write_disk(cache_dir: Path, digest: str, files: Mapping[str, bytes]) -> None:
+    """Atomically (a temporary file renamed); a cache that cannot be written is skipped."""
+    path = _disk_path(cache_dir, digest)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(_zip(files))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def export_files(
+    model_path: str | os.PathLike[str],
+    chat_template: str | None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> dict[str, bytes]:
+    """The tokenizer files of the GGUF model at `model_path`, by file name. `chat_template` is
+    the Jinja source written into tokenizer_config.json; None means the model's own (none if the
+    file has none). Cached per model file sha256 in memory and, with `cache_dir`, on disk.
+    TokenizerExportError when the vocabulary cannot be exported exactly."""
+    files = _export(model_path, None if cache_dir is None else Path(cache_dir)).files
+    if chat_template is None:
+        return dict(files)
+    return files | {TOKENIZER_CONFIG: _with_template(files[TOKENIZER_CONFIG], chat_template)}
+
+
+def _zip(files: Mapping[str, bytes]) -> bytes:
+    """A zip archive whose bytes depend only on `files`: sorted names, fixed dates and modes."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name in sorted(files):
+            info = zipfile.ZipInfo(name, date_time=_ZIP_DATE)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.create_system = 3  # unix, whichever system wrote it
+            info.external_attr = 0o100644 << 16
+            archive.writestr(info, files[name], compresslevel=6)
+    return buffer.getvalue()
+
+
+def tokenizer_zip(
+    model_path: str | os.PathLike[str],
+    chat_template: str | None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> bytes:
+    """export_files() as one zip archive (the files at its root), deterministic bytes;
+    remembered per model file and chat template."""
+    export = _export(model_path, None if cache_dir is None else Path(cache_dir))
+    with _lock:
+        archive = export.zips.get(chat_template)
+    if archive is None:
+        archive = _zip(export_files(model_path, chat_template, cache_dir=cache_dir))
+        with _lock:
+            export.zips[chat_template] = archive
+    return archive
+
+
+def write_files(files: Mapping[str, bytes], directory: str | os.PathLike[str]) -> list[Path]:
+    """Write the files into `directory` (created if need be); the paths written."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in sorted(files):
+        path = out / name
+        path.write_bytes(files[name])
+        written.append(path)
+    return written
+
+
+def clear_cache() -> None:
+    """Forget the in-memory exports (tests; a changed exporter in a long-lived process)."""
+    with _lock:
+        _memory.clear()
