@@ -5,6 +5,7 @@ Abort, duplicate ids and the worker RPCs."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import math
 from collections.abc import AsyncIterator
@@ -449,3 +450,21 @@ async def test_unserved_rpcs_say_so(vllm: Any) -> None:
         await collect(vllm.SubscribeKvEvents(cpb.SubscribeKvEventsRequest()))
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "KV cache events are not published yet" in caught.value.details()
+
+
+async def test_health_follows_the_engine_state(
+    vllm: Any, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Healthy while the engine takes requests (warming up included: requests wait for it, and
+    the gateway fetches the tokenizer only from a healthy worker); not once it failed."""
+    real = engine.stats
+    cases = [
+        ("starting", "", True, "healthy"),
+        ("failed", "boom", False, "the engine is down: boom"),
+        ("stopped", "", False, "the engine is down: stopped"),
+    ]
+    for state, error, healthy, message in cases:
+        snapshot = dataclasses.replace(real(), engine_state=state, engine_error=error)
+        monkeypatch.setattr(engine, "stats", lambda snapshot=snapshot: snapshot)
+        answer = await vllm.HealthCheck(vpb.HealthCheckRequest())
+        assert (answer.healthy, answer.message) == (healthy, message), state

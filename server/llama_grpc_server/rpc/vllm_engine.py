@@ -240,12 +240,13 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
     async def HealthCheck(
         self, request: vpb.HealthCheckRequest, context: Context
     ) -> vpb.HealthCheckResponse:
-        """Healthy while the default model's engine runs and the server is not draining."""
+        """Healthy while the default model's engine takes requests (running, or warming up with
+        requests waiting for it) and the server is not draining."""
         engine = None if self._pool is None else self._pool.default_engine()
         if engine is None:
             return vpb.HealthCheckResponse(healthy=False, message="the model is still loading")
         snapshot = engine.stats()
-        if snapshot.engine_state != "running":
+        if snapshot.engine_state not in ("starting", "running"):
             why = snapshot.engine_error or snapshot.engine_state
             return vpb.HealthCheckResponse(healthy=False, message=f"the engine is down: {why}")
         if self.draining.is_set():
