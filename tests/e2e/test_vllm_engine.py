@@ -180,6 +180,14 @@ async def test_min_tokens_holds_back_stop_tokens(vllm: Any) -> None:
     _, [held] = await run(vllm, generate(text=PROMPT, min_tokens=4, **params))
     assert held.completion_tokens >= 4
     assert first not in held.output_ids[:4]
+    # the sampling chain too: a bias that makes the stop token near certain cannot beat it
+    sampled = {"temperature": 1.0, "seed": 9, "logit_bias": {first: 50.0}, "max_tokens": 12}
+    _, [biased] = await run(vllm, generate(text=PROMPT, stop_token_ids=[first], **sampled))
+    assert (biased.finish_reason, biased.completion_tokens) == ("stop", 0)
+    _, [held] = await run(
+        vllm, generate(text=PROMPT, stop_token_ids=[first], min_tokens=4, **sampled)
+    )
+    assert held.completion_tokens >= 4 and first not in held.output_ids[:4]
 
 
 async def test_abort_mid_stream_frees_the_slot(vllm: Any, client: AsyncClient) -> None:

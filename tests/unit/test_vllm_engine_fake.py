@@ -468,3 +468,17 @@ async def test_health_follows_the_engine_state(
         monkeypatch.setattr(engine, "stats", lambda snapshot=snapshot: snapshot)
         answer = await vllm.HealthCheck(vpb.HealthCheckRequest())
         assert (answer.healthy, answer.message) == (healthy, message), state
+
+
+async def test_an_exporter_refusal_is_failed_precondition(engine: FakeEngine) -> None:
+    def refuse() -> bytes:
+        raise ValueError("the vocabulary is not reproducible")
+
+    async with start_server(SETTINGS, lambda: engine, tokenizer_zip=refuse) as running:
+        assert await running.wait_loaded()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = vpb_grpc.VllmEngineStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await collect(stub.GetTokenizer(cpb.GetTokenizerRequest()))
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert caught.value.details() == "no tokenizer to export: the vocabulary is not reproducible"

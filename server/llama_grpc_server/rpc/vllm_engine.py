@@ -313,7 +313,10 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
             if make is None:
                 await context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_TOKENIZER_EXPORT)
                 return
-            data = await asyncio.to_thread(make)
+            try:
+                data = await asyncio.to_thread(make)
+            except ValueError as exc:  # a vocabulary the exporter cannot reproduce exactly
+                raise errors.FailedPrecondition(f"no tokenizer to export: {exc}") from None
             digest = hashlib.sha256(data).hexdigest()
             starts = range(0, max(len(data), 1), TOKENIZER_CHUNK_BYTES)
             for start in starts:
