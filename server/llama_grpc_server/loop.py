@@ -117,6 +117,7 @@ class EngineStream:
             tuple(t for part in parts for t in part.token_ids),
             "".join(part.text for part in parts),
             tuple(lp for part in parts for lp in part.logprobs),
+            max(part.cached_prompt_tokens for part in parts),
         )
 
     def cancel(self) -> None:

@@ -195,3 +195,19 @@ def test_plaintext_warning_applies_off_loopback(host: str, is_loopback: bool) ->
     from llama_grpc_server.rpc.server import _is_loopback
 
     assert _is_loopback(host) is is_loopback
+
+
+def test_the_vllm_engine_service_is_protected_and_flush_cache_is_admin_only(
+    table: auth.AuthTable,
+) -> None:
+    """VllmEngine needs a known caller like LlmService; its FlushCache (ClearCache) needs the
+    admin role, its Generate and Abort do not."""
+    access = AccessControl(table)
+    service = "/vllm.grpc.engine.VllmEngine/"
+    with pytest.raises(errors.Unauthenticated, match="no credentials"):
+        access.principal(service + "Generate", [], None)
+    assert access.principal(service + "Generate", bearer(USER_TOKEN), None).tenant == "team-a"
+    assert access.principal(service + "Abort", bearer(USER_TOKEN), None).tenant == "team-a"
+    with pytest.raises(errors.PermissionDenied, match="FlushCache needs the admin role"):
+        access.principal(service + "FlushCache", bearer(USER_TOKEN), None)
+    assert access.principal(service + "FlushCache", bearer(ADMIN_TOKEN), None).is_admin

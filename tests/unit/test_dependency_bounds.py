@@ -105,3 +105,25 @@ def test_min_deps_pins_are_the_client_lower_bounds() -> None:
     pins = MIN_DEPS.lowest_pins(ROOT)
     assert pins == [f"{name}=={_lower_bound(specs, name)}" for name, specs in RUNTIME.items()]
     assert {pin.split("==")[0] for pin in pins} == {"grpcio", "protobuf", "grpcio-status"}
+
+
+def test_the_vllm_protocol_stubs_are_pinned_and_within_the_bounds() -> None:
+    """smg-grpc-proto (the vLLM engine protocol's generated modules) is pinned exactly in the
+    server extra, and the grpcio and protobuf it was generated with are not newer than the
+    lowest versions the project allows (its stubs refuse an older runtime)."""
+    import smg_grpc_proto
+    from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+    pin = SERVER["smg-grpc-proto"]
+    assert set(pin) == {"=="}
+    assert pin["=="] == smg_grpc_proto.__version__
+    grpc_text = Path(vllm_engine_pb2_grpc.__file__).read_text()
+    grpc_version = re.search(r"^GRPC_GENERATED_VERSION = '([^']+)'$", grpc_text, re.MULTILINE)
+    assert grpc_version is not None
+    grpc_bound = _lower_bound(RUNTIME["grpcio"], "grpcio")
+    assert MIN_DEPS.release(grpc_version.group(1)) <= MIN_DEPS.release(grpc_bound)
+    pb_text = Path(vllm_engine_pb2.__file__).read_text()
+    header = re.search(r"^# Protobuf Python Version: (\S+)$", pb_text, re.MULTILINE)
+    assert header is not None
+    protobuf_bound = _lower_bound(RUNTIME["protobuf"], "protobuf")
+    assert MIN_DEPS.release(header.group(1)) <= MIN_DEPS.release(protobuf_bound)

@@ -13,6 +13,7 @@ from llama_grpc_server.core.plan import SampledLogprob
 from llama_grpc_server.core.request import (
     FinishReason,
     Request,
+    StoppingParams,
     TokenDelta,
     TokenLogprob,
     TopLogprob,
@@ -46,6 +47,14 @@ class Outputs:
         closed)."""
         return self._texts.pop(key, None) is not None
 
+    def suppressed_until_min_tokens(self, stopping: StoppingParams) -> tuple[int, ...]:
+        """The tokens a request with min_tokens may not sample before it has that many: its
+        stop tokens, and end-of-generation unless it ignores EOS."""
+        if stopping.min_tokens <= 0:
+            return ()
+        eog = frozenset() if stopping.ignore_eos else self._eog_ids
+        return tuple(sorted(eog | stopping.stop_token_ids))
+
     def flush(self, key: str) -> str:
         """Text held back for a possible stop string that never completed."""
         text = self._texts.get(key)
@@ -59,9 +68,12 @@ class Outputs:
         if token in stopping.stop_token_ids:
             return Verdict(reason=FinishReason.STOP_TOKEN, matched_token_id=token)
         request.tokens.append(token)
-        text, matched = self._texts[request.key].push(token)
+        # stop strings are looked for once min_tokens are generated (in the text after them)
+        text, matched = self._texts[request.key].push(
+            token, find_stops=request.num_output > stopping.min_tokens
+        )
         logprobs = () if logprob is None else (self._token_logprob(token, logprob),)
-        delta = TokenDelta((token,), text, logprobs)
+        delta = TokenDelta((token,), text, logprobs, request.num_cached_prompt)
         if matched:
             return Verdict(delta, FinishReason.STOP_SEQUENCE, matched_stop=matched)
         reason = context_fit.length_reason(

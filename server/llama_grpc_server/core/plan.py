@@ -45,6 +45,10 @@ class SamplerSpec:
     seed: int
     output: OutputParams = field(default_factory=OutputParams)
     constraint: Constraint | None = None
+    # Tokens the sampler may not pick until it has sampled min_tokens tokens (end-of-generation
+    # and stop tokens of a request with StoppingParams.min_tokens).
+    min_tokens: int = 0
+    suppressed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,6 +71,9 @@ class StoppingParams:
     ignore_eos: bool = False
     time_limit_ms: int | None = None
     max_tokens_is_default: bool = False
+    # Until this many tokens are generated, end-of-generation and stop tokens cannot be sampled
+    # and stop strings are not looked for (vLLM's min_tokens).
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +225,9 @@ class TokenDelta:
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
+    # The request's prompt tokens served from cache (known once its prefill is done; 0 on a
+    # delta that only flushes held-back text).
+    cached_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,6 +71,7 @@ KEYED: Mapping[type, tuple[str, ...]] = {
         "ignore_eos",
         "time_limit_ms",  # always None in a cacheable request
         "max_tokens_is_default",
+        "min_tokens",
     ),
     OutputParams: ("logprobs", "top_logprobs"),
     Constraint: ("gbnf", "root", "field"),  # field: where an error points, kept to be simple

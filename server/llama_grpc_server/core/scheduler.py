@@ -292,7 +292,15 @@ class Scheduler:
             request.admitted_ns = self._clock_ns()
             self.outputs.open(request)
             self._samplers_to_open.append(
-                SamplerSpec(request.key, spec.sampling, request.seed, spec.output, spec.constraint)
+                SamplerSpec(
+                    request.key,
+                    spec.sampling,
+                    request.seed,
+                    spec.output,
+                    spec.constraint,
+                    min_tokens=spec.stopping.min_tokens,
+                    suppressed=self.outputs.suppressed_until_min_tokens(spec.stopping),
+                )
             )
             self.counters.started += 1
             self.counters.prompt_tokens += request.num_prompt

@@ -29,10 +29,12 @@ class TextAssembler:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pending = ""
 
-    def push(self, token_id: int) -> tuple[str, str]:
-        """Add one token; returns (text safe to emit now, matched stop string or "")."""
+    def push(self, token_id: int, *, find_stops: bool = True) -> tuple[str, str]:
+        """Add one token; returns (text safe to emit now, matched stop string or ""). With
+        find_stops=False nothing is held back or matched: a stop string completed by later
+        tokens is only looked for in the text after this token."""
         self._pending += self._decoder.decode(self._pieces[token_id])
-        if not self._stops:
+        if not self._stops or not find_stops:
             out, self._pending = self._pending, ""
             return out, ""
         first_at, matched = -1, ""

@@ -203,7 +203,13 @@ class Runner:
 
     def _open_sampler(self, spec: SamplerSpec) -> RequestSampler:
         if spec.constraint is None:
-            return RequestSampler(spec.params, spec.seed, self.model.n_vocab)
+            return RequestSampler(
+                spec.params,
+                spec.seed,
+                self.model.n_vocab,
+                min_tokens=spec.min_tokens,
+                suppressed=spec.suppressed,
+            )
         if self._candidates is None:
             self._candidates = Candidates(self.model.n_vocab)
         return RequestSampler(
@@ -213,6 +219,8 @@ class Runner:
             constraint=spec.constraint,
             vocab=self.model.vocab,
             candidates=self._candidates,
+            min_tokens=spec.min_tokens,
+            suppressed=spec.suppressed,
         )
 
     def close(self) -> None:

@@ -71,7 +71,16 @@ class RequestSampler:
     """One request's sampler state (penalty history, RNG, grammar). Free with close().
     sample() returns NO_TOKEN (with `error` set) when a constraint allows no token at all."""
 
-    __slots__ = ("_candidates", "_chain", "_grammar", "_n_vocab", "error")
+    __slots__ = (
+        "_candidates",
+        "_chain",
+        "_grammar",
+        "_min_tokens",
+        "_n_vocab",
+        "_num_sampled",
+        "_suppressed",
+        "error",
+    )
 
     def __init__(
         self,
@@ -82,8 +91,14 @@ class RequestSampler:
         constraint: Constraint | None = None,
         vocab: Any = None,
         candidates: Candidates | None = None,
+        min_tokens: int = 0,
+        suppressed: tuple[int, ...] = (),
     ) -> None:
         self._n_vocab = n_vocab
+        # min_tokens: `suppressed` get -inf logits until this many tokens have been sampled
+        self._min_tokens = min_tokens if suppressed else 0
+        self._suppressed = np.array(suppressed, dtype=np.int64)
+        self._num_sampled = 0
         self._chain: Any = None
         self._grammar: Any = None
         self._candidates = candidates
@@ -113,6 +128,12 @@ class RequestSampler:
         llama_sampler_sample accepts the token itself; never accept it again."""
         if self.error:
             return NO_TOKEN
+        if self._num_sampled < self._min_tokens:
+            self._num_sampled += 1
+            # the row is the context's own logits buffer, which every path below reads
+            if row is None:
+                row = _row(ctx, batch_index, self._n_vocab)
+            row[self._suppressed] = -math.inf
         if self._grammar is not None:
             return self._sample_constrained(ctx, batch_index)
         if self._chain is None:

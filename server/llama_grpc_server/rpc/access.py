@@ -1,6 +1,7 @@
 """Who may call what: each RPC's Principal from its bearer token or its client certificate, and
 the role an operation needs. Health and reflection stay open (orchestrators and grpcurl probe
-them); everything of LlmService needs a known caller once --auth-tokens-file is given.
+them); everything of LlmService and VllmEngine needs a known caller once --auth-tokens-file
+is given.
 
 Without a tokens file nobody is refused: a caller is ANONYMOUS (tenant "", may do everything),
 or, with --tls-client-ca, the tenant named by its certificate subject, so that services of a
@@ -18,12 +19,15 @@ from llama_grpc_server.rpc.tls import peer_subject
 AUTHORIZATION_KEY = "authorization"
 BEARER = "bearer "
 PROTECTED_SERVICE = "/llama_grpc.v1.LlmService/"
+VLLM_SERVICE = "/vllm.grpc.engine.VllmEngine/"  # the vLLM engine protocol (rpc.vllm_engine)
+PROTECTED_SERVICES = (PROTECTED_SERVICE, VLLM_SERVICE)
 # Operations only an admin may call (full path). GetStats is open to users, with other tenants'
 # request ids hidden (rpc.servicer); so is WatchLoad, which carries aggregate load only. A user's
 # request for a model that is not loaded loads it (on demand); managing models is an admin's.
+# The vLLM protocol's FlushCache is ClearCache; its Abort reaches the caller's own calls only.
 ADMIN_METHODS: frozenset[str] = frozenset(
     PROTECTED_SERVICE + name for name in ("ClearCache", "ListModels", "LoadModel", "UnloadModel")
-)
+) | {VLLM_SERVICE + "FlushCache"}
 
 
 def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
@@ -50,7 +54,7 @@ class AccessControl:
         auth_context: Mapping[str, Iterable[bytes]] | None,
     ) -> Principal:
         """The caller of `method`, or Unauthenticated / PermissionDenied."""
-        if not method.startswith(PROTECTED_SERVICE):
+        if not method.startswith(PROTECTED_SERVICES):
             return ANONYMOUS
         subject = peer_subject(auth_context)
         table = self.table

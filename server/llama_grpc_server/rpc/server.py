@@ -1,4 +1,5 @@
-"""The grpc.aio server: LlmService, grpc.health.v1 and reflection behind the request interceptor,
+"""The grpc.aio server: LlmService, the vLLM engine protocol (rpc.vllm_engine), grpc.health.v1
+and reflection behind the request interceptor,
 in plaintext or TLS (rpc.tls), callers identified by rpc.access. SIGHUP reloads the TLS files and
 the tokens file without cutting a stream.
 
@@ -26,6 +27,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import errors, model_files
@@ -47,12 +49,13 @@ from llama_grpc_server.rpc import tls
 from llama_grpc_server.rpc.access import AccessControl
 from llama_grpc_server.rpc.interceptors import RequestInterceptor, RpcRecorder
 from llama_grpc_server.rpc.servicer import SERVICE_NAME, LlmServicer
+from llama_grpc_server.rpc.vllm_engine import VLLM_SERVICE_NAME, TokenizerZip, VllmEngineServicer
 from llama_grpc_server.tracing import Tracing
 
 EngineFactory = Callable[[], EngineApi]
 P = ParamSpec("P")
 
-HEALTH_NAMES = ("", SERVICE_NAME)  # "" = the server as a whole
+HEALTH_NAMES = ("", SERVICE_NAME, VLLM_SERVICE_NAME)  # "" = the server as a whole
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -152,6 +155,7 @@ class RunningServer:
     port: int
     server: grpc.aio.Server
     servicer: LlmServicer
+    vllm_servicer: VllmEngineServicer
     health: Any  # grpc_health.v1.health.aio.HealthServicer (grpc-stubs has no aio stubs)
     grace_s: float
     _loading: asyncio.Task[EngineApi | None]
@@ -283,7 +287,7 @@ def _model_pool(
 
 async def _load_default(
     pool: ModelPool,
-    servicer: LlmServicer,
+    servicers: tuple[LlmServicer, VllmEngineServicer],
     health_servicer: Any,
     metrics: Metrics | None,
 ) -> EngineApi | None:
@@ -295,7 +299,8 @@ async def _load_default(
         return None
     engine = pool.default_engine()
     assert engine is not None
-    servicer.attach(pool)
+    for servicer in servicers:
+        servicer.attach(pool)
     if metrics is not None:
         metrics.watch(pool.snapshots, pool.statuses)
     await _set_health(health_servicer, SERVING)
@@ -358,6 +363,8 @@ async def _started(
     model_factory: ModelFactory | None,
     recorder: RpcRecorder | None,
     metrics: Metrics | None,
+    *,
+    tokenizer_zip: TokenizerZip | None = None,
 ) -> RunningServer:
     access = AccessControl(_auth_table(settings.server))
     credentials = _credentials(settings.server)
@@ -372,12 +379,17 @@ async def _started(
     server = grpc.aio.server(interceptors=[interceptor], options=server_options(settings))
     servicer = LlmServicer(settings)
     pb_grpc.add_LlmServiceServicer_to_server(servicer, server)
+    # the vLLM engine protocol (the SMG gateway's workers) on the same port, same engine
+    vllm_servicer = VllmEngineServicer(
+        settings, draining=servicer.draining, tokenizer_zip=tokenizer_zip
+    )
+    vpb_grpc.add_VllmEngineServicer_to_server(vllm_servicer, server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]  # no aio stubs
     for name in HEALTH_NAMES:
         await health_servicer.set(name, NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if settings.server.reflection:
-        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        names = (SERVICE_NAME, VLLM_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
     host = settings.server.host
     port = _listen(server, settings.server, credentials)
@@ -404,12 +416,15 @@ async def _started(
             watch.attach(engine, health_servicer)
 
     pool = _model_pool(settings, engine_factory, model_factory, on_loaded)
-    loading = asyncio.create_task(_load_default(pool, servicer, health_servicer, metrics))
+    loading = asyncio.create_task(
+        _load_default(pool, (servicer, vllm_servicer), health_servicer, metrics)
+    )
     grace_s = settings.server.grace_s
     return RunningServer(
         port,
         server,
         servicer,
+        vllm_servicer,
         health_servicer,
         grace_s,
         loading,
@@ -431,13 +446,16 @@ async def start_server(
     model_factory: ModelFactory | None = None,
     recorder: RpcRecorder | None = None,
     metrics: Metrics | None = None,
+    tokenizer_zip: TokenizerZip | None = None,
 ) -> AsyncIterator[RunningServer]:
     """Start listening now, load the default model's engine (`engine_factory`) in the
     background; stop gracefully on exit. The other models of settings.pool are built by
     `model_factory` when a request needs them. With `metrics`, RPCs are recorded there (unless
     `recorder` is given), it watches the engines' stats once the default is loaded, and
     /metrics is served when --metrics-port is set."""
-    running = await _started(settings, engine_factory, model_factory, recorder, metrics)
+    running = await _started(
+        settings, engine_factory, model_factory, recorder, metrics, tokenizer_zip=tokenizer_zip
+    )
     try:
         yield running
     finally:

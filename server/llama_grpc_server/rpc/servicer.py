@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +21,7 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import errors, tracing
 from llama_grpc_server.config import Settings
-from llama_grpc_server.core.api import EngineApi, StatsSnapshot
+from llama_grpc_server.core.api import EngineApi, RequestStream, StatsSnapshot
 from llama_grpc_server.core.request import (
     Failed,
     Finished,
@@ -55,7 +55,7 @@ class NotReady(errors.ServiceError):
     reason = "NOT_READY"
 
 
-async def _tokenize(
+async def tokenize_text(
     engine: EngineApi, text: str, *, add_special: bool, parse_special: bool
 ) -> list[int]:
     """llama_tokenize releases the GIL and is thread-safe, so long texts go to a thread."""
@@ -73,7 +73,7 @@ async def _chat_tokens(engine: EngineApi, draft: validation.Draft, *, add_bos: b
         text = engine.render_chat(draft.messages, draft.chat_template)
     except ValueError as exc:
         raise errors.InvalidRequest(str(exc), field="messages") from None
-    tokens = await _tokenize(engine, text, add_special=False, parse_special=True)
+    tokens = await tokenize_text(engine, text, add_special=False, parse_special=True)
     return validation.chat_prompt_tokens(tokens, engine.model_info) if add_bos else tokens
 
 
@@ -97,18 +97,25 @@ def _seen_by(snapshot: StatsSnapshot, tenant: str) -> StatsSnapshot:
     return dataclasses.replace(snapshot, slots=slots)
 
 
-def _deadline(context: Context) -> float | None:
+def deadline_of(context: Context) -> float | None:
     return validation.deadline_from(context.time_remaining(), time.monotonic())
 
 
-async def _run(
-    engine: EngineApi, spec: GenerationRequest, operation: str = "text_completion"
+async def run_request(
+    engine: EngineApi,
+    spec: GenerationRequest,
+    operation: str = "text_completion",
+    *,
+    on_submit: Callable[[RequestStream], None] | None = None,
 ) -> AsyncGenerator[TokenDelta | Finished, None]:
     """Submit and yield deltas, then the Finished event. A Failed event raises its error.
     Leaving early (client cancel, deadline, closed stream) cancels the request in the engine.
-    With tracing on, the finished request's GenAI attributes and phases go on the RPC's span."""
+    With tracing on, the finished request's GenAI attributes and phases go on the RPC's span.
+    `on_submit` is handed the engine's stream (to cancel it from elsewhere)."""
     submitted_unix_ns = time.time_ns()
     stream = engine.submit(spec)
+    if on_submit is not None:
+        on_submit(stream)
     is_done = False
     try:
         async for event in stream:
@@ -138,7 +145,7 @@ async def _collect(
     engine: EngineApi, spec: GenerationRequest, operation: str
 ) -> tuple[list[TokenDelta], Finished]:
     deltas: list[TokenDelta] = []
-    async with aclosing(_run(engine, spec, operation)) as events:
+    async with aclosing(run_request(engine, spec, operation)) as events:
         async for event in events:
             if isinstance(event, Finished):
                 return deltas, event
@@ -150,15 +157,11 @@ def _unix_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-class LlmServicer(pb_grpc.LlmServiceServicer):
-    """The LlmService. The model pool is attached once the default model has loaded (see
-    rpc.server); `draining` is set when the server starts to stop (RunningServer.stop):
-    WatchLoad streams then end at once instead of holding the grace period open."""
+class PoolServicer:
+    """A servicer of the model pool, which is attached once the default model has loaded (see
+    rpc.server); until then calls answer NOT_READY."""
 
-    def __init__(self, settings: Settings, pool: ModelPool | None = None) -> None:
-        self._settings = settings
-        self._pool = pool
-        self.draining = asyncio.Event()
+    _pool: ModelPool | None = None
 
     def attach(self, pool: ModelPool) -> None:
         """Start serving: the default model is loaded."""
@@ -169,12 +172,22 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
             raise NotReady("the model is still loading; retry shortly")
         return self._pool
 
+
+class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
+    """The LlmService. `draining` is set when the server starts to stop (RunningServer.stop):
+    WatchLoad streams then end at once instead of holding the grace period open."""
+
+    def __init__(self, settings: Settings, pool: ModelPool | None = None) -> None:
+        self._settings = settings
+        self._pool = pool
+        self.draining = asyncio.Event()
+
     def _engine(
         self, model: str, context: Context
     ) -> contextlib.AbstractAsyncContextManager[EngineApi]:
         """The named model's engine for the length of the call, loaded first if need be (the
         wait bounded by the call's deadline)."""
-        return self._ready_pool().lease(model, _deadline(context))
+        return self._ready_pool().lease(model, deadline_of(context))
 
     async def _text_request(
         self, message: validation.TextRequest, engine: EngineApi, request_id: str, context: Context
@@ -186,14 +199,14 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
         if draft.messages:
             tokens = await _chat_tokens(engine, draft, add_bos=add_special)
         else:
-            tokens = await _tokenize(
+            tokens = await tokenize_text(
                 engine, message.prompt, add_special=add_special, parse_special=False
             )
         return validation.complete_request(
             draft,
             tokens,
             request_id=request_id,
-            deadline=_deadline(context),
+            deadline=deadline_of(context),
             tenant=current_principal().tenant,
         )
 
@@ -218,7 +231,7 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
             self._engine(request.model, context) as engine,
         ):
             spec = await self._text_request(request, engine, request_id, context)
-            async with aclosing(_run(engine, spec, _operation(request))) as events:
+            async with aclosing(run_request(engine, spec, _operation(request))) as events:
                 async for event in events:
                     yield convert.stream_generate_response(event, request_id)
 
@@ -238,10 +251,10 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
                 draft,
                 draft.prompt_tokens,
                 request_id=request_id,
-                deadline=_deadline(context),
+                deadline=deadline_of(context),
                 tenant=current_principal().tenant,
             )
-            async with aclosing(_run(engine, spec)) as events:
+            async with aclosing(run_request(engine, spec)) as events:
                 async for event in events:
                     yield convert.generate_tokens_response(event, request_id)
 
@@ -252,7 +265,7 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
             ErrorsToStatus(context, _request_id()),
             self._engine(request.model, context) as engine,
         ):
-            token_ids = await _tokenize(
+            token_ids = await tokenize_text(
                 engine,
                 request.text,
                 add_special=validation.add_special(request),
@@ -339,7 +352,7 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
         self, request: pb.LoadModelRequest, context: Context
     ) -> pb.LoadModelResponse:
         async with ErrorsToStatus(context, _request_id()):
-            status = await self._ready_pool().load(request.model, _deadline(context))
+            status = await self._ready_pool().load(request.model, deadline_of(context))
             return pb.LoadModelResponse(model=convert.model_status(status))
 
     async def UnloadModel(

@@ -11,7 +11,7 @@ import enum
 import math
 import os
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -135,7 +135,7 @@ class _Range:
         return f"in {'(' if self.is_low_open else '['}{self.low:g}, {self.high:g}]"
 
 
-_SamplingField = Literal[
+SamplingField = Literal[
     "temperature",
     "top_k",
     "top_p",
@@ -146,7 +146,7 @@ _SamplingField = Literal[
     "penalty_last_n",
 ]
 
-_SAMPLING_RANGES: dict[_SamplingField, _Range] = {
+SAMPLING_RANGES: dict[SamplingField, _Range] = {
     "temperature": _Range(0.0, 100.0),
     "top_k": _Range(0.0),
     "top_p": _Range(0.0, 1.0, is_low_open=True),
@@ -401,28 +401,29 @@ def _sampling(
     """Server defaults, overridden field by field by what the request sets. penalty_last_n is
     at most the context, and -1 (the whole context) becomes n_ctx: llama.cpp reads -1 as 0 (no
     penalty) and allocates a history of penalty_last_n tokens (2**31 - 1 stalled the engine)."""
-    ranges = {**_SAMPLING_RANGES, "penalty_last_n": _Range(-1.0, info.n_ctx)}
+    ranges = {**SAMPLING_RANGES, "penalty_last_n": _Range(-1.0, info.n_ctx)}
     overrides: dict[str, Any] = {}
     for name, bounds in ranges.items():
         if message.HasField(name):
-            overrides[name] = _checked_number(name, getattr(message, name), bounds)
+            overrides[name] = checked_number(name, getattr(message, name), bounds)
     if overrides.get("penalty_last_n") == -1:
         overrides["penalty_last_n"] = info.n_ctx
     if message.HasField("seed"):
         overrides["seed"] = message.seed
     if message.logit_bias:
-        overrides["logit_bias"] = _logit_bias(message.logit_bias, info.n_vocab)
+        overrides["logit_bias"] = logit_bias(message.logit_bias, info.n_vocab)
     return dataclasses.replace(defaults, **overrides)
 
 
-def _logit_bias(biases: Mapping[int, float], n_vocab: int) -> tuple[tuple[int, float], ...]:
+def logit_bias(
+    biases: Mapping[int, float], n_vocab: int, field: str = "params.sampling.logit_bias"
+) -> tuple[tuple[int, float], ...]:
     """Sorted (token id, bias) pairs; every id in the vocabulary, every bias finite or -inf."""
-    field = "params.sampling.logit_bias"
     if len(biases) > MAX_LOGIT_BIAS:
         raise _invalid(field, Message.TOO_MANY_BIASES, count=len(biases), limit=MAX_LOGIT_BIAS)
     out: list[tuple[int, float]] = []
     for token_id, bias in sorted(biases.items()):
-        if token_id >= n_vocab:
+        if not 0 <= token_id < n_vocab:
             raise _invalid(
                 f"{field}[{token_id}]",
                 Message.BIAS_TOKEN_OUT_OF_RANGE,
@@ -450,21 +451,40 @@ def _constraint(params: pb.GenerationParams, grammars: GrammarCompiler | None) -
         )
     else:
         text, root, field = params.json_schema, "root", "params.json_schema"
-    _check_constraint_text(field, text)
+    convert = None if kind == "grammar" or grammars is None else grammars.json_schema_to_grammar
+    try:
+        return compiled_constraint(field, text, grammars, convert=convert, root=root)
+    except errors.InvalidRequest as exc:
+        is_root = f"'{root}' symbol" in exc.message
+        if kind == "grammar" and params.grammar.root and is_root:
+            raise errors.InvalidRequest(exc.message, field="params.grammar.root") from None
+        raise
+
+
+def compiled_constraint(
+    field: str,
+    text: str,
+    grammars: GrammarCompiler | None,
+    *,
+    convert: Callable[[str], str] | None = None,
+    root: str = "root",
+) -> Constraint:
+    """The constraint `text` (at `field`) as a checked GBNF grammar: `convert` turns it into
+    GBNF first (a JSON schema, a regex); its ValueError, like the grammar check's, becomes
+    INVALID_ARGUMENT naming the field."""
+    check_constraint_text(field, text)
     if grammars is None:
         raise errors.FailedPrecondition(Message.NO_CONSTRAINTS.format(name=field), field=field)
     try:
-        gbnf = text if kind == "grammar" else grammars.json_schema_to_grammar(text)
+        gbnf = text if convert is None else convert(text)
         grammars.check_grammar(gbnf, root)
     except ValueError as exc:
-        message = str(exc)
-        if kind == "grammar" and params.grammar.root and f"'{root}' symbol" in message:
-            field = "params.grammar.root"
-        raise errors.InvalidRequest(message, field=field) from None
+        raise errors.InvalidRequest(str(exc), field=field) from None
     return Constraint(gbnf, root, field)
 
 
-def _check_constraint_text(field: str, text: str) -> None:
+def check_constraint_text(field: str, text: str) -> None:
+    """Not blank, not longer than MAX_CONSTRAINT_CHARS."""
     name = field.removeprefix("params.")
     if not text.strip():
         raise _invalid(field, Message.EMPTY_CONSTRAINT, name=name)
@@ -489,8 +509,9 @@ def _output(message: pb.OutputOptions) -> OutputParams:
     return OutputParams(logprobs=message.logprobs, top_logprobs=message.top_logprobs)
 
 
-def _checked_number(name: str, value: float, bounds: _Range) -> float:
-    field = f"params.sampling.{name}"
+def checked_number(name: str, value: float, bounds: _Range, field: str = "") -> float:
+    """The value, unless it is not finite or outside its bounds; `field` defaults to v1's."""
+    field = field or f"params.sampling.{name}"
     if not math.isfinite(value):
         raise _invalid(field, Message.NOT_FINITE, name=name, value=value)
     if not bounds.contains(value):
@@ -524,7 +545,7 @@ def _max_tokens(message: pb.StoppingCriteria, n_ctx: int) -> int | None:
 def _stopping(
     message: pb.StoppingCriteria, n_vocab: int, limits: SchedulerSettings
 ) -> StoppingParams:
-    _check_stops(list(message.stop), limits)
+    check_stops(list(message.stop), limits)
     check_token_ids(message.stop_token_ids, n_vocab, field="params.stopping.stop_token_ids")
     time_limit_ms: int | None = None
     if message.HasField("time_limit_ms"):
@@ -539,8 +560,9 @@ def _stopping(
     )
 
 
-def _check_stops(stops: list[str], limits: SchedulerSettings) -> None:
-    field = "params.stopping.stop"
+def check_stops(
+    stops: list[str], limits: SchedulerSettings, field: str = "params.stopping.stop"
+) -> None:
     if len(stops) > limits.max_stop_strings:
         raise _invalid(
             field, Message.TOO_MANY_STOPS, count=len(stops), limit=limits.max_stop_strings

@@ -1,0 +1,148 @@
+"""`make gateway REPLICAS=2`: N llama-grpc replicas on free loopback ports and the SMG gateway
+(PyPI `smg`, the `gateway` dependency group) on 127.0.0.1:8080 in front of them, in the
+foreground; one ready line once the gateway lists the model, every worker is healthy and a
+one-token completion has gone through; Ctrl-C stops everything.
+
+                                              ┌─ gRPC ─► replica 0 (127.0.0.1:p0)  llama-grpc
+    any OpenAI SDK ── HTTP ─► SMG 127.0.0.1:8080 ─ gRPC ─► replica 1 (127.0.0.1:p1)  llama-grpc
+    (chat, completions,       tokenizes (the workers' exported tokenizer), applies the chat
+     responses, messages)     template, routes round robin; vllm.grpc.engine.VllmEngine
+
+The replicas are deploy.cluster's (llama.cpp threads split across them); the gateway fetches
+each worker's model info and tokenizer (GetTokenizer: llama_grpc_server.tokenizer_export) at
+start, so a server without the exporter cannot stand behind it.
+
+    python -m deploy.gateway --replicas 2 [--port 8080] [-- extra llama-grpc serve options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deploy.cluster import (
+    START_TIMEOUT_S,
+    Cluster,
+    Started,
+    serve_foreground,
+    terminate,
+    venv_binary,
+    wait_for,
+)
+
+DEFAULT_PORT = 8080
+TOKENIZER_EXPORT = "llama_grpc_server.tokenizer_export"
+SMG_STOP_S = 15.0  # SMG takes several seconds to exit on SIGTERM
+
+
+def smg_binary() -> str:
+    """The smg launcher from the smg wheel."""
+    return venv_binary("smg", "the gateway group (make gateway installs it)")
+
+
+def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 5.0) -> Any:
+    """GET (or POST `body` as JSON) and parse the JSON answer; HTTPError on a non-2xx."""
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"content-type": "application/json"} if data is not None else {}
+    request = urllib.request.Request(url, data=data, headers=headers)
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+@dataclass
+class Gateway(Started):
+    """N replicas and SMG. Use as a context manager, or start() / close()."""
+
+    replicas: int = 2
+    port: int = DEFAULT_PORT
+    policy: str = "round_robin"
+    server_args: Sequence[str] = ()
+    threads: int | None = None  # per replica (None: the CPUs split evenly, at least 1)
+    cluster: Cluster = field(init=False)
+    smg: subprocess.Popen[bytes] | None = None
+    model: str = ""  # the model id the gateway serves, once ready
+
+    def __post_init__(self) -> None:
+        self.cluster = Cluster(self.replicas, server_args=self.server_args, threads=self.threads)
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI API root, for an SDK's base_url."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def workdir(self) -> Path:
+        return self.cluster.workdir
+
+    def start(self) -> Gateway:
+        if importlib.util.find_spec(TOKENIZER_EXPORT) is None:
+            raise RuntimeError(
+                f"the gateway tokenizes with the workers' exported tokenizer, and this build has "
+                f"no {TOKENIZER_EXPORT}"
+            )
+        self.cluster.start_replicas()
+        self.start_smg()
+        wait_for(self.is_ready, START_TIMEOUT_S, "the gateway is not ready", interval_s=0.5)
+        return self
+
+    def start_smg(self) -> None:
+        urls = [f"grpc://{r.target}" for r in self.cluster.members]
+        log = (self.workdir / "smg.log").open("ab")
+        self.smg = subprocess.Popen(
+            [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
+             "--backend", "vllm", "--policy", self.policy, "--worker-urls", *urls],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def is_ready(self) -> bool:
+        """The gateway lists the model, has every worker healthy, and a one-token completion
+        goes through (its tokenizer, fetched from a worker, is registered)."""
+        if self.smg is not None and self.smg.poll() is not None:
+            raise RuntimeError(f"smg exited; see {self.workdir / 'smg.log'}")
+        try:
+            models = _http(f"{self.base_url}/models")["data"]
+            workers = _http(f"http://127.0.0.1:{self.port}/workers")["workers"]
+            if not models or len(workers) != self.replicas:
+                return False
+            if not all(w.get("is_healthy") for w in workers):
+                return False
+            model = str(models[0]["id"])
+            _http(f"{self.base_url}/completions", {"model": model, "prompt": "Hi", "max_tokens": 1})
+        except (OSError, KeyError, ValueError):  # not up yet, or a 503 while it registers
+            return False
+        self.model = model
+        return True
+
+    def close(self) -> None:
+        terminate(self.smg, SMG_STOP_S)
+        self.cluster.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="SMG's port on 127.0.0.1")
+    parser.add_argument("--policy", default="round_robin", help="SMG's routing policy")
+    parser.add_argument("server_args", nargs="*", help="after --: llama-grpc serve options")
+    args = parser.parse_args(argv)
+
+    def ready_line(running: Gateway) -> str:
+        workers = ", ".join(f"grpc://{r.target}" for r in running.cluster.members)
+        return (
+            f"ready: SMG on {running.base_url} (OpenAI API, model {running.model!r}), workers "
+            f"{workers}; logs in {running.workdir}. Ctrl-C stops everything."
+        )
+
+    gateway = Gateway(args.replicas, args.port, args.policy, args.server_args)
+    return serve_foreground(gateway, ready_line)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""core events and snapshots -> vLLM engine protocol messages. Pure: no grpc, no engine calls.
+
+A stream chunk carries the tokens new since the last one (completion_tokens counts them) and
+the request's prompt and cached-prompt counts; GenerateComplete repeats the totals: every output
+id, the counts, the finish reason ("stop", "length" or "abort") and what stopped it. Output ids
+are the tokens v1 streams: an end-of-generation or stop token ends the output without being
+part of it (matched_token_id names a stop token)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc_server.core.api import ModelInfo
+from llama_grpc_server.core.request import (
+    Finished,
+    FinishReason,
+    SamplingParams,
+    TokenDelta,
+    TokenLogprob,
+)
+
+STOP, LENGTH, ABORT = "stop", "length", "abort"
+FINISH_REASONS: dict[FinishReason, str] = {
+    FinishReason.EOS: STOP,
+    FinishReason.STOP_SEQUENCE: STOP,
+    FinishReason.STOP_TOKEN: STOP,
+    FinishReason.MAX_TOKENS: LENGTH,
+    FinishReason.CONTEXT_LENGTH: LENGTH,
+    FinishReason.TIME_LIMIT: LENGTH,
+}
+SERVER_TYPE = "vllm-grpc"  # the protocol this service speaks, as vLLM's own servicer names it
+
+
+@dataclass(slots=True)
+class Sample:
+    """What one of a request's n samples has produced so far."""
+
+    index: int
+    num_prompt: int
+    top_logprobs: int | None  # None: no logprobs asked for
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    cached_tokens: int = 0
+    is_done: bool = False
+
+    def add(self, delta: TokenDelta) -> None:
+        self.output_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        self.cached_tokens = max(self.cached_tokens, delta.cached_prompt_tokens)
+
+
+def output_logprobs(
+    logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...], top_logprobs: int | None
+) -> vpb.OutputLogProbs | None:
+    if top_logprobs is None or not logprobs:
+        return None
+    return vpb.OutputLogProbs(
+        token_logprobs=[lp.logprob for lp in logprobs],
+        token_ids=[lp.token_id for lp in logprobs],
+        top_logprobs=[
+            vpb.TopLogProbs(
+                values=[t.logprob for t in lp.top], token_ids=[t.token_id for t in lp.top]
+            )
+            for lp in logprobs
+        ]
+        if top_logprobs > 0
+        else [],
+    )
+
+
+def chunk(sample: Sample, delta: TokenDelta) -> vpb.GenerateResponse:
+    """A stream chunk of `delta` (already added to `sample`)."""
+    return vpb.GenerateResponse(
+        chunk=vpb.GenerateStreamChunk(
+            token_ids=delta.token_ids,
+            prompt_tokens=sample.num_prompt,
+            completion_tokens=len(delta.token_ids),
+            cached_tokens=sample.cached_tokens,
+            output_logprobs=output_logprobs(delta.logprobs, sample.top_logprobs),
+            index=sample.index,
+        )
+    )
+
+
+def complete(sample: Sample, finished: Finished | None) -> vpb.GenerateResponse:
+    """The sample's GenerateComplete; `finished` None means it was aborted."""
+    message = vpb.GenerateComplete(
+        output_ids=sample.output_ids,
+        finish_reason=ABORT if finished is None else FINISH_REASONS[finished.reason],
+        prompt_tokens=sample.num_prompt,
+        completion_tokens=len(sample.output_ids),
+        cached_tokens=sample.cached_tokens,
+        output_logprobs=output_logprobs(sample.logprobs, sample.top_logprobs),
+        index=sample.index,
+    )
+    if finished is not None:
+        usage = finished.usage
+        message.prompt_tokens = usage.prompt_tokens
+        message.cached_tokens = usage.cached_prompt_tokens
+        message.spec_draft_tokens = usage.draft_tokens
+        message.spec_accepted_tokens = usage.accepted_draft_tokens
+        if finished.reason is FinishReason.STOP_SEQUENCE:
+            message.matched_stop_str = finished.matched_stop
+        elif finished.reason is FinishReason.STOP_TOKEN and finished.matched_token_id is not None:
+            message.matched_token_id = finished.matched_token_id
+    return vpb.GenerateResponse(complete=message)
+
+
+def model_info(
+    info: ModelInfo, defaults: SamplingParams, default_max_tokens: int
+) -> vpb.GetModelInfoResponse:
+    """The model as the gateway sees it; the default sampling is the server's."""
+    sampling = {
+        "temperature": defaults.temperature,
+        "top_k": defaults.top_k,
+        "top_p": defaults.top_p,
+        "min_p": defaults.min_p,
+        "repetition_penalty": defaults.repeat_penalty,
+        "max_tokens": default_max_tokens,
+    }
+    message = vpb.GetModelInfoResponse(
+        model_path=info.model_path,
+        is_generation=True,
+        max_context_length=info.n_ctx,
+        vocab_size=info.n_vocab,
+        supports_vision=False,
+        served_model_name=info.model_name,
+        eos_token_ids=list(info.eog_token_ids),
+        max_req_input_len=info.n_ctx - 1,  # a prompt leaves room for one generated token
+        default_sampling_params_json=json.dumps(sampling, sort_keys=True),
+    )
+    if info.bos_token_id is not None:
+        message.bos_token_id = info.bos_token_id
+    return message
+
+
+def loads(report: pb.LoadReport, version: str) -> vpb.GetLoadsResponse:
+    """WatchLoad's numbers (one rank): running and waiting requests, KV use, prefix hits."""
+    running, waiting = report.requests_running, report.queue_depth
+    load = vpb.SchedulerLoad(
+        dp_rank=0,
+        num_running_reqs=running,
+        num_waiting_reqs=waiting,
+        num_total_reqs=running + waiting,
+        num_used_tokens=report.kv_cells_used,
+        max_total_num_tokens=report.kv_cells_total,
+        token_usage=report.kv_cache_usage,
+        cache_hit_rate=report.prefix_cache_hit_rate,
+        max_running_requests=report.n_parallel,
+        utilization=running / report.n_parallel if report.n_parallel else 0.0,
+    )
+    stamp = datetime.fromtimestamp(report.timestamp_unix_ms / 1000, UTC).isoformat()
+    return vpb.GetLoadsResponse(timestamp=stamp, version=version, dp_rank_count=1, loads=[load])

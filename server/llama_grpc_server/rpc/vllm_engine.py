@@ -1,0 +1,357 @@
+"""`vllm.grpc.engine.VllmEngine` handlers, for the SMG gateway and other callers of the vLLM
+engine protocol: validate (rpc.vllm_requests) -> submit the same GenerationRequests v1 builds
+to the same engine -> convert (rpc.vllm_convert). Served beside LlmService on the same port,
+behind the same interceptors, access rules and health; the default model answers.
+
+State: the model pool (attached once the default model loads), the draining flag shared with
+LlmService, and the calls in flight by (tenant, request_id), so that Abort reaches them and a
+second call with an id in flight gets ALREADY_EXISTS. Never imports llama_cpp."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import importlib
+import importlib.metadata
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import structlog
+from smg_grpc_proto.generated import common_pb2 as cpb
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+from llama_grpc_server import errors
+from llama_grpc_server.config import Settings
+from llama_grpc_server.core.api import EngineApi, ModelInfo, RequestStream
+from llama_grpc_server.core.request import (
+    Finished,
+    GenerationRequest,
+    TokenDelta,
+    request_key,
+)
+from llama_grpc_server.models import ModelPool
+from llama_grpc_server.rpc import convert, vllm_convert, vllm_requests
+from llama_grpc_server.rpc.interceptors import current_principal, current_request_id
+from llama_grpc_server.rpc.servicer import (
+    PoolServicer,
+    deadline_of,
+    run_request,
+    tokenize_text,
+)
+from llama_grpc_server.rpc.status import ErrorsToStatus
+
+VLLM_SERVICE_NAME: str = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+TOKENIZER_CHUNK_BYTES = 1 << 20  # GetTokenizer's zip, sent in pieces of at most this
+TOKENIZER_EXPORT_MODULE = "llama_grpc_server.tokenizer_export"
+NO_TOKENIZER_EXPORT = "tokenizer export not available"
+
+log = structlog.get_logger("llama_grpc.rpc")
+
+if TYPE_CHECKING:  # generic only in grpc-stubs
+    Context = grpc.aio.ServicerContext[Any, Any]
+
+TokenizerZip = Callable[[], bytes]
+Outcome = TokenDelta | Finished | None  # None: the sample was aborted
+
+
+def _version() -> str:
+    try:
+        return f"llama-grpc {importlib.metadata.version('llama-grpc')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "llama-grpc"
+
+
+def exported_tokenizer(info: ModelInfo) -> TokenizerZip | None:
+    """The zip of the model's tokenizer from llama_grpc_server.tokenizer_export, or None when
+    this build has no exporter."""
+    try:
+        module = importlib.import_module(TOKENIZER_EXPORT_MODULE)
+    except ImportError:
+        return None
+    make: Callable[[str, str], bytes] = module.tokenizer_zip
+    return lambda: make(info.model_path, info.chat_template)
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """One Generate call's engine streams, so Abort can cancel them."""
+
+    streams: list[RequestStream] = field(default_factory=list)
+    is_aborted: bool = False
+
+    def abort(self) -> None:
+        self.is_aborted = True
+        for stream in self.streams:
+            stream.cancel()
+
+
+async def _sample_events(
+    engine: EngineApi, spec: GenerationRequest, call: _InFlight
+) -> AsyncGenerator[Outcome, None]:
+    """One sample's deltas, then Finished, or None once Abort has ended it."""
+    try:
+        async with aclosing(run_request(engine, spec, on_submit=call.streams.append)) as events:
+            async for event in events:
+                yield event
+    except errors.DuplicateRequest as exc:
+        raise errors.DuplicateRequest(exc.message, field="request_id") from None
+    except errors.ServiceError:
+        if not call.is_aborted:
+            raise
+        yield None
+
+
+async def _merged(
+    runs: Sequence[AsyncGenerator[Outcome, None]],
+) -> AsyncGenerator[tuple[int, Outcome], None]:
+    """(index, event) from every run as they come. One run is read directly; several each
+    through a task, all cancelled (their engine requests with them) if this ends early."""
+    if len(runs) == 1:
+        async with aclosing(runs[0]) as events:
+            async for event in events:
+                yield 0, event
+        return
+    pending: dict[asyncio.Future[Outcome], int] = {
+        asyncio.ensure_future(anext(run)): index for index, run in enumerate(runs)
+    }
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                index = pending.pop(task)
+                try:
+                    event = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(runs[index]))] = index
+                yield index, event
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for run in runs:
+            await run.aclose()
+
+
+class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
+    """The VllmEngine service over the server's model pool (see the module docstring).
+    `tokenizer_zip` builds GetTokenizer's archive; by default llama_grpc_server.tokenizer_export
+    does, for the default model."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        pool: ModelPool | None = None,
+        *,
+        draining: asyncio.Event | None = None,
+        tokenizer_zip: TokenizerZip | None = None,
+    ) -> None:
+        self._settings = settings
+        self._pool = pool
+        self.draining = draining if draining is not None else asyncio.Event()
+        self._tokenizer_zip = tokenizer_zip
+        self._in_flight: dict[str, _InFlight] = {}
+        self._started = time.monotonic()
+        self._last_receive = 0.0
+        self._version = _version()
+
+    # -- generation -------------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: vpb.GenerateRequest, context: Context
+    ) -> AsyncIterator[vpb.GenerateResponse]:
+        request_id = request.request_id or current_request_id()
+        async with (
+            ErrorsToStatus(context, request_id),
+            self._ready_pool().lease("", deadline_of(context)) as engine,
+        ):
+            self._last_receive = time.time()
+            specs = await self._requests(request, request_id, engine, context)
+            key = request_key(current_principal().tenant, request_id)
+            if key in self._in_flight:
+                raise errors.DuplicateRequest(
+                    f"request id {request_id!r} is already in flight", field="request_id"
+                )
+            call = self._in_flight[key] = _InFlight()
+            try:
+                async for message in self._generate(engine, specs, call, stream=request.stream):
+                    yield message
+            finally:
+                del self._in_flight[key]
+
+    async def _requests(
+        self, request: vpb.GenerateRequest, request_id: str, engine: EngineApi, context: Context
+    ) -> list[GenerationRequest]:
+        parsed = vllm_requests.parse_generate(
+            request, engine.model_info, self._settings.scheduler, grammars=engine
+        )
+        tokens: Sequence[int] = parsed.draft.prompt_tokens
+        if parsed.text is not None:  # as the gateway's tokenizer: BOS added, specials parsed
+            tokens = await tokenize_text(engine, parsed.text, add_special=True, parse_special=True)
+        return vllm_requests.generation_requests(
+            parsed,
+            tokens,
+            request_id=request_id,
+            deadline=deadline_of(context),
+            tenant=current_principal().tenant,
+        )
+
+    async def _generate(
+        self, engine: EngineApi, specs: list[GenerationRequest], call: _InFlight, *, stream: bool
+    ) -> AsyncGenerator[vpb.GenerateResponse, None]:
+        """Chunks as tokens come (streaming), and each sample's GenerateComplete as it ends."""
+        samples = [
+            vllm_convert.Sample(
+                index,
+                len(spec.prompt_tokens),
+                spec.output.top_logprobs if spec.output.logprobs else None,
+            )
+            for index, spec in enumerate(specs)
+        ]
+        runs = [_sample_events(engine, spec, call) for spec in specs]
+        async with aclosing(_merged(runs)) as events:
+            async for index, event in events:
+                sample = samples[index]
+                if isinstance(event, TokenDelta):
+                    sample.add(event)
+                    if stream and event.token_ids:
+                        yield vllm_convert.chunk(sample, event)
+                else:
+                    yield vllm_convert.complete(sample, event)
+
+    async def Abort(self, request: vpb.AbortRequest, context: Context) -> vpb.AbortResponse:
+        """End the caller's calls with these ids (finish reason "abort"); unknown or finished
+        ids are ignored, so aborting twice is harmless."""
+        tenant = current_principal().tenant
+        for request_id in request.request_ids:
+            call = self._in_flight.get(request_key(tenant, request_id))
+            if call is not None:
+                call.abort()
+        return vpb.AbortResponse()
+
+    # -- the worker's state -----------------------------------------------------------------------
+
+    async def HealthCheck(
+        self, request: vpb.HealthCheckRequest, context: Context
+    ) -> vpb.HealthCheckResponse:
+        """Healthy while the default model's engine takes requests (running, or warming up with
+        requests waiting for it) and the server is not draining."""
+        engine = None if self._pool is None else self._pool.default_engine()
+        if engine is None:
+            return vpb.HealthCheckResponse(healthy=False, message="the model is still loading")
+        snapshot = engine.stats()
+        if snapshot.engine_state not in ("starting", "running"):
+            why = snapshot.engine_error or snapshot.engine_state
+            return vpb.HealthCheckResponse(healthy=False, message=f"the engine is down: {why}")
+        if self.draining.is_set():
+            return vpb.HealthCheckResponse(healthy=False, message="the server is draining")
+        return vpb.HealthCheckResponse(healthy=True, message="healthy")
+
+    async def GetModelInfo(
+        self, request: vpb.GetModelInfoRequest, context: Context
+    ) -> vpb.GetModelInfoResponse:
+        async with ErrorsToStatus(context, current_request_id()):
+            engine = self._ready_pool().resident("")
+            limits = self._settings.scheduler
+            return vllm_convert.model_info(
+                engine.model_info, limits.default_sampling, limits.default_max_tokens
+            )
+
+    async def GetServerInfo(
+        self, request: vpb.GetServerInfoRequest, context: Context
+    ) -> vpb.GetServerInfoResponse:
+        async with ErrorsToStatus(context, current_request_id()):
+            snapshot = self._ready_pool().load_snapshot()
+            return vpb.GetServerInfoResponse(
+                active_requests=snapshot.active_slots + snapshot.queue_depth,
+                is_paused=self.draining.is_set(),
+                last_receive_timestamp=self._last_receive,
+                uptime_seconds=time.monotonic() - self._started,
+                server_type=vllm_convert.SERVER_TYPE,
+                data_parallel_size=1,
+                max_num_seqs=snapshot.n_parallel,
+            )
+
+    async def GetLoads(
+        self, request: vpb.GetLoadsRequest, context: Context
+    ) -> vpb.GetLoadsResponse:
+        """WatchLoad's figures: the resident models' load summed."""
+        async with ErrorsToStatus(context, current_request_id()):
+            snapshot = self._ready_pool().load_snapshot()
+            report = convert.load_report(
+                snapshot, is_draining=self.draining.is_set(), unix_ms=time.time_ns() // 1_000_000
+            )
+            return vllm_convert.loads(report, self._version)
+
+    async def FlushCache(
+        self, request: cpb.FlushCacheRequest, context: Context
+    ) -> cpb.FlushCacheResponse:
+        """ClearCache of the default model (admin only): idle slots' prefixes and the RAM, disk
+        and response caches; running requests are never touched, so timeout_s is not needed."""
+        async with ErrorsToStatus(context, current_request_id()):
+            engine = self._ready_pool().resident("")
+            cleared = await engine.clear_cache()
+            fields = dataclasses.asdict(cleared)
+            log.info("cache_cleared", model=engine.model_info.model_name, **fields)
+            summary = ", ".join(f"{name}={value}" for name, value in fields.items())
+            return cpb.FlushCacheResponse(success=True, message=summary)
+
+    async def GetTokenizer(
+        self, request: cpb.GetTokenizerRequest, context: Context
+    ) -> AsyncIterator[cpb.GetTokenizerChunk]:
+        """The default model's tokenizer files as one zip, in chunks; the last carries the
+        archive's sha256."""
+        async with ErrorsToStatus(context, current_request_id()):
+            engine = self._ready_pool().resident("")
+            make = self._tokenizer_zip or exported_tokenizer(engine.model_info)
+            if make is None:
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_TOKENIZER_EXPORT)
+                return
+            try:
+                data = await asyncio.to_thread(make)
+            except ValueError as exc:  # a vocabulary the exporter cannot reproduce exactly
+                raise errors.FailedPrecondition(f"no tokenizer to export: {exc}") from None
+            digest = hashlib.sha256(data).hexdigest()
+            starts = range(0, max(len(data), 1), TOKENIZER_CHUNK_BYTES)
+            for start in starts:
+                end = start + TOKENIZER_CHUNK_BYTES
+                yield cpb.GetTokenizerChunk(
+                    data=data[start:end], sha256=digest if end >= len(data) else ""
+                )
+
+    # -- not served -------------------------------------------------------------------------------
+
+    async def Embed(self, request: vpb.EmbedRequest, context: Context) -> vpb.EmbedResponse:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "Embed is not supported: this worker generates text"
+        )
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+    async def StartProfile(
+        self, request: cpb.StartProfileRequest, context: Context
+    ) -> cpb.ProfileResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "profiling is not supported")
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+    async def StopProfile(
+        self, request: cpb.StopProfileRequest, context: Context
+    ) -> cpb.ProfileResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "profiling is not supported")
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+    async def SubscribeKvEvents(
+        self, request: cpb.SubscribeKvEventsRequest, context: Context
+    ) -> None:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "KV cache events are not published yet: poll GetLoads for the load",
+        )
+
+
+__all__ = ["VLLM_SERVICE_NAME", "VllmEngineServicer", "exported_tokenizer"]

@@ -1,0 +1,328 @@
+"""vLLM engine protocol requests (`vllm.grpc.engine.GenerateRequest`) -> the same core
+GenerationRequests that llama_grpc.v1 builds, or a ServiceError naming the field.
+
+Pure like rpc.validation, whose checks it reuses: parse_generate checks every field before the
+prompt is tokenized, generation_requests applies the context rules and makes the n samples.
+Each SamplingParams field is honoured or refused (INVALID_ARGUMENT naming it):
+
+- temperature unset takes the server's default; top_p, top_k, min_p and the penalties keep
+  vLLM's meaning of 0 (top_p 0 and repetition_penalty 0 are unset: 1; top_k 0 and min_p 0 are
+  off), and the penalties count every generated token (llama.cpp's penalty sampler sees the
+  output; vLLM's repetition_penalty also counts the prompt).
+- max_tokens unset takes the server's default (clamped to the context); min_tokens holds back
+  end-of-generation, stop tokens and stop strings until that many tokens are generated.
+- include_stop_str_in_output, skip_special_tokens and spaces_between_special_tokens shape text;
+  this protocol carries token ids, which they do not change (the gateway detokenizes).
+- grammar_from_first_token: constraints always start at the first generated token here.
+- constraints: json_schema, grammar (GBNF), json_object, regex and choice (core.regex_grammar)
+  become one GBNF grammar; structural_tag is refused.
+- prompt_logprobs, multimodal inputs, KV transfer and data-parallel ranks are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+from llama_grpc_server import errors
+from llama_grpc_server.config import SchedulerSettings
+from llama_grpc_server.core import context_fit
+from llama_grpc_server.core.api import GrammarCompiler, ModelInfo
+from llama_grpc_server.core.regex_grammar import choice_to_gbnf, regex_to_gbnf
+from llama_grpc_server.core.request import (
+    Constraint,
+    GenerationRequest,
+    OutputParams,
+    SamplingParams,
+    StoppingParams,
+)
+from llama_grpc_server.rpc import validation
+from llama_grpc_server.rpc.validation import SAMPLING_RANGES, Draft, SamplingField
+
+PARAMS = "sampling_params"
+MAX_SAMPLES = 16  # n at most
+MAX_REQUEST_ID_CHARS = 128
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# v1 field names that shared checks put in their errors -> this protocol's
+_RENAMED = {context_fit.MAX_TOKENS_FIELD: f"{PARAMS}.max_tokens"}
+# Fields of GenerateRequest an engine without them refuses, and why.
+_UNSUPPORTED_REQUEST_FIELDS = {
+    "mm_inputs": "multimodal inputs are not supported: this worker serves a text model",
+    "media_refs": "multimodal inputs are not supported: this worker serves a text model",
+    "kv_transfer_params": "KV transfer (prefill/decode disaggregation) is not supported",
+    "kv_transfer_params_json": "KV transfer (prefill/decode disaggregation) is not supported",
+    "data_parallel_rank": "this worker has no data-parallel ranks",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class VllmDraft:
+    """A checked request waiting for its prompt tokens: the text to tokenize (text input) or
+    the tokens (tokenized input), the v1 draft, n and the prompt cut of truncate_prompt_tokens."""
+
+    draft: Draft
+    text: str | None  # None: tokenized input, in draft.prompt_tokens
+    n: int
+    keep_last: int | None  # truncate_prompt_tokens > 0: keep the prompt's last this many
+
+
+def _invalid(field: str, message: str) -> errors.InvalidRequest:
+    return errors.InvalidRequest(message, field=field)
+
+
+def renamed(exc: errors.ServiceError) -> errors.ServiceError:
+    """The error with a v1 field name (from a shared check) put as this protocol names it."""
+    field = _RENAMED.get(exc.field or "")
+    if field is None:
+        return exc
+    return type(exc)(
+        exc.message, field=field, metadata=exc.metadata, retry_after_s=exc.retry_after_s
+    )
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise _invalid(
+            "request_id",
+            f"request_id must be printable and at most {MAX_REQUEST_ID_CHARS} characters",
+        )
+
+
+def parse_generate(
+    message: vpb.GenerateRequest,
+    info: ModelInfo,
+    limits: SchedulerSettings,
+    *,
+    grammars: GrammarCompiler | None = None,
+) -> VllmDraft:
+    """Check every field of a Generate request (a bad constraint is compiled, and refused,
+    here)."""
+    check_request_id(message.request_id)
+    for name, why in _UNSUPPORTED_REQUEST_FIELDS.items():
+        if message.HasField(name):
+            raise _invalid(name, why)
+    if message.extra_mm_inputs:
+        raise _invalid("extra_mm_inputs", _UNSUPPORTED_REQUEST_FIELDS["mm_inputs"])
+    params = message.sampling_params
+    text, prompt_tokens, prompt_field = _input(message, info)
+    max_tokens = _max_tokens(params, info.n_ctx)
+    n_keep, keep_last = _truncation(params)
+    draft = Draft(
+        sampling=_sampling(params, limits.default_sampling, info),
+        stopping=_stopping(params, info, limits, max_tokens),
+        output=_output(params),
+        constraint=_constraint(params, grammars),
+        n_keep=n_keep,
+        max_tokens=max_tokens,
+        session_id="",
+        cache_scope="",
+        cache_prompt=limits.cache_prompt,
+        n_ctx=info.n_ctx,
+        default_max_tokens=limits.default_max_tokens,
+        prompt_field=prompt_field,
+        bos_token_id=info.bos_token_id,
+        prompt_tokens=prompt_tokens,
+    )
+    return VllmDraft(draft, text, _n(params), keep_last)
+
+
+def generation_requests(
+    parsed: VllmDraft,
+    prompt_tokens: Sequence[int],
+    *,
+    request_id: str,
+    deadline: float | None,
+    tenant: str = "",
+) -> list[GenerationRequest]:
+    """The n scheduler requests of one Generate call: the same prompt (its KV computed once
+    and shared by the prefix cache), ids `request_id` (n = 1) or `request_id[i]`, and distinct
+    seeds (seed + i when the request sets one; the engine draws each otherwise)."""
+    tokens = tuple(prompt_tokens)
+    num_cut = 0
+    if parsed.keep_last is not None and len(tokens) > parsed.keep_last:
+        num_cut = len(tokens) - parsed.keep_last
+        tokens = tokens[num_cut:]
+    try:
+        spec = validation.complete_request(
+            parsed.draft, tokens, request_id=request_id, deadline=deadline, tenant=tenant
+        )
+    except errors.ServiceError as exc:
+        raise renamed(exc) from None
+    if num_cut:
+        spec = dataclasses.replace(spec, num_truncated=spec.num_truncated + num_cut)
+    if parsed.n == 1:
+        return [spec]
+    seed = spec.sampling.seed
+    return [
+        dataclasses.replace(
+            spec,
+            request_id=f"{request_id}[{index}]",
+            sampling=dataclasses.replace(
+                spec.sampling, seed=None if seed is None else (seed + index) & 0xFFFFFFFF
+            ),
+        )
+        for index in range(parsed.n)
+    ]
+
+
+# -- fields ----------------------------------------------------------------------------------------
+
+
+def _input(
+    message: vpb.GenerateRequest, info: ModelInfo
+) -> tuple[str | None, tuple[int, ...], str]:
+    """(text to tokenize or None, the prompt tokens of tokenized input, the prompt's field)."""
+    kind = message.WhichOneof("input")
+    if kind == "tokenized":
+        field = "tokenized.input_ids"
+        ids = message.tokenized.input_ids
+        if not ids:
+            raise _invalid(field, "tokenized.input_ids must not be empty")
+        validation.check_token_ids(ids, info.n_vocab, field=field)
+        return None, tuple(ids), field
+    if kind == "text":
+        if not message.text:
+            raise _invalid("text", "text must not be empty")
+        return message.text, (), "text"
+    raise _invalid("input", "set the prompt: tokenized.input_ids or text")
+
+
+def _field(name: str) -> str:
+    return f"{PARAMS}.{name}"
+
+
+def _sampling(
+    params: vpb.SamplingParams, defaults: SamplingParams, info: ModelInfo
+) -> SamplingParams:
+    overrides: dict[str, Any] = {
+        "top_p": _number(params, "top_p", "top_p", unset=1.0),
+        "top_k": _number(params, "top_k", "top_k", unset=0),
+        "min_p": _number(params, "min_p", "min_p", unset=0.0),
+        "frequency_penalty": _number(params, "frequency_penalty", "frequency_penalty"),
+        "presence_penalty": _number(params, "presence_penalty", "presence_penalty"),
+        "repeat_penalty": _number(params, "repetition_penalty", "repeat_penalty", unset=1.0),
+        "penalty_last_n": info.n_ctx,  # every generated token, as vLLM counts them
+        "seed": params.seed if params.HasField("seed") else None,
+    }
+    if params.HasField("temperature"):
+        overrides["temperature"] = _number(params, "temperature", "temperature")
+    if params.logit_bias:
+        overrides["logit_bias"] = validation.logit_bias(
+            params.logit_bias, info.n_vocab, field=_field("logit_bias")
+        )
+    return dataclasses.replace(defaults, **overrides)
+
+
+def _number(
+    params: vpb.SamplingParams, name: str, v1_name: SamplingField, unset: float = 0.0
+) -> Any:
+    """A sampling number checked against v1's range for it; 0 (proto3's unset) is `unset`."""
+    value = getattr(params, name)
+    if value == 0 and name != "temperature":
+        return unset
+    return validation.checked_number(v1_name, value, SAMPLING_RANGES[v1_name], field=_field(name))
+
+
+def _max_tokens(params: vpb.SamplingParams, n_ctx: int) -> int | None:
+    if not params.HasField("max_tokens"):
+        return None
+    field = _field("max_tokens")
+    if params.max_tokens == 0:
+        raise _invalid(field, f"{field} must be at least 1 (leave it unset for the default)")
+    try:
+        context_fit.check_max_tokens(params.max_tokens, n_ctx)
+    except errors.ServiceError as exc:
+        raise renamed(exc) from None
+    return int(params.max_tokens)
+
+
+def _stopping(
+    params: vpb.SamplingParams,
+    info: ModelInfo,
+    limits: SchedulerSettings,
+    max_tokens: int | None,
+) -> StoppingParams:
+    validation.check_stops(list(params.stop), limits, field=_field("stop"))
+    validation.check_token_ids(params.stop_token_ids, info.n_vocab, field=_field("stop_token_ids"))
+    if params.min_tokens > (info.n_ctx if max_tokens is None else max_tokens):
+        bound = "max_tokens" if max_tokens is not None else "the context"
+        raise _invalid(
+            _field("min_tokens"),
+            f"min_tokens ({params.min_tokens}) must be at most {bound} "
+            f"({info.n_ctx if max_tokens is None else max_tokens})",
+        )
+    return StoppingParams(
+        stop=tuple(params.stop),
+        stop_token_ids=frozenset(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
+    )
+
+
+def _output(params: vpb.SamplingParams) -> OutputParams:
+    if params.HasField("prompt_logprobs"):
+        raise _invalid(_field("prompt_logprobs"), "prompt_logprobs are not supported")
+    if not params.HasField("logprobs"):
+        return OutputParams()
+    k = params.logprobs
+    if not 0 <= k <= validation.MAX_TOP_LOGPROBS:
+        raise _invalid(
+            _field("logprobs"),
+            f"logprobs must be between 0 and {validation.MAX_TOP_LOGPROBS} (the top "
+            f"alternatives per token; -1, the whole vocabulary, is not supported), got {k}",
+        )
+    return OutputParams(logprobs=True, top_logprobs=k)
+
+
+def _truncation(params: vpb.SamplingParams) -> tuple[int | None, int | None]:
+    """(n_keep for truncate_left, keep_last): -1 drops the oldest tokens that do not fit (a
+    leading BOS stays), k >= 1 keeps the last k tokens."""
+    if not params.HasField("truncate_prompt_tokens"):
+        return None, None
+    k = params.truncate_prompt_tokens
+    if k == -1:
+        return 0, None
+    if k < 1:
+        raise _invalid(
+            _field("truncate_prompt_tokens"),
+            f"truncate_prompt_tokens must be -1 (fit the context) or at least 1, got {k}",
+        )
+    return None, k
+
+
+def _n(params: vpb.SamplingParams) -> int:
+    n = params.n or 1
+    if n > MAX_SAMPLES:
+        raise _invalid(_field("n"), f"n must be at most {MAX_SAMPLES}, got {n}")
+    return int(n)
+
+
+def _constraint(params: vpb.SamplingParams, grammars: GrammarCompiler | None) -> Constraint | None:
+    kind = params.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not params.json_object):
+        return None
+    field = _field(kind)
+    if kind == "structural_tag":
+        raise _invalid(field, "structural_tag constraints are not supported")
+    if kind == "json_object":
+        json_object = None if grammars is None else grammars.json_schema_to_grammar
+        return validation.compiled_constraint(
+            field, JSON_OBJECT_SCHEMA, grammars, convert=json_object
+        )
+    if kind == "choice":
+        choices = list(params.choice.choices)
+        text = repr(choices)  # for the length check; an empty list is refused by the compiler
+        return validation.compiled_constraint(
+            field, text, grammars, convert=lambda _: choice_to_gbnf(choices)
+        )
+    text = getattr(params, kind)
+    if kind == "json_schema":
+        convert = None if grammars is None else grammars.json_schema_to_grammar
+        return validation.compiled_constraint(field, text, grammars, convert=convert)
+    if kind == "regex":
+        return validation.compiled_constraint(field, text, grammars, convert=regex_to_gbnf)
+    return validation.compiled_constraint(field, text, grammars)  # grammar: GBNF as it is

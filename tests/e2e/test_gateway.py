@@ -1,0 +1,178 @@
+"""`make gateway` end to end: the official `openai` SDK through SMG to two real replicas over the
+vLLM engine protocol (deploy/gateway.py). Needs the `gateway` group (smg, openai) and the
+tokenizer export (llama_grpc_server.tokenizer_export), which the gateway fetches from the
+workers; skipped without them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from deploy.cluster import free_port
+from deploy.gateway import Gateway
+
+from llama_grpc import AsyncClient, Delta
+
+from ..conftest import PERSON_SCHEMA, check_person
+
+pytest.importorskip("llama_grpc_server.tokenizer_export", reason="no tokenizer export yet")
+openai = pytest.importorskip("openai", reason="the gateway group is not installed")
+pytestmark = pytest.mark.slow
+
+PROMPT = "The three primary colors are"
+MESSAGES = [{"role": "user", "content": "Name three primary colors."}]
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[Gateway]:
+    with Gateway(replicas=2, port=free_port(), server_args=["--chat-template", "gemma"]) as gw:
+        yield gw
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def sdk(gateway: Gateway) -> AsyncIterator[Any]:
+    async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused") as client:
+        yield client
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def direct(gateway: Gateway) -> AsyncIterator[AsyncClient]:
+    """v1 on the first replica, for reference answers and its stats."""
+    async with AsyncClient(gateway.cluster.members[0].target, timeout=120) as client:
+        yield client
+
+
+async def test_chat_plain_and_streamed_agree(sdk: Any, gateway: Gateway) -> None:
+    params = {"model": gateway.model, "messages": MESSAGES, "max_tokens": 24, "temperature": 0}
+    whole = await sdk.chat.completions.create(**params)
+    assert whole.choices[0].message.content
+    assert whole.usage.prompt_tokens > 0 and whole.usage.completion_tokens > 0
+    parts = []
+    stream = await sdk.chat.completions.create(**params, stream=True)
+    async for event in stream:
+        if event.choices and event.choices[0].delta.content:
+            parts.append(event.choices[0].delta.content)
+    assert len(parts) > 1 and "".join(parts) == whole.choices[0].message.content
+
+
+async def test_chat_prompt_is_the_one_v1_renders(
+    sdk: Any, direct: AsyncClient, gateway: Gateway
+) -> None:
+    """The gateway renders the exported template: the same prompt tokens, so the same greedy
+    answer, as v1 rendering the same messages."""
+    ours = await direct.chat(MESSAGES, max_tokens=16, temperature=0, chat_template="gemma")
+    theirs = await sdk.chat.completions.create(
+        model=gateway.model, messages=MESSAGES, max_tokens=16, temperature=0
+    )
+    assert theirs.usage.prompt_tokens == ours.usage.prompt_tokens
+    assert theirs.choices[0].message.content == ours.text
+
+
+async def test_completions_give_v1s_greedy_text(
+    sdk: Any, direct: AsyncClient, gateway: Gateway
+) -> None:
+    """The gateway tokenizes the prompt as v1 does (the exported tokenizer), so the greedy text
+    is what v1 GenerateTokens makes of v1's ids (SMG takes no token-id prompts)."""
+    ids = await direct.tokenize(PROMPT)
+    expected: list[int] = []
+    async for event in direct.generate_tokens(ids, max_tokens=16, temperature=0, ignore_eos=True):
+        if isinstance(event, Delta):
+            expected += event.token_ids
+    answer = await sdk.completions.create(
+        model=gateway.model,
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert answer.usage.prompt_tokens == len(ids)
+    assert answer.choices[0].text == await direct.detokenize(expected)
+    assert (answer.choices[0].finish_reason, answer.usage.completion_tokens) == ("length", 16)
+
+
+async def test_stop_string_and_length(sdk: Any, gateway: Gateway) -> None:
+    base = await sdk.completions.create(
+        model=gateway.model, prompt=PROMPT, max_tokens=24, temperature=0
+    )
+    text = base.choices[0].text
+    words = [w for w in text.split() if len(w) > 3]
+    assert words, text
+    stop = words[0]
+    stopped = await sdk.completions.create(
+        model=gateway.model, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[: text.index(stop)]
+    short = await sdk.completions.create(
+        model=gateway.model, prompt=PROMPT, max_tokens=3, temperature=0
+    )
+    assert (short.choices[0].finish_reason, short.usage.completion_tokens) == ("length", 3)
+
+
+async def test_json_schema_response_format(sdk: Any, gateway: Gateway) -> None:
+    answer = await sdk.chat.completions.create(
+        model=gateway.model,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=120,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON_SCHEMA},
+        },
+    )
+    check_person(json.loads(answer.choices[0].message.content))
+
+
+async def test_logprobs_and_n(sdk: Any, gateway: Gateway) -> None:
+    answer = await sdk.chat.completions.create(
+        model=gateway.model, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=2,
+    )  # fmt: skip
+    entries = answer.choices[0].logprobs.content
+    assert len(entries) == answer.usage.completion_tokens
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in entries)
+    two = await sdk.completions.create(
+        model=gateway.model, prompt=PROMPT, max_tokens=6, temperature=0.9, seed=3, n=2
+    )
+    assert sorted(c.index for c in two.choices) == [0, 1]
+
+
+async def test_a_repeated_long_prefix_is_cached(sdk: Any, gateway: Gateway) -> None:
+    """Round robin: of replicas + 1 identical requests, one replica sees the prompt again."""
+    prompt = f"{uuid.uuid4().hex} " + PROMPT * 30
+    cached = []
+    for _ in range(gateway.replicas + 1):
+        answer = await sdk.completions.create(
+            model=gateway.model, prompt=prompt, max_tokens=2, temperature=0
+        )
+        cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+    assert cached[0] == 0 and max(cached) > 100
+
+
+async def test_closing_a_stream_frees_the_slot(sdk: Any, gateway: Gateway) -> None:
+    stream = await sdk.completions.create(
+        model=gateway.model, prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    received = 0
+    async for _ in stream:
+        received += 1
+        if received == 3:
+            break
+    await stream.close()
+    clients = [AsyncClient(r.target, timeout=10) for r in gateway.cluster.members]
+    try:
+        for _ in range(40):
+            busy = [(await c.stats()).active_slots for c in clients]
+            if not any(busy):
+                break
+            await asyncio.sleep(0.05)
+        assert not any(busy), busy
+    finally:
+        for client in clients:
+            await client.aclose()
