@@ -10,7 +10,7 @@ one-token completion has gone through; Ctrl-C stops everything.
 
 The replicas are deploy.cluster's (llama.cpp threads split across them); the gateway fetches
 each worker's model info and tokenizer (GetTokenizer: llama_grpc_server.tokenizer_export) at
-start, so a server without the exporter cannot stand behind it.
+start.
 
     python -m deploy.gateway --replicas 2 [--port 8080] [-- extra llama-grpc serve options]
 """
@@ -18,7 +18,6 @@ start, so a server without the exporter cannot stand behind it.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import urllib.request
@@ -38,7 +37,6 @@ from deploy.cluster import (
 )
 
 DEFAULT_PORT = 8080
-TOKENIZER_EXPORT = "llama_grpc_server.tokenizer_export"
 SMG_STOP_S = 15.0  # SMG takes several seconds to exit on SIGTERM
 
 
@@ -82,11 +80,6 @@ class Gateway(Started):
         return self.cluster.workdir
 
     def start(self) -> Gateway:
-        if importlib.util.find_spec(TOKENIZER_EXPORT) is None:
-            raise RuntimeError(
-                f"the gateway tokenizes with the workers' exported tokenizer, and this build has "
-                f"no {TOKENIZER_EXPORT}"
-            )
         self.cluster.start_replicas()
         self.start_smg()
         wait_for(self.is_ready, START_TIMEOUT_S, "the gateway is not ready", interval_s=0.5)

@@ -1,7 +1,6 @@
 """`make gateway` end to end: the official `openai` SDK through SMG to two real replicas over the
-vLLM engine protocol (deploy/gateway.py). Needs the `gateway` group (smg, openai) and the
-tokenizer export (llama_grpc_server.tokenizer_export), which the gateway fetches from the
-workers; skipped without them."""
+vLLM engine protocol (deploy/gateway.py). The `gateway` group (smg, openai) comes with the dev
+group; the gateway fetches the workers' exported tokenizer (llama_grpc_server.tokenizer_export)."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import openai
 import pytest
 import pytest_asyncio
 from deploy.cluster import free_port
@@ -20,8 +20,6 @@ from llama_grpc import AsyncClient, Delta
 
 from ..conftest import PERSON_SCHEMA, check_person
 
-pytest.importorskip("llama_grpc_server.tokenizer_export", reason="no tokenizer export yet")
-openai = pytest.importorskip("openai", reason="the gateway group is not installed")
 pytestmark = pytest.mark.slow
 
 PROMPT = "The three primary colors are"

@@ -26,9 +26,10 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from llama_grpc_server import errors
+from llama_grpc_server import errors, tokenizer_export
 from llama_grpc_server.config import Settings
 from llama_grpc_server.core.api import EngineApi, ModelInfo, RequestStream
+from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
 from llama_grpc_server.core.request import (
     Finished,
     GenerationRequest,
@@ -48,8 +49,6 @@ from llama_grpc_server.rpc.status import ErrorsToStatus
 
 VLLM_SERVICE_NAME: str = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 TOKENIZER_CHUNK_BYTES = 1 << 20  # GetTokenizer's zip, sent in pieces of at most this
-TOKENIZER_EXPORT_MODULE = "llama_grpc_server.tokenizer_export"
-NO_TOKENIZER_EXPORT = "tokenizer export not available"
 
 log = structlog.get_logger("llama_grpc.rpc")
 
@@ -67,15 +66,13 @@ def _version() -> str:
         return "llama-grpc"
 
 
-def exported_tokenizer(info: ModelInfo) -> TokenizerZip | None:
-    """The zip of the model's tokenizer from llama_grpc_server.tokenizer_export, or None when
-    this build has no exporter."""
-    try:
-        module = importlib.import_module(TOKENIZER_EXPORT_MODULE)
-    except ImportError:
-        return None
-    make: Callable[[str, str], bytes] = module.tokenizer_zip
-    return lambda: make(info.model_path, info.chat_template)
+def exported_tokenizer(info: ModelInfo) -> TokenizerZip:
+    """The zip of the model's tokenizer (tokenizer_export.py) with the chat template in use (a
+    built-in's source, else the model file's own), kept in the exporter's disk cache so that a
+    restart does not build it again."""
+    template = BUILTIN_TEMPLATES.get(info.chat_template)  # None: the model file's own
+    cache_dir = tokenizer_export.default_cache_dir()
+    return lambda: tokenizer_export.tokenizer_zip(info.model_path, template, cache_dir=cache_dir)
 
 
 @dataclass(eq=False)
@@ -310,9 +307,6 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
         async with ErrorsToStatus(context, current_request_id()):
             engine = self._ready_pool().resident("")
             make = self._tokenizer_zip or exported_tokenizer(engine.model_info)
-            if make is None:
-                await context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_TOKENIZER_EXPORT)
-                return
             try:
                 data = await asyncio.to_thread(make)
             except ValueError as exc:  # a vocabulary the exporter cannot reproduce exactly
