@@ -141,7 +141,8 @@ async def test_logprobs_and_n(sdk: Any, gateway: Gateway) -> None:
 
 
 async def test_a_repeated_long_prefix_is_cached(sdk: Any, gateway: Gateway) -> None:
-    """Round robin: of replicas + 1 identical requests, one replica sees the prompt again."""
+    """Round robin: of replicas + 1 identical requests, one replica sees the prompt again (the
+    first finds at most the BOS the worker puts in front, shared with every earlier prompt)."""
     prompt = f"{uuid.uuid4().hex} " + PROMPT * 30
     cached = []
     for _ in range(gateway.replicas + 1):
@@ -149,7 +150,7 @@ async def test_a_repeated_long_prefix_is_cached(sdk: Any, gateway: Gateway) -> N
             model=gateway.model, prompt=prompt, max_tokens=2, temperature=0
         )
         cached.append(answer.usage.prompt_tokens_details.cached_tokens)
-    assert cached[0] == 0 and max(cached) > 100
+    assert cached[0] <= 1 and max(cached) > 100
 
 
 async def test_closing_a_stream_frees_the_slot(sdk: Any, gateway: Gateway) -> None:

@@ -82,19 +82,30 @@ async def test_text_input_unary_completes_with_the_ids(vllm: Any, engine: FakeEn
 async def test_tokenized_input_streams_chunks_then_the_totals(
     vllm: Any, engine: FakeEngine
 ) -> None:
-    """Tokenized input is the prompt as given; each chunk carries its new ids (counted) and
-    the prompt size; GenerateComplete repeats all ids; a repeated prompt reports its cache."""
+    """Tokenized input starting with BOS is the prompt as given; each chunk carries its new ids
+    (counted) and the prompt size; GenerateComplete repeats all ids; a repeated prompt reports
+    its cache."""
     engine.token_delay_s = 0.05
-    ids = encode("ab")
+    ids = [BOS_ID, *encode("ab")]
     messages = await collect(vllm.Generate(generate(ids=ids, stream=True)))
     chunks, done = [m.chunk for m in messages[:-1]], messages[-1].complete
     assert [list(c.token_ids) for c in chunks] == [encode("b"), encode("a")]
-    assert [(c.prompt_tokens, c.completion_tokens, c.index) for c in chunks] == [(2, 1, 0)] * 2
+    assert [(c.prompt_tokens, c.completion_tokens, c.index) for c in chunks] == [(3, 1, 0)] * 2
     assert list(done.output_ids) == encode("ba") and done.completion_tokens == 2
     assert engine.submitted[0].prompt_tokens == tuple(ids)
     again = await collect(vllm.Generate(generate("r2", ids=ids, stream=True)))
-    assert [m.chunk.cached_tokens for m in again[:-1]] == [1, 1]
-    assert again[-1].complete.cached_tokens == 1
+    assert [m.chunk.cached_tokens for m in again[:-1]] == [2, 2]
+    assert again[-1].complete.cached_tokens == 2
+
+
+async def test_tokenized_input_without_bos_gets_the_models_bos(
+    vllm: Any, engine: FakeEngine
+) -> None:
+    """SMG tokenizes completions without special tokens: the model file's BOS is put in front
+    (it asks for one: add_bos), counted in prompt_tokens."""
+    [done] = await completes(vllm, generate(ids=encode("ab")))
+    assert engine.submitted[0].prompt_tokens == (BOS_ID, *encode("ab"))
+    assert done.prompt_tokens == 3
 
 
 async def test_stop_string_stop_token_and_length(vllm: Any) -> None:
@@ -422,7 +433,11 @@ async def test_get_tokenizer_streams_the_zip_with_its_sha256(vllm: Any) -> None:
     assert chunks[-1].sha256 == hashlib.sha256(TOKENIZER_ZIP).hexdigest()
 
 
-async def test_without_an_exporter_get_tokenizer_is_unimplemented(engine: FakeEngine) -> None:
+async def test_a_model_file_the_exporter_cannot_read_is_a_failed_precondition(
+    engine: FakeEngine,
+) -> None:
+    """The default exporter reads the model file (the fake engine's does not exist): a clear
+    FAILED_PRECONDITION with the reason, never INTERNAL."""
     async with start_server(SETTINGS, lambda: engine) as running:
         assert await running.wait_loaded()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
@@ -430,8 +445,9 @@ async def test_without_an_exporter_get_tokenizer_is_unimplemented(engine: FakeEn
                 await collect(
                     vpb_grpc.VllmEngineStub(channel).GetTokenizer(cpb.GetTokenizerRequest())
                 )
-    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert caught.value.details() == "tokenizer export not available"
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert caught.value.details().startswith("no tokenizer to export: ")
+    assert "/models/fake.gguf" in caught.value.details()
 
 
 async def test_unserved_rpcs_say_so(vllm: Any) -> None:

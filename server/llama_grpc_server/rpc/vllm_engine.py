@@ -309,7 +309,8 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
             make = self._tokenizer_zip or exported_tokenizer(engine.model_info)
             try:
                 data = await asyncio.to_thread(make)
-            except ValueError as exc:  # a vocabulary the exporter cannot reproduce exactly
+            except (ValueError, OSError) as exc:  # a vocabulary it cannot export exactly, or
+                # a model file it cannot read
                 raise errors.FailedPrecondition(f"no tokenizer to export: {exc}") from None
             digest = hashlib.sha256(data).hexdigest()
             starts = range(0, max(len(data), 1), TOKENIZER_CHUNK_BYTES)

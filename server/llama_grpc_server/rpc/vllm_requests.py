@@ -183,12 +183,23 @@ def _input(
         if not ids:
             raise _invalid(field, "tokenized.input_ids must not be empty")
         validation.check_token_ids(ids, info.n_vocab, field=field)
-        return None, tuple(ids), field
+        return None, with_bos(ids, info), field
     if kind == "text":
         if not message.text:
             raise _invalid("text", "text must not be empty")
         return message.text, (), "text"
     raise _invalid("input", "set the prompt: tokenized.input_ids or text")
+
+
+def with_bos(ids: Sequence[int], info: ModelInfo) -> tuple[int, ...]:
+    """Token-id input with the model's BOS in front when the model file asks for one
+    (add_bos_token) and the ids do not start with it. SMG 1.13.0 tokenizes /v1/completions
+    prompts without special tokens (measured: v1 [2, 818, ...], through SMG [818, ...]) while its
+    chat templates write the BOS themselves; Gemma without its BOS writes other text. vLLM runs
+    the ids as given; a llama.cpp model file says whether its BOS is part of every prompt."""
+    if info.add_bos and info.bos_token_id is not None and ids[0] != info.bos_token_id:
+        return (info.bos_token_id, *ids)
+    return tuple(ids)
 
 
 def _field(name: str) -> str:
