@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from llama_grpc_server.core.request import TokenDelta
 from llama_grpc_server.loop import EngineLoop
 
-from .conftest import Outcome, make_engine, request
+from .conftest import Outcome, make_engine, request, run_all
 
 PROMPTS = [
     "The capital of France is",
@@ -21,25 +20,13 @@ PROMPTS = [
 ]
 
 
-async def collect(stream: object) -> Outcome:
-    out = Outcome()
-    async for event in stream:  # type: ignore[attr-defined]
-        if isinstance(event, TokenDelta):
-            out.token_ids += event.token_ids
-            out.logprobs += event.logprobs
-        else:
-            out.final = event
-    return out
-
-
 async def burst(engine: EngineLoop) -> list[Outcome]:
     """Six greedy requests of different lengths on six slots, submitted together, without
     prefix reuse: one prefill pass, then decode passes of 6, 5, ..., 1 rows."""
     reqs = [
         request(engine, p, max_tokens=6 + 3 * i, cache_prompt=False) for i, p in enumerate(PROMPTS)
     ]
-    streams = [engine.submit(r) for r in reqs]  # no await in between: one burst
-    return list(await asyncio.gather(*(collect(s) for s in streams)))
+    return await run_all(engine, reqs)  # each submits before it first waits: one burst
 
 
 async def two_bursts(overlap: str) -> list[list[Outcome]]:
