@@ -50,7 +50,11 @@ STEP=start
 
 log() { echo "[gpu.sh $(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG" >&2; }
 fail() { log "FAILED in step '$STEP': $*"; exit 1; }
-trap 'rc=$?; [ $rc -eq 0 ] || log "exit $rc in step $STEP (see above and $LOG)"' EXIT
+on_exit() {
+    local rc=$?
+    [ "$rc" -eq 0 ] || log "exit $rc in step $STEP (see above and $LOG)"
+}
+trap on_exit EXIT
 step() { STEP=$1; log "== $1"; }
 
 step facts
@@ -105,14 +109,49 @@ COMMON=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OF
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF
     -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
 if [ "$MODE" = cuda ]; then
-    # one architecture (H100/H200), machine code only: no PTX for the driver to compile
-    COMMON+=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real)
+    command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
+    command -v nvcc >/dev/null || fail "no nvcc on PATH or in /usr/local/cuda/bin"
+    # one architecture (H100/H200), machine code only: no PTX for the driver to compile; one
+    # GPU, so no NCCL
+    COMMON+=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real -DGGML_CUDA_NCCL=OFF
+        "-DCMAKE_CUDA_COMPILER=$(command -v nvcc)")
 fi
 GEN_ARGS=()
 command -v ninja >/dev/null && GEN_ARGS=(-G Ninja)
-if [ ! -f "$BUILD/CMakeCache.txt" ]; then
-    cmake -S "$SRC/llama.cpp" -B "$BUILD" ${GEN_ARGS[@]+"${GEN_ARGS[@]}"} "${COMMON[@]}" >> "$LOG" 2>&1 \
-        || { tail -30 "$LOG" >&2; fail "cmake configure (see $LOG)"; }
+configure() {
+    cmake -S "$SRC/llama.cpp" -B "$BUILD" ${GEN_ARGS[@]+"${GEN_ARGS[@]}"} "${COMMON[@]}" "$@" \
+        >> "$LOG" 2>&1
+}
+# cuBLAS where CMake does not look: the pip wheels PyTorch depends on (nvidia-cublas)
+pip_cublas() {
+    local sites hdr lib lt
+    sites=$("$PY" -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null) || return 1
+    # shellcheck disable=SC2086
+    hdr=$(find $sites -maxdepth 5 -name cublas_v2.h 2>/dev/null | head -1)
+    # shellcheck disable=SC2086
+    lib=$(find $sites -maxdepth 5 -name 'libcublas.so*' 2>/dev/null | head -1)
+    # shellcheck disable=SC2086
+    lt=$(find $sites -maxdepth 5 -name 'libcublasLt.so*' 2>/dev/null | head -1)
+    [ -n "$hdr" ] && [ -n "$lib" ] && [ -n "$lt" ] || return 1
+    log "cuBLAS from pip: $hdr $lib"
+    LD_LIBRARY_PATH=$(dirname "$lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export LD_LIBRARY_PATH
+    CUBLAS=("-DCUDA_cublas_LIBRARY=$lib" "-DCUDA_cublasLt_LIBRARY=$lt"
+        "-DCMAKE_CUDA_FLAGS=-I$(dirname "$hdr")" "-DCMAKE_CXX_FLAGS=-I$(dirname "$hdr")")
+}
+CUBLAS=()
+if [ -f "$BUILD/.cublas" ]; then  # an earlier call configured with pip's cuBLAS
+    pip_cublas || true
+elif [ ! -f "$BUILD/CMakeCache.txt" ]; then
+    if ! configure; then
+        if ! { [ "$MODE" = cuda ] && grep -qi cublas "$LOG" && pip_cublas; }; then
+            tail -30 "$LOG" >&2
+            fail "cmake configure (see $LOG)"
+        fi
+        rm -rf "$BUILD"
+        configure "${CUBLAS[@]}" || { tail -30 "$LOG" >&2; fail "cmake configure with pip's cuBLAS (see $LOG)"; }
+        touch "$BUILD/.cublas"
+    fi
 fi
 JOBS=${GPU_BENCH_JOBS:-$(nproc)}
 nice -n 5 cmake --build "$BUILD" -j "$JOBS" --target llama-server llama-batched-bench llama-quantize \
@@ -120,7 +159,7 @@ nice -n 5 cmake --build "$BUILD" -j "$JOBS" --target llama-server llama-batched-
 BIN=$BUILD/bin
 ls "$BIN"/libllama.so "$BIN"/llama-server "$BIN"/llama-batched-bench "$BIN"/llama-quantize >/dev/null \
     || fail "the build left no libllama.so / llama-server / llama-batched-bench / llama-quantize in $BIN"
-log "build ready: $(ls "$BIN" | tr '\n' ' ')"
+log "build ready in $BIN"
 
 step imports
 # llama_cpp._ggml (the device queries of --n-gpu-layers auto) looks in the package's lib/ only
@@ -165,5 +204,5 @@ cd "$REPO"
     --batched-bench "$BIN/llama-batched-bench" --out "$OUTDIR/gpu.json" --batches "$BATCHES" \
     --gen "$GEN" --reps "$REPS" --deadline-s "$(( LEFT - 15 ))" "${NGL[@]}" $PROFILE 2>&1 \
     | tee -a "$LOG" >&2 || fail "gpu_bench.py failed (what it measured is in $OUTDIR/gpu.json)"
-STEP=done
+STEP=finished
 log "done: $OUTDIR/gpu.json"
