@@ -60,6 +60,10 @@ class RawLoop:
         shape = (len(indices), self.model.n_vocab)
         return [int(t) for t in np.ctypeslib.as_array(rows, shape=shape).argmax(axis=1)]
 
+    def _prefill(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        self._decode(entries)
+        return self._argmax_all([i for i, e in enumerate(entries) if e[3]])
+
     def run(
         self,
         prompts: list[list[int]],
@@ -70,11 +74,14 @@ class RawLoop:
         `on_step` gets each step's tokens, one per prompt (grpc_ceiling.py streams them)."""
         llama_cpp.llama_memory_clear(self.model.memory, True)
         t0 = time.perf_counter()
-        entries = []
-        for seq, prompt in enumerate(prompts):
+        last: list[int] = []
+        entries: list[tuple[int, int, int, bool]] = []
+        for seq, prompt in enumerate(prompts):  # whole prompts, n_batch tokens per decode at most
+            if entries and len(entries) + len(prompt) > self.model.n_batch:
+                last += self._prefill(entries)
+                entries = []
             entries += [(t, p, seq, p == len(prompt) - 1) for p, t in enumerate(prompt)]
-        self._decode(entries)
-        last = self._argmax_all([i for i, e in enumerate(entries) if e[3]])
+        last += self._prefill(entries)
         if on_step is not None:
             on_step(last)
         pos = [len(p) for p in prompts]
