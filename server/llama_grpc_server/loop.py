@@ -434,7 +434,9 @@ class EngineLoop:
         """One scheduling step; True if it ran a forward pass.
 
         With overlap_decode, the events of a tick that ran a forward pass are held while more
-        work is waiting, and published and delivered during the next tick's forward pass: after
+        work is waiting (unless one is a request's first token or its end: those go out at once,
+        they are the caller's time to first token and to the result), and published and
+        delivered during the next tick's forward pass: after
         its llama_decode has returned and before its logits are read, which is when a GPU
         backend computes (on the CPU llama_decode returns when the pass is done, so nothing
         overlaps and delivery only comes later). The next plan needs this tick's tokens, so it
@@ -452,7 +454,7 @@ class EngineLoop:
             events += self._scheduler.update(plan, result)
             if self._on_tick is not None and plan.chunks:
                 self._on_tick(plan, result, self._scheduler)
-        if self._overlap_decode and ran and self._scheduler.has_work:
+        if self._overlap_decode and ran and self._scheduler.has_work and _holdable(events):
             self._held += events
             return True
         if plan is not None or events or self._held:  # e.g. a queued request whose deadline passed
@@ -504,6 +506,15 @@ class EngineLoop:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the event loop is closed: nobody is listening any more
                 continue
+
+
+def _holdable(events: Emitted) -> bool:
+    """Whether an overlapped tick may hold these events until the next forward pass: later
+    tokens of running requests only (a delta carrying all of a request's output is its first)."""
+    return all(
+        isinstance(event, TokenDelta) and request.num_output > len(event.token_ids)
+        for request, event in events
+    )
 
 
 def set_native_thread_name(name: str) -> None:
