@@ -18,22 +18,38 @@ user tokens, which no cache can hold), a chat would take only its decode time; t
 time over that is the most any cache could give here.
 
     python bench/chat_turns.py --reps 3
+
+`--shared` runs the many-sessions variant instead (chat_turns_shared.json): 8 sessions sharing
+one 1,000-token system prompt take turns (s0, s1, ..., s7, then s0's second turn, ...), 4 turns
+each, on 4 slots, each turn resending its whole history with its session id. Three servers take
+turns in every repetition, each conversation set with its own text: llama-grpc with its default
+caching (prefix cache and RAM tier), llama-grpc with cache_prompt=false, and llama.cpp's
+llama-server (bench/setup_peers.sh; its defaults: 8 GiB --cache-ram, slot prompt similarity
+0.1) with cache_prompt. Reported: total time, and per later turn the share of the previous
+history found cached.
+
+    python bench/chat_turns.py --shared --reps 3
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from common import (
     DEFAULT_THREADS,
+    GrpcBackend,
     finish_facts,
     llama_grpc_server,
     machine_facts,
@@ -45,6 +61,7 @@ from common import (
 )
 
 from llama_grpc import AsyncClient, Done
+from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 
 SYSTEM_TOKENS = 500
 TURNS = 4
@@ -169,11 +186,146 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# -- --shared: many sessions, one system prompt ----------------------------------------------
+
+SHARED_SESSIONS = 8
+SHARED_SYSTEM_TOKENS = 1000
+SHARED_ANSWER_TOKENS = 32
+SHARED_SLOTS = 4
+
+
+async def shared_sessions(backend: Any, cache: bool, seed: int) -> dict[str, Any]:
+    """One set of sessions taking turns on `backend`; the per-turn records."""
+    system = (await backend.tokenize(seeded_text(SHARED_SYSTEM_TOKENS, seed), add_special=True))[
+        :SHARED_SYSTEM_TOKENS
+    ]
+    history = [list(system) for _ in range(SHARED_SESSIONS)]
+    turns: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for turn in range(TURNS):
+        for n in range(SHARED_SESSIONS):
+            text = f"\nUser {n}: {seeded_text(USER_WORDS, seed * 100 + n * 10 + turn)}\nAssistant:"
+            prompt = history[n] + await backend.tokenize(text, add_special=False)
+            rec = await backend.generate(
+                prompt, SHARED_ANSWER_TOKENS, cache_prompt=cache, session=f"{seed}-{n}"
+            )
+            turns.append(
+                {
+                    "session": n,
+                    "turn": turn,
+                    "prompt_tokens": len(prompt),
+                    "previous_history": len(history[n]) if turn else 0,
+                    "cached_prompt_tokens": rec.cached_prompt_tokens,
+                    "ttft_ms": rec.ttft_s * 1000,
+                    "tokens": rec.n_tokens,
+                }
+            )
+            history[n] = prompt + rec.token_ids
+    return {"total_s": time.perf_counter() - t0, "turns": turns}
+
+
+async def measure_shared(backends: dict[str, tuple[Any, bool]], reps: int) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in backends}
+    for backend, _ in backends.values():  # warm-up
+        await backend.generate(await backend.tokenize(seeded_text(50, 7), add_special=True), 4)
+    names = list(backends)
+    for rep in range(reps):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        for i, name in enumerate(order):
+            backend, cache = backends[name]
+            run = await shared_sessions(backend, cache, seed=500 + rep * 10 + i)
+            runs[name].append(run)
+            progress(f"rep {rep + 1}/{reps} {name:<22}: {run['total_s']:.1f} s")
+    return runs
+
+
+def analyse_shared(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    base = statistics.median(r["total_s"] for r in runs["llama-grpc no cache"])
+    for name, rs in runs.items():
+        later = [t for r in rs for t in r["turns"] if t["turn"] > 0]
+        total = statistics.median(r["total_s"] for r in rs)
+        out[name] = {
+            "total_s": spread([r["total_s"] for r in rs]),
+            "speedup_vs_no_cache": base / total,
+            "later_turns_history_cached": statistics.fmean(
+                min(1.0, t["cached_prompt_tokens"] / t["previous_history"]) for t in later
+            ),
+            "later_turns_full_history": sum(
+                t["cached_prompt_tokens"] >= t["previous_history"] - 1 for t in later
+            )
+            / len(later),
+            "ttft_ms_later_turns": spread([t["ttft_ms"] for t in later]),
+        }
+    return out
+
+
+def main_shared(args: argparse.Namespace) -> int:
+    from peers import LlamaServerBackend, llama_server, llama_server_binary
+
+    from llama_grpc_server.model_files import default_model_path
+
+    facts = machine_facts(args.threads)
+    binary = llama_server_binary()
+    skipped = {} if binary else {"llama-server": "not installed (make bench-peers builds it)"}
+    slots = ("--n-parallel", str(SHARED_SLOTS))
+    with contextlib.ExitStack() as stack:
+        target = stack.enter_context(llama_grpc_server(*server_args(args.threads, *slots)))
+        port = None
+        if binary:
+            port = stack.enter_context(
+                llama_server(
+                    binary, str(default_model_path()), SHARED_SLOTS, args.threads, cache_ram_mb=None
+                )
+            )
+
+        async def go() -> dict[str, Any]:
+            async with grpc.aio.insecure_channel(target) as channel:
+                grpc_backend = GrpcBackend(pb_grpc.LlmServiceStub(channel))
+                backends: dict[str, tuple[Any, bool]] = {
+                    "llama-grpc": (grpc_backend, True),
+                    "llama-grpc no cache": (grpc_backend, False),
+                }
+                if port is not None:
+                    backends["llama-server"] = (LlamaServerBackend(port, grpc_backend), True)
+                return await measure_shared(backends, args.reps)
+
+        runs = asyncio.run(go())
+    data = {
+        "command": "python bench/chat_turns.py " + " ".join(sys.argv[1:]),
+        "machine": facts,
+        "skipped": skipped,
+        "workload": {
+            "sessions": SHARED_SESSIONS,
+            "slots": SHARED_SLOTS,
+            "system_tokens": SHARED_SYSTEM_TOKENS,
+            "turns": TURNS,
+            "user_words": USER_WORDS,
+            "answer_tokens": SHARED_ANSWER_TOKENS,
+            "reps": args.reps,
+        },
+        "runs": runs,
+        "analysis": analyse_shared(runs),
+    }
+    write_json("chat_turns_shared", finish_facts(data))
+    for name, a in data["analysis"].items():
+        progress(
+            f"{name:<22} total {a['total_s']['median']:.1f} s  x{a['speedup_vs_no_cache']:.2f} "
+            f"vs no cache; later turns: {a['later_turns_history_cached']:.0%} of history cached, "
+            f"{a['later_turns_full_history']:.0%} whole; TTFT p50 "
+            f"{a['ttft_ms_later_turns']['median']:.0f} ms"
+        )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
+    parser.add_argument("--shared", action="store_true", help="the many-sessions variant")
     args = parser.parse_args()
+    if args.shared:
+        return main_shared(args)
     facts = machine_facts(args.threads)
     with llama_grpc_server(*server_args(args.threads, "--n-parallel", "4")) as target:
         result = asyncio.run(measure(target, args.reps))

@@ -297,10 +297,15 @@ def peer_process(cmd: list[str], port: int, ready_path: str) -> Iterator[int]:
         log.close()
 
 
-def llama_server(binary: str, model: str, slots: int, threads: int) -> Any:
+def llama_server(
+    binary: str, model: str, slots: int, threads: int, *, cache_ram_mb: int | None = 0
+) -> Any:
+    """llama-server with our KV layout; cache_ram_mb None keeps its own --cache-ram default."""
     port = free_port()
     cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", str(N_CTX)]
-    cmd += ["-np", str(slots), "-kvu", "--swa-full", "--cache-ram", "0", "--no-webui"]
+    cmd += ["-np", str(slots), "-kvu", "--swa-full", "--no-webui"]
+    if cache_ram_mb is not None:
+        cmd += ["--cache-ram", str(cache_ram_mb)]
     cmd += ["-t", str(threads), "-tb", str(threads), "-b", str(N_BATCH), "-ub", str(N_UBATCH)]
     cmd += ["--fit", "off", "--log-disable"]
     return peer_process(cmd, port, "/health")

@@ -259,7 +259,8 @@ OPTIONS: tuple[Option, ...] = (
            "deliver each tick's tokens while the next forward pass runs on the GPU: on | off | "
            "auto (on when layers are offloaded to a GPU)", one_of(*OVERLAP_MODES), "MODE"),
     Option("prompt_cache_ram_mb", int, "scheduler.prompt_cache_ram_mb",
-           "RAM tier: MiB of saved slot caches kept after eviction (0 = off)", at_least(0)),
+           "RAM tier: MiB of saved slot caches kept after eviction, per loaded model (-1 = auto: "
+           "a quarter of the memory available at start, at most 8192; 0 = off)", at_least(-1)),
     Option("kv_cache_dir", str, "scheduler.kv_cache_dir",
            "disk tier: save slot caches here (evicted ones, idle sessions, all idle ones at "
            "shutdown) and restore them by longest token prefix, also after a restart or from "
@@ -267,6 +268,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_cache_disk_mb", int, "scheduler.kv_cache_disk_mb",
            "disk tier: MiB the directory may hold; least recently used files go first",
            at_least(1)),
+    Option("session_live_s", float, "scheduler.session_live_s",
+           "an idle session's history keeps its slot over other requests this long: a new "
+           "request takes a free slot and copies the shared prefix instead (0 = for ever)",
+           at_least(0), "S"),
     Option("session_idle_s", float, "scheduler.session_idle_s",
            "disk tier: save an idle slot's cache after this many seconds without use "
            "(0 = only on eviction and shutdown)", at_least(0), "S"),

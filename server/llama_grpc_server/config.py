@@ -46,6 +46,36 @@ def num_cpus() -> int:
     return os.cpu_count() or 1
 
 
+RAM_TIER_AUTO = -1
+RAM_TIER_AUTO_CAP_MB = 8192  # llama-server's --cache-ram default
+RAM_TIER_AUTO_SHARE = 4  # auto: a quarter of the memory available at start, at most the cap
+
+
+def ram_tier_mb(configured: int, available_bytes: int | None = None) -> int:
+    """The RAM tier's MiB: as configured, or for auto (-1) a quarter of the memory available
+    at start (available_bytes, default: available_memory_bytes()), at most 8 GiB."""
+    if configured != RAM_TIER_AUTO:
+        return configured
+    available = available_memory_bytes() if available_bytes is None else available_bytes
+    return min(RAM_TIER_AUTO_CAP_MB, available // RAM_TIER_AUTO_SHARE // (1024 * 1024))
+
+
+def available_memory_bytes() -> int:
+    """Memory available to new allocations without swapping (Linux MemAvailable; elsewhere the
+    free physical pages); 0 if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerSettings:
     n_parallel: int = 4
@@ -56,10 +86,12 @@ class SchedulerSettings:
     # before the first forward pass, so a burst starts as one batch (loop.EngineLoop).
     admission_window_ms: float = 2.0
     cache_prompt: bool = True
-    prompt_cache_ram_mb: int = 0
+    prompt_cache_ram_mb: int = -1  # RAM tier; -1 = auto (ram_tier_mb), 0 = off
     kv_cache_dir: str = ""  # the disk tier (kv_disk.py); "" = off
     kv_cache_disk_mb: int = 4096
     session_idle_s: float = 30.0
+    # An idle session's history is kept over other caches this long (core.prefix_cache).
+    session_live_s: float = 600.0
     response_cache_mb: int = 0  # exact response cache (core.response_cache); 0 = off
     default_max_tokens: int = 256
     # Prompt-lookup speculative decoding (core.speculative) of requests that do not choose:

@@ -106,4 +106,14 @@ async def run_all(engine: EngineLoop, reqs: list[GenerationRequest]) -> list[Out
     return list(await asyncio.gather(*(run(engine, r) for r in reqs)))
 
 
-__all__ = ["Failed", "Outcome", "make_engine", "request", "run", "run_all"]
+async def wait_idle(engine: EngineLoop, within_s: float = 60.0) -> None:
+    """Until no slot is active (a cancelled or finished request's slot is released on the
+    engine thread's next tick: polled, never assumed after a fixed sleep)."""
+    for _ in range(int(within_s / 0.02)):
+        if engine.stats().active_slots == 0 and engine.stats().queue_depth == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the engine was still busy after {within_s} s")
+
+
+__all__ = ["Failed", "Outcome", "make_engine", "request", "run", "run_all", "wait_idle"]

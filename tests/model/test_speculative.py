@@ -32,7 +32,7 @@ from llama_grpc_server.core.request import (
 from llama_grpc_server.loop import EngineLoop
 
 from ..greedy import assert_greedy_equal
-from .conftest import Outcome, make_engine, request, run, run_all
+from .conftest import Outcome, make_engine, request, run, run_all, wait_idle
 
 ON = SpeculativeParams(SpeculativeMode.ON)
 OFF = SpeculativeParams(SpeculativeMode.OFF)
@@ -211,14 +211,14 @@ async def test_kv_cache_holds_no_rejected_draft_token(engine: EngineLoop) -> Non
         [spec(engine, p, ON, max_tokens=40, cache_prompt=True) for p in [*GROUNDED[:2], FREE[1]]],
     )
     assert sum(o.finished.usage.draft_tokens - o.finished.usage.accepted_draft_tokens for o in outs)
-    await asyncio.sleep(0.2)
+    await wait_idle(engine)
     assert_kv_holds_what_the_slots_say(engine)
 
 
 async def test_cancelled_speculating_stream_frees_its_kv(engine: EngineLoop) -> None:
     """Cancel a copying stream mid-way: its slot goes idle keeping only accepted tokens as
     cache (llama.cpp's sequence ends where the slot says), and it stops generating."""
-    await asyncio.sleep(0.1)  # earlier tests' slots settle
+    await wait_idle(engine)  # earlier tests' slots settle
     stream = engine.submit(spec(engine, GROUNDED[0], ON, max_tokens=400, cache_prompt=True))
     seen = 0
     async for event in stream:
@@ -227,7 +227,7 @@ async def test_cancelled_speculating_stream_frees_its_kv(engine: EngineLoop) -> 
         if seen >= 20:
             stream.cancel()
             break
-    await asyncio.sleep(0.3)
+    await wait_idle(engine)
     assert_kv_holds_what_the_slots_say(engine)
     generated = engine.stats().generated_tokens
     await asyncio.sleep(0.2)

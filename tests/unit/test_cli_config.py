@@ -22,6 +22,8 @@ from llama_grpc_server.config import (
     SchedulerSettings,
     ServerSettings,
     Settings,
+    available_memory_bytes,
+    ram_tier_mb,
 )
 from llama_grpc_server.core.request import SamplingParams
 
@@ -266,6 +268,8 @@ def test_custom_batch_strategy_accepted() -> None:
         (["--batch-strategy", "json:dumps"], {}, ["--batch-strategy", "command line"]),
         (["--n-gpu-layers", "-2"], {}, ["--n-gpu-layers", ">= -1"]),
         (["--n-gpu-layers", "all"], {}, ["--n-gpu-layers", "an integer or auto, got 'all'"]),
+        (["--prompt-cache-ram-mb", "-2"], {}, ["--prompt-cache-ram-mb", ">= -1"]),
+        (["--session-live-s", "-1"], {}, ["--session-live-s", ">= 0"]),
     ],
 )
 def test_invalid_option_names_option_and_source(
@@ -526,3 +530,17 @@ def test_loaded_model_bounds() -> None:
     got = settings("--max-loaded-models", "3", "--max-loaded-bytes", "1000000")
     assert (got.pool.max_loaded_models, got.pool.max_loaded_bytes) == (3, 1_000_000)
     assert settings().pool == PoolSettings()
+
+
+def test_the_ram_tier_is_on_by_default_sized_from_available_memory() -> None:
+    """-1 (the default) is a quarter of the available memory, at most 8 GiB; 0 is off and any
+    other value is taken as given."""
+    gib = 1024**3
+    assert settings().scheduler.prompt_cache_ram_mb == -1
+    assert ram_tier_mb(-1, 24 * gib) == 6144
+    assert ram_tier_mb(-1, 64 * gib) == 8192
+    assert ram_tier_mb(-1, 0) == 0
+    assert ram_tier_mb(0, 64 * gib) == 0
+    assert ram_tier_mb(300, 1) == 300
+    assert 0 < ram_tier_mb(-1) == min(8192, available_memory_bytes() // 4 // 2**20)
+    assert settings("--prompt-cache-ram-mb", "0").scheduler.prompt_cache_ram_mb == 0

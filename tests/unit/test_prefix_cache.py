@@ -6,6 +6,7 @@ from llama_grpc_server.core.prefix_cache import (
     RamTier,
     choose_slot,
     common_prefix_length,
+    eviction_order,
     place,
 )
 from llama_grpc_server.core.request import GenerationRequest, Request
@@ -114,3 +115,43 @@ def test_trivial_match_does_not_evict_a_long_cache() -> None:
     assert choose_slot(slots, [2, 50, 51, 52, 53], "", "").slot_id == 1
     # the same cache continued by a new turn is still chosen by affinity
     assert choose_slot(slots, [*long_cache, 9, 9], "", "").slot_id == 0
+
+
+def test_another_live_session_is_the_last_choice() -> None:
+    """A session's idle history is not taken while a free slot is idle, however much of the
+    prompt it shares (the shared prefix is copied instead); a one-off request likewise."""
+    system = list(range(1, 201))
+    slots = [idle(0, [*system, 7, 7], used=9, session="a"), idle(1, [], used=1)]
+    for session in ("b", ""):
+        p = place(slots, [*system, 8, 8], "", session, now_ns=10, live_ns=100)
+        assert (p.slot_id, p.donor_slot_id, p.donor_tokens) == (1, 0, 200)
+
+
+def test_live_sessions_yield_least_recently_used_first() -> None:
+    """With every idle slot holding a live session, the least recently used one is taken, not
+    the one sharing the longest prefix."""
+    slots = [idle(0, list(range(50)), used=5, session="a"), idle(1, [9] * 5, used=3, session="b")]
+    assert choose_slot(slots, list(range(60)), "", "c", now_ns=10, live_ns=100).slot_id == 1
+
+
+def test_a_session_idle_past_live_ns_counts_as_free() -> None:
+    """A session idle for live_ns or longer yields like a one-off cache (here: its longer
+    prefix wins over the empty slot); live_ns 0 keeps sessions live for ever."""
+    prompt = list(range(60))
+    slots = [idle(0, prompt[:50], used=5, session="a"), idle(1, [], used=3)]
+    assert choose_slot(slots, prompt, "", "c", now_ns=104, live_ns=100).slot_id == 1
+    assert choose_slot(slots, prompt, "", "c", now_ns=105, live_ns=100).slot_id == 0
+    assert choose_slot(slots, prompt, "", "c", now_ns=10**12, live_ns=0).slot_id == 1
+
+
+def test_eviction_order_puts_live_sessions_last() -> None:
+    """Caches of no live session first (a stale session's among them), then live sessions'
+    histories, least recently used first within each."""
+    slots = [
+        idle(0, [1] * 10, used=5, session="a"),
+        idle(1, [2] * 10, used=4),
+        idle(2, [3] * 10, used=2, session="stale"),
+        idle(3, [4] * 10, used=6, session="b"),
+    ]
+    order = eviction_order(slots, now_ns=60, live_ns=57)
+    assert [s.slot_id for s in order] == [2, 1, 0, 3]

@@ -50,17 +50,48 @@ class Placement:
         return max(self.keep, self.donor_tokens)
 
 
-def choose_slot(slots: Sequence[Slot], tokens: Sequence[int], scope: str, session_id: str) -> Slot:
-    """Session affinity, then the idle slot with the longest usable prefix if it covers more than
-    10% of the prompt and of that slot's cache, else the least recently used idle slot. `slots`
-    must hold an idle one."""
+def holds_live_session(slot: Slot, now_ns: int, live_ns: int) -> bool:
+    """An idle slot whose cache is a session's history that the session may still continue:
+    used within the last `live_ns` (0 = a session stays live for ever)."""
+    return bool(slot.session_id and slot.idle_cache) and (
+        live_ns <= 0 or now_ns - slot.last_used_ns < live_ns
+    )
+
+
+def eviction_order(slots: Sequence[Slot], now_ns: int, live_ns: int) -> list[Slot]:
+    """Idle slots in the order their caches should go: caches of no live session first, then
+    live sessions' histories; least recently used first within each."""
+    return sorted(
+        (s for s in slots if s.is_idle),
+        key=lambda s: (holds_live_session(s, now_ns, live_ns), s.last_used_ns, s.slot_id),
+    )
+
+
+def choose_slot(
+    slots: Sequence[Slot],
+    tokens: Sequence[int],
+    scope: str,
+    session_id: str,
+    *,
+    now_ns: int = 0,
+    live_ns: int = 0,
+) -> Slot:
+    """The session's own idle slot; else an idle slot holding no live session's history (the
+    one with the longest usable prefix if it covers more than 10% of the prompt and of that
+    slot's cache, else the least recently used); another live session's slot only when no
+    other is idle, least recently used first. A shared prefix held elsewhere is copied
+    (place()), so taking a free slot costs nothing and keeps every history. `slots` must hold
+    an idle one."""
     idle = [s for s in slots if s.is_idle]
     if session_id:
         for slot in idle:
             if slot.session_id == session_id and slot.cache_scope == scope:
                 return slot
+    free = [s for s in idle if not holds_live_session(s, now_ns, live_ns)]
+    if not free:
+        return eviction_order(idle, now_ns, live_ns)[0]
     best, best_len = None, 0
-    for slot in idle:
+    for slot in free:
         n = usable_prefix(slot, tokens, scope)
         if n > best_len:
             best, best_len = slot, n
@@ -70,13 +101,22 @@ def choose_slot(slots: Sequence[Slot], tokens: Sequence[int], scope: str, sessio
         and best_len > AFFINITY_MIN_RATIO * best.num_kv_tokens
     ):
         return best
-    return min(idle, key=lambda s: (s.last_used_ns, s.slot_id))
+    return min(free, key=lambda s: (s.last_used_ns, s.slot_id))
 
 
-def place(slots: Sequence[Slot], tokens: Sequence[int], scope: str, session_id: str) -> Placement:
-    """Choose a slot and decide what KV it reuses: its own LCP, or a longer prefix copied from
-    any other slot of the same scope (idle or busy, counting only computed tokens)."""
-    slot = choose_slot(slots, tokens, scope, session_id)
+def place(
+    slots: Sequence[Slot],
+    tokens: Sequence[int],
+    scope: str,
+    session_id: str,
+    *,
+    now_ns: int = 0,
+    live_ns: int = 0,
+) -> Placement:
+    """Choose a slot (choose_slot) and decide what KV it reuses: its own LCP, or a longer
+    prefix copied from any other slot of the same scope (idle or busy, counting only computed
+    tokens)."""
+    slot = choose_slot(slots, tokens, scope, session_id, now_ns=now_ns, live_ns=live_ns)
     keep = usable_prefix(slot, tokens, scope)
     donor, donor_len = -1, keep
     for other in slots:

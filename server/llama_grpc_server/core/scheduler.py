@@ -72,6 +72,7 @@ class SchedulerLimits:
     ram_cache_bytes: int = 0  # 0 = no RAM tier
     ram_min_tokens: int = 64  # smaller caches are not worth saving
     session_idle_s: float = 0.0  # an idle session's cache goes to the disk tier after this
+    session_live_s: float = 0.0  # a session's idle history is kept over others' this long (0: ever)
     tenants: Mapping[str, TenantLimits] = field(default_factory=dict)  # others: TenantLimits()
     # Speculative decoding for requests that do not choose (core.speculative).
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -118,6 +119,7 @@ class Scheduler:
         self._tick = 0
         self._is_admission_paused = False
         self._started_ns = clock_ns()
+        self._session_live_ns = int(limits.session_live_s * 1e9)
 
     # -- intake ---------------------------------------------------------------------------------
 
@@ -272,7 +274,12 @@ class Scheduler:
     def _place(self, request: Request) -> None:
         spec = request.spec
         placement = prefix_cache.place(
-            self.slots, request.tokens, spec.cache_scope, spec.session_id
+            self.slots,
+            request.tokens,
+            spec.cache_scope,
+            spec.session_id,
+            now_ns=self._clock_ns(),
+            live_ns=self._session_live_ns,
         )
         slot = self.slots[placement.slot_id]
         kept = self.kv.prepare(slot, request, placement)
@@ -597,8 +604,9 @@ class Scheduler:
         return out
 
     def _relieve_kv_pressure(self, plan: StepPlan) -> Emitted:
-        """llama_decode found no KV slot and restored memory. Drop the LRU idle cache; else
-        preempt the youngest running request; fail a request only if it alone cannot fit.
+        """llama_decode found no KV slot and restored memory. Drop an idle cache (of no live
+        session first, least recently used first: prefix_cache.eviction_order); else preempt
+        the youngest running request; fail a request only if it alone cannot fit.
         A tick with drafts is first retried without them: speculation never evicts a cache
         or preempts a request."""
         if plan.num_draft:
@@ -606,7 +614,9 @@ class Scheduler:
             return []
         idle = [s for s in self.slots if s.is_idle and s.idle_cache]
         if idle:
-            self.kv.drop_cache(min(idle, key=lambda s: s.last_used_ns))
+            self.kv.drop_cache(
+                prefix_cache.eviction_order(idle, self._clock_ns(), self._session_live_ns)[0]
+            )
             return []
         active = [s.request for s in self.slots if s.request is not None]
         holding = [r for r in active if r.num_computed > 0]

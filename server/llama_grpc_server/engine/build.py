@@ -8,7 +8,7 @@ from pathlib import Path
 import llama_cpp
 import structlog
 
-from llama_grpc_server.config import Settings
+from llama_grpc_server.config import Settings, ram_tier_mb
 from llama_grpc_server.core.plan import Chunk, StepPlan
 from llama_grpc_server.core.request import SpeculativeConfig, SpeculativeMode
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
@@ -89,6 +89,8 @@ def build_engine(
             model.kv_fingerprint(file_sha256(path)),
             sched.kv_cache_disk_mb * 1024 * 1024,
         )
+    ram_mb = ram_tier_mb(sched.prompt_cache_ram_mb)
+    log.info("ram_tier", mb=ram_mb, configured=sched.prompt_cache_ram_mb)
     scheduler = Scheduler(
         SchedulerLimits(
             n_parallel=sched.n_parallel,
@@ -97,8 +99,9 @@ def build_engine(
             chunk_size=min(sched.chunk_size, model.n_batch),
             max_queue=sched.max_queue,
             supports_partial_removal=model.supports_partial_removal,
-            ram_cache_bytes=sched.prompt_cache_ram_mb * 1024 * 1024,
+            ram_cache_bytes=ram_mb * 1024 * 1024,
             session_idle_s=sched.session_idle_s,
+            session_live_s=sched.session_live_s,
             tenants=sched.tenant_limits,
             pad_odd_ticks=sched.pad_odd_ticks,
             speculative=SpeculativeConfig(
