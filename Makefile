@@ -13,7 +13,8 @@ export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install wheelhouse llama-cmake-args FORCE run serve test test-unit test-model test-e2e check lint format types proto proto-check \
 	proto-lint proto-breaking check-min-deps model cluster gateway bench bench-single bench-concurrency bench-strategies bench-prefix \
-	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-soak clean
+	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-soak \
+	bench-gpu-bundle bench-gpu-cpu clean
 
 install: $(STAMP)
 
@@ -226,6 +227,19 @@ bench-peers: $(BENCH_STAMP)
 	PYTHON=$(PYTHON) bench/setup_peers.sh
 	$(PY) bench/peers.py $(ARGS)
 	$(PY) bench/summary.py
+
+# The GPU benchmark (issue 35), for a GPU machine that can fetch nothing: bench-gpu-bundle writes
+# bench/gpu/carry (git-ignored: the device tool carries it), the slim llama.cpp 0.3.36 source and
+# the wheels bench/gpu/requirements.txt names; there, `bench/gpu.sh OUTDIR` builds it for CUDA,
+# makes random-weight Gemma 3 models and measures (bench/gpu_bench.py). bench-gpu-cpu runs the
+# same script here end to end with a CPU build (the first build: 10+ minutes on 2 cores) and a
+# tiny model: a test of the script, not a benchmark. Neither is part of `make check`.
+bench-gpu-bundle:
+	$(PYTHON) bench/gpu/make_bundle.py
+GPU_CPU_OUT ?= bench/results/gpu_cpu_smoke
+bench-gpu-cpu: bench-gpu-bundle
+	PYTHON=$(PYTHON) bench/gpu.sh $(GPU_CPU_OUT) --cpu --shapes tiny --batches 1,2 --gen 8 --reps 1 \
+		--deadline-s 1800 $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

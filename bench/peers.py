@@ -162,6 +162,9 @@ class LlamaServerBackend:
                 rec.cached_prompt_tokens = int(event.get("tokens_cached", 0) or 0)
                 timings = event.get("timings") or {}
                 rec.cached_prompt_tokens = int(timings.get("cache_n", rec.cached_prompt_tokens))
+                # tokens it generated but never streamed (pieces of an unfinished UTF-8
+                # character at the end: a random-weight model's byte tokens) count too
+                rec.n_tokens = max(rec.n_tokens, int(timings.get("predicted_n", 0) or 0))
         rec.t_done = time.perf_counter()
         return rec
 

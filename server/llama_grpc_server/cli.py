@@ -48,6 +48,7 @@ CLIENT_ENV = frozenset({CONFIG_ENV, "LLAMA_GRPC_TARGET"})
 LOG_FORMATS = ("json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SPECULATIVE_MODES = tuple(mode.value for mode in SpeculativeMode)
+OVERLAP_MODES = ("auto", "on", "off")
 
 Value = str | int | float | bool | tuple[str, ...] | None
 Check = Callable[[Value], str | None]  # the problem with a value, or None when it is fine
@@ -254,6 +255,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("pad_odd_ticks", bool, "scheduler.pad_odd_ticks",
            "add a row, never sampled, to a decode pass of an odd number of rows when the "
            "measured costs say it is cheaper (on CPUs where llama.cpp's output matmul is)"),
+    Option("overlap_decode", str, "scheduler.overlap_decode",
+           "deliver each tick's tokens while the next forward pass runs on the GPU: on | off | "
+           "auto (on when layers are offloaded to a GPU)", one_of(*OVERLAP_MODES), "MODE"),
     Option("prompt_cache_ram_mb", int, "scheduler.prompt_cache_ram_mb",
            "RAM tier: MiB of saved slot caches kept after eviction, per loaded model (-1 = auto: "
            "a quarter of the memory available at start, at most 8192; 0 = off)", at_least(-1)),

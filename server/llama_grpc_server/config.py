@@ -103,6 +103,10 @@ class SchedulerSettings:
     # Pad decode ticks of an odd number of rows >= 3 where measured costs say one row more is
     # cheaper (core.scheduler._pad).
     pad_odd_ticks: bool = True
+    # Publish and deliver a tick's events while the next forward pass runs on a GPU
+    # (loop.EngineLoop._tick): "on", "off", or "auto" = on when the model's layers are offloaded
+    # to a GPU (a CPU build or --n-gpu-layers 0: off).
+    overlap_decode: str = "auto"
     max_stop_strings: int = 16
     max_stop_length: int = 256
     default_sampling: SamplingParams = field(default_factory=SamplingParams)

@@ -143,9 +143,14 @@ class EngineLoop:
         on_start: Callable[[], None] | None = None,
         on_idle: Callable[[], None] | None = None,
         admission_window_s: float = 0.0,
+        overlap_decode: bool = False,
     ) -> None:
         self._scheduler = scheduler
         self._admission_window_s = admission_window_s
+        # Deliver a tick's events (and publish its stats) while the next tick's forward pass
+        # runs: see _tick. _held is that tick's events, written and read by the engine thread.
+        self._overlap_decode = overlap_decode
+        self._held: Emitted = []
         self._runner = runner
         self._model_info = model_info
         self._tokenizer = tokenizer
@@ -306,6 +311,7 @@ class EngineLoop:
                     self._tick_after_release()
                 else:
                     self._tick()
+            self._flush_held()
             self._deliver(self._scheduler.fail_all(errors.ShuttingDown("engine stopped")))
             if self._scheduler.persist_idle(everything=True):
                 self._tick()  # the disk tier's saves of every idle cache (a plan of KV ops)
@@ -381,7 +387,8 @@ class EngineLoop:
                 events += self._scheduler.cancel(*item)
         if inbox:
             self._publish()
-        self._deliver(events)
+        if events:  # after those an overlapped tick held, if any (_deliver)
+            self._deliver(events)
         return not self._is_stopping
 
     def _clear_cache(self, done: concurrent.futures.Future[CacheCleared]) -> None:
@@ -425,24 +432,51 @@ class EngineLoop:
         return []
 
     def _tick(self) -> bool:
-        """One scheduling step; True if it ran a forward pass."""
+        """One scheduling step; True if it ran a forward pass.
+
+        With overlap_decode, the events of a tick that ran a forward pass are held while more
+        work is waiting (unless one is a request's first token or its end: those go out at once,
+        they are the caller's time to first token and to the result), and published and
+        delivered during the next tick's forward pass: after
+        its llama_decode has returned and before its logits are read, which is when a GPU
+        backend computes (on the CPU llama_decode returns when the pass is done, so nothing
+        overlaps and delivery only comes later). The next plan needs this tick's tokens, so it
+        cannot overlap; the outputs are the same either way, only their delivery moves. Events
+        are held only while the scheduler has work, so the thread never sleeps on them."""
         plan, events = self._scheduler.schedule()
+        ran = plan is not None and bool(plan.chunks)
         if plan is not None:
-            result = self._runner.execute(plan)
+            if self._overlap_decode:
+                collect = self._runner.launch(plan)
+                self._flush_held()  # the previous tick's, while this pass computes
+                result = collect()
+            else:
+                result = self._runner.execute(plan)
             events += self._scheduler.update(plan, result)
             if self._on_tick is not None and plan.chunks:
                 self._on_tick(plan, result, self._scheduler)
-        if plan is not None or events:  # e.g. a queued request whose deadline passed
+        if self._overlap_decode and ran and self._scheduler.has_work and _holdable(events):
+            self._held += events
+            return True
+        if plan is not None or events or self._held:  # e.g. a queued request whose deadline passed
             self._publish()
         self._deliver(events)
-        return plan is not None and bool(plan.chunks)
+        return ran
+
+    def _flush_held(self) -> None:
+        """Publish and deliver the events an overlapped tick held back (see _tick)."""
+        if self._held:
+            self._publish()
+            self._deliver([])
 
     def _publish(self) -> None:
         """Before delivering: a caller that saw its request end then reads stats that agree."""
         self._published = self._scheduler.snapshot(self._kv_cells_total)
 
     def _deliver(self, events: Emitted) -> None:
-        """One call_soon_threadsafe per event loop for the whole tick."""
+        """One call_soon_threadsafe per event loop for the whole tick; events held back by an
+        overlapped tick go first (a caller publishes the stats before)."""
+        events, self._held = self._held + events, []
         if not events:
             return
         by_loop: Deliveries = defaultdict(list)
@@ -473,6 +507,15 @@ class EngineLoop:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the event loop is closed: nobody is listening any more
                 continue
+
+
+def _holdable(events: Emitted) -> bool:
+    """Whether an overlapped tick may hold these events until the next forward pass: later
+    tokens of running requests only (a delta carrying all of a request's output is its first)."""
+    return all(
+        isinstance(event, TokenDelta) and request.num_output > len(event.token_ids)
+        for request, event in events
+    )
 
 
 def set_native_thread_name(name: str) -> None:

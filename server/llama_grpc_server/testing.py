@@ -23,7 +23,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from llama_grpc_server import errors
 from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot
 from llama_grpc_server.core.chat import ROLES, ChatMessage
-from llama_grpc_server.core.plan import DECODE_KV_FULL, Chunk, SeqOpKind, StepPlan, StepResult
+from llama_grpc_server.core.plan import (
+    DECODE_KV_FULL,
+    Chunk,
+    Collect,
+    SeqOpKind,
+    StepPlan,
+    StepResult,
+)
 from llama_grpc_server.core.request import Event, Failed, GenerationRequest, TokenDelta
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.loop import EngineLoop, EngineStream
@@ -106,6 +113,11 @@ class FakeRunner:
         if n < len(script):
             return script[n]
         return self.eos_id if self.eos_id is not None else self.next_token(context)
+
+    def launch(self, plan: StepPlan) -> Collect:
+        """The whole pass at once (its result is ready before the engine asks for it)."""
+        result = self.execute(plan)
+        return lambda: result
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)

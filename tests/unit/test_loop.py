@@ -59,6 +59,8 @@ def make_loop(
     runner: FakeRunner | None = None,
     admission_window_s: float = 0.0,
     on_idle: Any = None,
+    *,
+    overlap_decode: bool = False,
 ) -> EngineLoop:
     scheduler = Scheduler(
         SchedulerLimits(n_parallel, 512, 64, 16, 8),
@@ -74,6 +76,7 @@ def make_loop(
         kv_cells_total=512,
         admission_window_s=admission_window_s,
         on_idle=on_idle,
+        overlap_decode=overlap_decode,
     )
 
 
@@ -409,3 +412,112 @@ async def test_an_idle_engine_calls_on_idle_once_per_idle_period() -> None:
     finally:
         await asyncio.to_thread(engine.close)
     assert {name for name, _ in calls} == {"llama-engine"}
+
+
+# -- overlap_decode: a tick's events go out while the next forward pass runs ---------------------
+
+
+class RecordingRunner(FakeRunner):
+    """Logs each launch and each collect (by tick) next to the loop's posts to the event loop."""
+
+    def __init__(self, log: list[tuple[str, int]]) -> None:
+        super().__init__()
+        self.log = log
+
+    def launch(self, plan: Any) -> Any:
+        self.log.append(("launch", plan.tick))
+        result = FakeRunner.execute(self, plan)
+
+        def collect() -> Any:
+            self.log.append(("collect", plan.tick))
+            return result
+
+        return collect
+
+    def execute(self, plan: Any) -> Any:
+        return self.launch(plan)()
+
+
+async def run_streams(overlap: bool, log: list[tuple[str, int]] | None = None) -> list[Any]:
+    """Four requests of different lengths (two slots, so two wait for a free one); each one's
+    events, in order. The log gets ("post", 1) for a post holding a first token or an end,
+    ("post", 0) for one of later tokens only."""
+    runner = RecordingRunner(log if log is not None else [])
+    engine = make_loop(n_parallel=2, runner=runner, overlap_decode=overlap)
+    post = engine._post
+
+    def recording_post(by_loop: Any) -> None:
+        pairs = [pair for batch in by_loop.values() for pair in batch]
+        urgent = any(
+            isinstance(event, Finished) or stream.request.num_output == len(event.token_ids)
+            for stream, event in pairs
+        )
+        runner.log.append(("post", int(urgent)))
+        post(by_loop)
+
+    engine._post = recording_post  # type: ignore[method-assign]
+    try:
+        streams = [engine.submit(req(f"r{i}", 10 + 3 * i, 3 + 2 * i).spec) for i in range(4)]
+        return list(await asyncio.wait_for(asyncio.gather(*(read_all(s) for s in streams)), 5))
+    finally:
+        await asyncio.to_thread(engine.close)
+
+
+def tokens_and_ends(events: list[Event]) -> tuple[list[int], Any]:
+    ids = [t for e in events if isinstance(e, TokenDelta) for t in e.token_ids]
+    end = events[-1]
+    assert isinstance(end, Finished)
+    return ids, (end.reason, end.usage.completion_tokens)
+
+
+async def test_overlap_decode_changes_no_output() -> None:
+    plain = [tokens_and_ends(events) for events in await run_streams(False)]
+    overlapped = [tokens_and_ends(events) for events in await run_streams(True)]
+    assert overlapped == plain
+    assert [len(ids) for ids, _ in plain] == [3, 5, 7, 9]
+
+
+def posts_by_place(log: list[tuple[str, int]]) -> dict[str, list[int]]:
+    """Each post's urgency, by where it happened: inside a forward pass (after a launch,
+    before its collect) or between passes."""
+    out: dict[str, list[int]] = {"inside": [], "between": []}
+    last = ""
+    for kind, value in log:
+        if kind == "post":
+            out["inside" if last == "launch" else "between"].append(value)
+        else:
+            last = kind
+    return out
+
+
+async def test_overlap_decode_posts_later_tokens_during_the_next_pass() -> None:
+    """Off: every post comes between passes. On: later tokens go out during the next pass
+    (after its launch, before its collect: when a GPU computes), while first tokens and ends
+    still go out right after their own pass."""
+    log: list[tuple[str, int]] = []
+    await run_streams(False, log)
+    off = posts_by_place(log)
+    assert not off["inside"] and len(off["between"]) > 5
+    log = []
+    await run_streams(True, log)
+    on = posts_by_place(log)
+    # 24 tokens on 2 slots: the ticks without a first token or an end (7 here) are held
+    assert len(on["inside"]) >= 5
+    assert on["inside"] == [0] * len(on["inside"])  # never a first token or an end
+    assert sum(on["between"]) >= 4  # each request's first token and end, at once
+
+
+async def test_overlap_decode_publishes_stats_before_delivering() -> None:
+    """As without the overlap: a caller holding Finished reads stats that include it."""
+    engine = make_loop(overlap_decode=True)
+    try:
+        streams = [engine.submit(req(rid, 20, n).spec) for rid, n in (("a", 3), ("b", 9))]
+        events = []
+        async for event in streams[0]:
+            events.append(event)
+        stats = engine.stats()
+        await asyncio.wait_for(read_all(streams[1]), 5)
+    finally:
+        await asyncio.to_thread(engine.close)
+    assert isinstance(events[-1], Finished)
+    assert stats.requests_finished >= 1  # "a" ended while "b" was still generating

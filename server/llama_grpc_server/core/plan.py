@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -208,7 +208,15 @@ class StepResult:
         return (first, *(more[i] if i < len(more) else None for i in range(n)))
 
 
+# What StepRunner.launch returns: call it to sample and get the tick's result.
+Collect = Callable[[], StepResult]
+
+
 class StepRunner(Protocol):
-    """Executes plans (engine.runner.Runner over llama.cpp; testing.FakeRunner in tests)."""
+    """Executes plans (engine.runner.Runner over llama.cpp; testing.FakeRunner in tests).
+    execute(plan) is launch(plan)(): launch runs the forward pass up to llama_decode (which
+    returns before a GPU has finished), the function it returns samples."""
 
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def launch(self, plan: StepPlan) -> Collect: ...

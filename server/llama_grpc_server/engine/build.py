@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import llama_cpp
 import structlog
 
 from llama_grpc_server.config import Settings, ram_tier_mb
@@ -151,4 +152,13 @@ def build_engine(
         # (engine/openmp.py): they are released after IDLE_RELEASE_S without work.
         on_idle=openmp.idle_release(),
         admission_window_s=sched.admission_window_ms / 1000,
+        overlap_decode=overlap_decode(sched.overlap_decode, model),
     )
+
+
+def overlap_decode(mode: str, model: LlamaModel) -> bool:
+    """--overlap-decode: auto is on when the model's layers are offloaded to a GPU, where
+    llama_decode returns before the pass is done; on the CPU nothing would overlap."""
+    if mode != "auto":
+        return mode == "on"
+    return model.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())

@@ -12,6 +12,7 @@ import llama_cpp
 from llama_grpc_server.core.plan import (
     DECODE_OK,
     Chunk,
+    Collect,
     SampledLogprob,
     SamplerSpec,
     SeqOpKind,
@@ -36,6 +37,11 @@ class _Sampled:
     draft_logprobs: dict[int, tuple[SampledLogprob, ...]] = field(default_factory=dict)
 
 
+def _done(result: StepResult) -> Collect:
+    """A launch that ran no forward pass: its result is known already."""
+    return lambda: result
+
+
 class Runner:
     """Owns the batch and the per-request samplers; used only by the engine thread."""
 
@@ -49,6 +55,12 @@ class Runner:
         self._threads = model.threads  # what the context decodes with now
 
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.launch(plan)()
+
+    def launch(self, plan: StepPlan) -> Collect:
+        """Everything up to llama_decode; the returned function samples. With a GPU backend
+        llama_decode returns while the GPU still computes (the first read of the logits waits
+        for it), so the engine thread may do other work before calling it."""
         for request_id in plan.close_samplers:
             sampler = self.samplers.pop(request_id, None)
             if sampler is not None:
@@ -65,7 +77,7 @@ class Runner:
             plan.chunks if not reset else tuple(c for c in plan.chunks if c.slot_id not in reset)
         )
         if not chunks:
-            return StepResult(saved=saved, restored=restored, reset=reset)
+            return _done(StepResult(saved=saved, restored=restored, reset=reset))
         outputs = self.batch.fill(chunks)
         with cpu_share.forward_pass(self.model.threads) as threads:
             if threads != self._threads:  # fewer while another model loads (cpu_share)
@@ -77,30 +89,37 @@ class Runner:
             t1 = time.perf_counter_ns()
             eval_cpu_ms = (time.thread_time_ns() - cpu0) / 1e6
         if status != DECODE_OK:
+            return _done(
+                StepResult(
+                    status,
+                    saved=saved,
+                    restored=restored,
+                    eval_ms=(t1 - t0) / 1e6,
+                    reset=reset,
+                    eval_cpu_ms=eval_cpu_ms,
+                )
+            )
+
+        def collect() -> StepResult:
+            t_sample = time.perf_counter_ns()
+            got = self._sample(chunks, outputs)
+            t2 = time.perf_counter_ns()
             return StepResult(
-                status,
-                saved=saved,
-                restored=restored,
-                eval_ms=(t1 - t0) / 1e6,
+                DECODE_OK,
+                got.sampled,
+                saved,
+                restored,
+                (t1 - t0) / 1e6,
+                (t2 - t_sample) / 1e6,
+                logprobs=got.logprobs,
+                failed=got.failed,
                 reset=reset,
                 eval_cpu_ms=eval_cpu_ms,
+                draft_sampled=got.draft_sampled,
+                draft_logprobs=got.draft_logprobs,
             )
-        got = self._sample(chunks, outputs)
-        t2 = time.perf_counter_ns()
-        return StepResult(
-            DECODE_OK,
-            got.sampled,
-            saved,
-            restored,
-            (t1 - t0) / 1e6,
-            (t2 - t1) / 1e6,
-            logprobs=got.logprobs,
-            failed=got.failed,
-            reset=reset,
-            eval_cpu_ms=eval_cpu_ms,
-            draft_sampled=got.draft_sampled,
-            draft_logprobs=got.draft_logprobs,
-        )
+
+        return collect
 
     def _sample(self, chunks: Sequence[Chunk], outputs: Sequence[int]) -> _Sampled:
         """The tokens of every chunk with outputs, by slot id (a speculative decode's first in
