@@ -479,7 +479,7 @@ def gateway(data: dict[str, Any]) -> list[str]:
             f"| {r['batch']} | {r['direct_tok_s']:.1f} | {r['gateway_tok_s']:.1f} | "
             f"{r['ratio']:.3f} ({reps}) | {r['direct_ttft_ms']['p50']:.1f} | "
             f"{r['added_ttft_p50_ms']:+.1f} / {r['added_ttft_p95_ms']:+.1f} | "
-            f"{r['smg_cpu_ms_per_token']:.3f} ({r['smg_cores']:.2f}) | {cpu['direct']:.1f} / "
+            f"{r['smg_cpu_ms_per_token']:.3f} ({r['smg_cores']:.3f}) | {cpu['direct']:.1f} / "
             f"{cpu['gateway']:.1f} | {r['same_text']}/{r['streams']} | "
             f"{_range(r['load_1m'])} |"
         )
@@ -492,7 +492,7 @@ def gateway(data: dict[str, Any]) -> list[str]:
         f"{ratio_line}; added TTFT p50 ≤ 5 ms at every B: "
         f"{ok(all(r['added_ttft_p50_ms'] <= 5 for r in data['rows']))}.",
         "",
-        f"On this box SMG took up to {worst['smg_cores']:.2f} cores (B = {worst['batch']}) from "
+        f"On this box SMG took up to {worst['smg_cores']:.3f} cores (B = {worst['batch']}) from "
         "llama.cpp and this client; the tok/s ratio is what that cost. On its own machine the "
         "gateway would need its CPU per token times the tokens it carries: "
         + ", ".join(
