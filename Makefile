@@ -13,7 +13,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install wheelhouse llama-cmake-args FORCE run serve test test-unit test-model test-e2e check lint format types proto proto-check \
 	proto-lint proto-breaking check-min-deps model cluster gateway bench bench-single bench-concurrency bench-strategies bench-prefix \
-	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-soak \
+	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-gateway bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-soak \
 	bench-gpu-bundle bench-gpu-cpu clean
 
 install: $(STAMP)
@@ -192,6 +192,12 @@ bench-models: $(BENCH_STAMP)
 	$(PY) bench/models.py $(ARGS)
 bench-cluster: $(BENCH_STAMP)
 	$(PY) bench/cluster.py $(ARGS)
+# One replica direct (v1) against the same replica through SMG (issue 31): tok/s, added TTFT, the
+# gateway's CPU per token; not part of `make bench`. A smoke run (results under its own name):
+# ARGS="--reps 1 --batches 1,8 --gen-tokens 16 --name gateway_smoke"
+bench-gateway: $(BENCH_STAMP) $(GATEWAY_STAMP)
+	$(PY) bench/gateway.py $(ARGS)
+	$(PY) bench/summary.py
 bench-kv-tiers: $(BENCH_STAMP)
 	$(PY) bench/kv_tiers.py $(ARGS)
 # Speculative decoding AUTO vs off (issue 17); a smoke run: ARGS="--reps 1 --gen-tokens 32 --batches 4"

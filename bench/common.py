@@ -319,6 +319,27 @@ def pyplot() -> Any:
     return plt
 
 
+def plot_rates(
+    ax: Any, rows: Sequence[dict[str, Any]], series: Sequence[tuple[str, str, str]], ratio: str
+) -> None:
+    """Aggregate tok/s against B: a line per (row key, line style, label); the last line's points
+    carry each row's `ratio` below them."""
+    xs = [r["batch"] for r in rows]
+    for key, style, label in series:
+        ax.plot(xs, [r[key] for r in rows], style, label=label)
+    for r in rows:
+        ax.annotate(
+            f"{r[ratio]:.2f}",
+            (r["batch"], r[series[-1][0]]),
+            textcoords="offset points",
+            xytext=(0, -14),
+            ha="center",
+            fontsize=8,
+        )
+    ax.set_xlabel("concurrent sequences B")
+    ax.set_ylabel("aggregate tokens/s")
+
+
 def save_figure(fig: Any, name: str) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.png"

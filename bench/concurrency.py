@@ -28,6 +28,7 @@ from common import (
     greedy_params,
     llama_grpc_server,
     machine_facts,
+    plot_rates,
     progress,
     pyplot,
     save_figure,
@@ -115,13 +116,18 @@ async def measure(
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", default="1,4,8,16")
+def add_workload_args(parser: argparse.ArgumentParser, batches: str) -> None:
+    """The concurrency workload's options (overhead.py and gateway.py run it too)."""
+    parser.add_argument("--batches", default=batches)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--gen-tokens", type=int, default=GEN_TOKENS)
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     parser.add_argument("--n-ctx", type=int, default=8192)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(parser, "1,4,8,16")
     parser.add_argument(
         "--name", default="concurrency", help="results file name (concurrency_rerun: a rerun)"
     )
@@ -158,19 +164,9 @@ def plot(rows: list[dict[str, Any]], gen: int, name: str) -> None:
     plt = pyplot()
     xs = [r["batch"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(xs, [r["raw_tok_s"] for r in rows], "o-", label="raw llama.cpp loop (limit)")
-    ax.plot(xs, [r["llama_grpc_tok_s"] for r in rows], "s-", label="llama-grpc (gRPC streams)")
-    for r in rows:
-        ax.annotate(
-            f"{r['efficiency']:.2f}",
-            (r["batch"], r["llama_grpc_tok_s"]),
-            textcoords="offset points",
-            xytext=(0, -14),
-            ha="center",
-            fontsize=8,
-        )
-    ax.set_xlabel("concurrent sequences B")
-    ax.set_ylabel("aggregate tokens/s")
+    series = [("raw_tok_s", "o-", "raw llama.cpp loop (limit)"),
+              ("llama_grpc_tok_s", "s-", "llama-grpc (gRPC streams)")]  # fmt: skip
+    plot_rates(ax, rows, series, "efficiency")
     ax.set_title(f"Gemma 3 270M Q4_K_M, {PROMPT_TOKENS}-token prompts, {gen} tokens")
     ax.set_xticks(xs)
     ax.grid(alpha=0.3)

@@ -42,7 +42,6 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
-    DEFAULT_THREADS,
     RESULTS,
     finish_facts,
     llama_grpc_process,
@@ -54,7 +53,7 @@ from common import (
     spread,
     write_json,
 )
-from concurrency import GEN_TOKENS, grpc_run, make_prompts
+from concurrency import add_workload_args, grpc_run, make_prompts
 from raw_limit import RawLoop
 
 from llama_grpc.v1 import llm_service_pb2 as pb
@@ -276,11 +275,7 @@ def module_of(frame: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", default="1,8,16")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--gen-tokens", type=int, default=GEN_TOKENS)
-    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
-    parser.add_argument("--n-ctx", type=int, default=8192)
+    add_workload_args(parser, "1,8,16")
     parser.add_argument("--profile-seconds", type=float, default=0.0, help="0: no py-spy run")
     parser.add_argument("--name", default="overhead", help="results file name (without .json)")
     parser.add_argument(

@@ -454,6 +454,58 @@ def cluster(data: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def gateway(data: dict[str, Any]) -> list[str]:
+    """Issue 31: one replica direct (v1) against the same replica through SMG; targets >= 0.95x
+    direct tok/s at B = 8 and 16, added TTFT p50 <= 5 ms."""
+    lines = header(data, "Through the SMG gateway: one replica, direct v1 vs OpenAI completions",
+                   "gateway.png")  # fmt: skip
+    w, m = data["workload"], data.get("machine", {})
+    lines += [
+        f"{w['prompt_tokens']}-token prompts (no BOS, as SMG encodes completions), "
+        f"{w['generated_tokens']} greedy tokens each, ignore_eos; the two paths alternate in every "
+        f"repetition; the replica runs `{' '.join(w['replica_args'])}` on {m.get('cores', '?')} "
+        "cores shared with SMG and this client. CPU from /proc/<pid>/stat around each run; SMG "
+        "cores = its CPU seconds / the run's wall seconds.",
+        "",
+        "| B | direct tok/s | through SMG tok/s | SMG / direct (medians; per rep) | TTFT p50 "
+        "direct ms | added TTFT p50 / p95 ms | SMG CPU ms/token (cores) | replica CPU ms/token "
+        "direct / SMG | same text | load (1 min) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in data["rows"]:
+        reps = ", ".join(f"{x:.2f}" for x in r["ratio_per_rep"])
+        cpu = r["replica_cpu_ms_per_token"]
+        lines.append(
+            f"| {r['batch']} | {r['direct_tok_s']:.1f} | {r['gateway_tok_s']:.1f} | "
+            f"{r['ratio']:.3f} ({reps}) | {r['direct_ttft_ms']['p50']:.1f} | "
+            f"{r['added_ttft_p50_ms']:+.1f} / {r['added_ttft_p95_ms']:+.1f} | "
+            f"{r['smg_cpu_ms_per_token']:.3f} ({r['smg_cores']:.3f}) | {cpu['direct']:.1f} / "
+            f"{cpu['gateway']:.1f} | {r['same_text']}/{r['streams']} | "
+            f"{_range(r['load_1m'])} |"
+        )
+    big = [r for r in data["rows"] if r["batch"] in (8, 16)]
+    met = ok(all(r["ratio"] >= 0.95 for r in big)) if big else "not measured"
+    ratio_line = f"Target through SMG ≥ 0.95x direct tok/s at B = 8 and 16: {met}"
+    worst = max(data["rows"], key=lambda r: r["smg_cores"])
+    lines += [
+        "",
+        f"{ratio_line}; added TTFT p50 ≤ 5 ms at every B: "
+        f"{ok(all(r['added_ttft_p50_ms'] <= 5 for r in data['rows']))}.",
+        "",
+        f"On this box SMG took up to {worst['smg_cores']:.3f} cores (B = {worst['batch']}) from "
+        "llama.cpp and this client; the tok/s ratio is what that cost. On its own machine the "
+        "gateway would need its CPU per token times the tokens it carries: "
+        + ", ".join(
+            f"{r['smg_cores_at_direct_tok_s']:.3f} cores for B = {r['batch']}'s direct "
+            f"{r['direct_tok_s']:.0f} tok/s"
+            for r in data["rows"]
+        )
+        + ".",
+        "",
+    ]
+    return lines
+
+
 def peers(data: dict[str, Any]) -> list[str]:
     lines = header(data, "Peers", "peers_concurrency.png")
     for name, why in data.get("skipped", {}).items():
@@ -700,6 +752,7 @@ def main() -> int:
         ("security_overhead", security),
         ("models", models),
         ("cluster", cluster),
+        ("gateway", gateway),
         ("kv_tiers", kv_tiers),
         ("chat_turns", chat_turns),
         ("build_isa", build_isa),
