@@ -1,4 +1,4 @@
-"""Gateway benchmark (issue 31): the concurrency workload (B concurrent streams of 41-token
+"""Gateway benchmark (issue 31): the concurrency workload (B concurrent streams of 42-token
 prompts, 64 greedy tokens each, ignore_eos) sent straight to one llama-grpc replica over v1
 GenerateTokens, against the same replica through the SMG gateway (OpenAI /v1/completions,
 streamed as SSE), for B = 1, 8, 16. SMG fronts that one replica alone (deploy/gateway.py's
@@ -16,10 +16,12 @@ Reported per B (medians over repetitions, with their spread and the load average
 The cores SMG takes on a shared box are the ones llama.cpp then does not get (the tok/s ratio);
 its CPU per token times the direct tok/s is what a gateway on its own machine would need.
 
-SMG takes only text prompts (token ids get 400) and encodes completions without BOS, so each
-prompt is the concurrency text tokenized without BOS (v1 Tokenize, add_special=false) and cut
-to 41 ids; SMG gets those ids detokenized (checked to tokenize back to the same ids), v1 gets
-the ids. Every gateway answer must report those 41 prompt tokens and every stream on either
+SMG takes only text prompts (token ids get 400) and encodes completions without BOS (the
+worker then puts the model's BOS in front), so each prompt is the concurrency text tokenized
+without BOS (v1 Tokenize, add_special=false) and cut to 41 ids; SMG gets those ids
+detokenized (checked to tokenize back to the same ids), v1 gets BOS + the ids, which is what
+the worker runs for SMG. Every gateway answer must report those 42 prompt tokens and every
+stream on either
 path exactly the requested tokens (SMG forwards `ignore_eos`), or the run stops. The replica
 runs with --no-cache-prompt (the concurrency workload's cache_prompt=false, which the engine
 protocol cannot ask for per request), so neither path reuses the other's prompt.
@@ -109,7 +111,7 @@ def cpu_seconds(pid: int) -> float:
 
 @dataclass
 class Prompt:
-    ids: list[int]  # what v1 gets: the ids SMG makes of `text` (no BOS)
+    ids: list[int]  # what v1 gets: BOS + the ids SMG makes of `text` (what the worker runs)
     text: str  # what SMG gets
 
 
@@ -161,8 +163,10 @@ class SmgBackend:
 
 
 async def make_prompts(stub: Any, batch: int, rep: int) -> list[Prompt]:
-    """The concurrency workload's texts as SMG tokenizes them (no BOS), PROMPT_TOKENS ids each."""
+    """The concurrency workload's texts as SMG tokenizes them (no BOS), PROMPT_TOKENS ids each,
+    with the BOS the worker puts in front."""
     tok = GrpcBackend(stub)
+    bos = await tok.tokenize("", add_special=True)
     prompts = []
     for i in range(batch):
         ids = (await tok.tokenize(prompt_text(i, rep), add_special=False))[:PROMPT_TOKENS]
@@ -171,7 +175,7 @@ async def make_prompts(stub: Any, batch: int, rep: int) -> list[Prompt]:
         text = (await stub.Detokenize(pb.DetokenizeRequest(token_ids=ids))).text
         if await tok.tokenize(text, add_special=False) != ids:
             raise RuntimeError(f"prompt {i}: its {PROMPT_TOKENS} ids do not survive detokenizing")
-        prompts.append(Prompt(ids, text))
+        prompts.append(Prompt(bos + ids, text))
     return prompts
 
 
@@ -352,7 +356,7 @@ def main() -> int:
         "command": "python bench/gateway.py " + " ".join(sys.argv[1:]),
         "workload": {
             "prompt_tokens": PROMPT_TOKENS,
-            "prompt_bos": False,
+            "prompt_bos": True,
             "generated_tokens": args.gen_tokens,
             "replica_args": extra,
         },
