@@ -107,6 +107,26 @@ def test_ram_tier_verifies_tokens_and_scope() -> None:
     assert ram.num_entries == 3 and ram.best("a", [1, 2, 3, 4, 5, 6, 7, 8, 0])[1] == 8
 
 
+def test_ram_tier_looks_only_at_entries_beginning_like_the_prompt() -> None:
+    """Entries are filed by their first RAM_KEY_TOKENS tokens: a match shorter than that is
+    not looked for (it could never pay for a restore), short entries are always looked at,
+    equals go to the newest, and dropping entries empties the index."""
+    ram = RamTier(max_bytes=10_000)
+    ram.put("", [1, 2, 3, 4, 5, 6], b"a")
+    ram.put("", [1, 2, 3, 9, 9, 9], b"b")
+    ram.put("", [1, 2], b"short")
+    assert ram.best("", [1, 2, 3, 4, 5, 6, 7]) == (0, 6)
+    assert ram.best("", [1, 2, 3, 7, 7]) == (2, 2), "only the short entry is looked at"
+    ram.put("", [1, 2, 3, 4, 5, 6, 8], b"c")  # supersedes entries 0 and 2
+    ram.put("", [1, 2, 3, 4, 5, 6, 9], b"d")
+    assert ram.num_entries == 3
+    assert ram.best("", [1, 2, 3, 4, 5, 6, 7]) == (4, 6), "the newest of equals"
+    assert ram.clear() == (3, 3) and ram.best("", [1, 2, 3, 4, 5, 6, 7]) == (-1, 0)
+    ram.put("", [5, 5, 5, 5, 5], b"x" * 9_000)
+    ram.put("", [6, 6, 6, 6, 6], b"y" * 9_000)  # evicts the first
+    assert ram.best("", [5, 5, 5, 5, 5, 5]) == (-1, 0) and ram.evictions == 1
+
+
 def test_trivial_match_does_not_evict_a_long_cache() -> None:
     """A 5-token prompt sharing only BOS with a 1,000-token cache (20% of the prompt, 0.1% of
     the cache) goes to the least recently used slot instead of destroying that cache."""
