@@ -54,7 +54,7 @@ $(STAMP): pyproject.toml $(LLAMA_BUILD)
 	ls $(WHEELHOUSE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip wheel --no-deps --no-cache-dir \
 		--no-binary llama-cpp-python -w $(WHEELHOUSE) llama-cpp-python==$(LLAMA_CPP_VERSION)
-	$(PY) -m pip install -q --find-links $(WHEELHOUSE) -e '.[server]' --group dev
+	$(PY) -m pip install -q --find-links $(WHEELHOUSE) -e '.[server]' --group dev --group gateway
 	$(PY) -m pip install -q --no-deps --force-reinstall \
 		$(WHEELHOUSE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl
 	$(PY) -m llama_grpc_server.model_files --assemble
@@ -80,15 +80,12 @@ cluster: $(STAMP)
 
 # N replicas (default 2) behind the SMG gateway on 127.0.0.1:$(GATEWAY_PORT): the OpenAI API
 # (chat, completions, responses, messages) for any OpenAI SDK, the vLLM engine protocol to the
-# replicas (deploy/gateway.py). SMG and the openai SDK come with the `gateway` group.
+# replicas (deploy/gateway.py). SMG and the openai SDK come with the `gateway` group, which
+# `make install` installs (the gateway's e2e tests need it).
 GATEWAY_PORT ?= 8080
 GATEWAY_REPLICAS := $(if $(filter command line environment,$(origin REPLICAS)),$(REPLICAS),2)
-GATEWAY_STAMP := $(VENV)/.gateway-installed
-$(GATEWAY_STAMP): $(STAMP)
-	$(PY) -m pip install -q --group gateway
-	touch $(GATEWAY_STAMP)
 
-gateway: $(GATEWAY_STAMP)
+gateway: $(STAMP)
 	$(PY) -m deploy.gateway --replicas $(GATEWAY_REPLICAS) --port $(GATEWAY_PORT) -- $(ARGS)
 
 run: $(STAMP)
@@ -195,7 +192,7 @@ bench-cluster: $(BENCH_STAMP)
 # One replica direct (v1) against the same replica through SMG (issue 31): tok/s, added TTFT, the
 # gateway's CPU per token; not part of `make bench`. A smoke run (results under its own name):
 # ARGS="--reps 1 --batches 1,8 --gen-tokens 16 --name gateway_smoke"
-bench-gateway: $(BENCH_STAMP) $(GATEWAY_STAMP)
+bench-gateway: $(BENCH_STAMP)
 	$(PY) bench/gateway.py $(ARGS)
 	$(PY) bench/summary.py
 bench-kv-tiers: $(BENCH_STAMP)
