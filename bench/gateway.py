@@ -12,7 +12,11 @@ Reported per B (medians over repetitions, with their spread and the load average
   - SMG's CPU time per generated token: utime + stime of the smg process (and any children)
     from /proc/<pid>/stat before and after each gateway run, and the cores that is during the
     run; its idle CPU during the direct runs, for reference;
-  - the replica's CPU per token on either path, and this client's.
+  - the replica's CPU per token on either path, and this client's;
+  - added TTFT measured apart (`--ttft-pairs`, default 60): single short streams (4 tokens),
+    direct and through SMG back to back in alternating order, each pair on a prompt of its own;
+    the median of the per-pair differences and its quartiles, and SMG's CPU time per request.
+    The B = 1 rows hold one stream per repetition, too few for a few-ms difference.
 The cores SMG takes on a shared box are the ones llama.cpp then does not get (the tok/s ratio);
 its CPU per token times the direct tok/s is what a gateway on its own machine would need.
 
@@ -223,6 +227,35 @@ async def run_once(which: str, to: Paths, prompts: list[Prompt], gen: int) -> di
     }
 
 
+TTFT_PAIR_TOKENS = 4
+
+
+async def ttft_pairs(to: Paths, n: int) -> dict[str, Any]:
+    """`n` pairs of single streams, direct and through SMG back to back (the order alternates),
+    each pair on a fresh prompt: the gateway's added TTFT per pair, and SMG's CPU per request."""
+    diffs, direct, gateway, smg_cpu = [], [], [], []
+    for i in range(n):
+        prompts = await make_prompts(to.stub, 1, 1000 + i)
+        order = PATHS if i % 2 == 0 else PATHS[::-1]
+        got = {w: await run_once(w, to, prompts, TTFT_PAIR_TOKENS) for w in order}
+        d, g = got["direct"]["ttft_s"][0], got["gateway"]["ttft_s"][0]
+        direct.append(d)
+        gateway.append(g)
+        diffs.append(g - d)
+        smg_cpu.append(got["gateway"]["smg_cpu_s"])
+    ms = [x * 1e3 for x in diffs]
+    return {
+        "pairs": n,
+        "tokens_per_stream": TTFT_PAIR_TOKENS,
+        "added_ttft_ms": {"p50": percentile(ms, 0.5), "p25": percentile(ms, 0.25),
+                          "p75": percentile(ms, 0.75)},
+        "direct_ttft_ms_p50": percentile(direct, 0.5) * 1e3,
+        "gateway_ttft_ms_p50": percentile(gateway, 0.5) * 1e3,
+        "smg_cpu_ms_per_request": 1e3 * statistics.median(smg_cpu),
+        "load_1m": os.getloadavg()[0],
+    }  # fmt: skip
+
+
 async def same_text(
     stub: Any, direct: dict[str, Any], gateway: dict[str, Any]
 ) -> tuple[int, list[dict[str, str]]]:
@@ -238,8 +271,8 @@ async def same_text(
 
 
 async def measure(
-    gw: Gateway, batches: list[int], reps: int, gen: int
-) -> tuple[list[dict[str, Any]], dict[int, list[dict[str, Any]]]]:
+    gw: Gateway, batches: list[int], reps: int, gen: int, pairs: int
+) -> tuple[list[dict[str, Any]], dict[int, list[dict[str, Any]]], dict[str, Any]]:
     replica = gw.cluster.members[0]
     if gw.smg is None or replica.proc is None:
         raise RuntimeError("the gateway is not running")
@@ -252,6 +285,14 @@ async def measure(
             for which in PATHS:
                 await run_once(which, to, warm, 8)
         progress("warm-up done")
+        added = await ttft_pairs(to, pairs) if pairs else {}
+        if added:
+            progress(
+                f"added TTFT over {pairs} pairs: p50 {added['added_ttft_ms']['p50']:+.1f} ms "
+                f"(quartiles {added['added_ttft_ms']['p25']:+.1f} / "
+                f"{added['added_ttft_ms']['p75']:+.1f}), SMG "
+                f"{added['smg_cpu_ms_per_request']:.1f} CPU ms per request"
+            )
         for b in batches:
             runs: list[dict[str, Any]] = []
             for rep in range(reps):
@@ -274,7 +315,7 @@ async def measure(
                 )
             rows.append(analyse(b, gen, runs))
             runs_by_batch[b] = runs
-    return rows, runs_by_batch
+    return rows, runs_by_batch, added
 
 
 # -- analysis (pure) ---------------------------------------------------------------------------
@@ -344,13 +385,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(parser, "1,8,16")
     parser.add_argument("--name", default="gateway", help="results file name (JSON and PNG)")
+    parser.add_argument("--ttft-pairs", type=int, default=60, help="single-stream pairs (0: none)")
     args = parser.parse_args()
     facts = machine_facts(args.threads)  # the load average before the run
     batches = [int(b) for b in args.batches.split(",")]
     extra = ["--n-parallel", str(max(batches)), "--n-ctx", str(args.n_ctx), "--no-cache-prompt"]
     progress("starting one replica and SMG in front of it")
     with Gateway(replicas=1, port=free_port(), server_args=extra, threads=args.threads) as gw:
-        rows, runs = asyncio.run(measure(gw, batches, args.reps, args.gen_tokens))
+        rows, runs, added = asyncio.run(
+            measure(gw, batches, args.reps, args.gen_tokens, args.ttft_pairs)
+        )
     data = {
         "benchmark": "gateway",
         "command": "python bench/gateway.py " + " ".join(sys.argv[1:]),
@@ -364,6 +408,7 @@ def main() -> int:
         "settings": vars(args),
         "machine": facts,
         "rows": rows,
+        "added_ttft": added,
         "runs": {str(b): rs for b, rs in runs.items()},
     }
     write_json(args.name, finish_facts(data))

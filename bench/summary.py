@@ -517,10 +517,22 @@ def gateway(data: dict[str, Any]) -> list[str]:
     met = ok(all(r["ratio"] >= 0.95 for r in big)) if big else "not measured"
     ratio_line = f"Target through SMG ≥ 0.95x direct tok/s at B = 8 and 16: {met}"
     worst = max(data["rows"], key=lambda r: r["smg_cores"])
+    added = data.get("added_ttft")
+    if added:  # single-stream pairs: the rows' TTFTs at B > 1 are the batch's queueing
+        a = added["added_ttft_ms"]
+        ttft_line = (
+            f"added TTFT p50 ≤ 5 ms, over {added['pairs']} back-to-back single-stream pairs: "
+            f"{a['p50']:+.1f} ms (quartiles {a['p25']:+.1f} / {a['p75']:+.1f}; direct "
+            f"{added['direct_ttft_ms_p50']:.1f} ms, SMG {added['smg_cpu_ms_per_request']:.1f} "
+            f"CPU ms per request, load {added['load_1m']:.2f}): {ok(a['p50'] <= 5)}"
+        )
+    else:
+        ttft_line = "added TTFT p50 ≤ 5 ms at every B: " + ok(
+            all(r["added_ttft_p50_ms"] <= 5 for r in data["rows"])
+        )
     lines += [
         "",
-        f"{ratio_line}; added TTFT p50 ≤ 5 ms at every B: "
-        f"{ok(all(r['added_ttft_p50_ms'] <= 5 for r in data['rows']))}.",
+        f"{ratio_line}; {ttft_line}.",
         "",
         f"On this box SMG took up to {worst['smg_cores']:.3f} cores (B = {worst['batch']}) from "
         "llama.cpp and this client; the tok/s ratio is what that cost. On its own machine the "
