@@ -175,3 +175,23 @@ async def test_closing_a_stream_frees_the_slot(sdk: Any, gateway: Gateway) -> No
     finally:
         for client in clients:
             await client.aclose()
+
+
+async def test_bad_input_is_a_400_naming_it_and_the_gateway_keeps_serving(
+    sdk: Any, gateway: Gateway
+) -> None:
+    """Through the gateway's door: a constraint the worker refuses (INVALID_ARGUMENT) reaches the
+    SDK as a 400 with the worker's words; the same replicas answer the next request."""
+    for _ in range(gateway.replicas):  # round robin: each replica refuses one
+        with pytest.raises(openai.BadRequestError) as caught:
+            await sdk.chat.completions.create(
+                model=gateway.model, messages=MESSAGES, max_tokens=4,
+                extra_body={"regex": "a(?=b)"},
+            )  # fmt: skip
+        assert caught.value.body["message"].endswith(
+            "the regex uses a lookahead at position 1, which cannot be compiled to a grammar"
+        )
+    answer = await sdk.chat.completions.create(
+        model=gateway.model, messages=MESSAGES, max_tokens=3, temperature=0
+    )
+    assert answer.usage.completion_tokens == 3
