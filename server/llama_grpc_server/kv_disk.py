@@ -371,6 +371,7 @@ class KvDiskStore:
             verify_failures=c.verify_failures,
             read_seconds=c.read_seconds,
             read_bytes=c.read_bytes,
+            write_failures=c.write_failures,
         )
 
     # -- writing (writer thread) ------------------------------------------------------------------

@@ -119,10 +119,12 @@ class EngineStream:
             tuple(lp for part in parts for lp in part.logprobs),
         )
 
-    def cancel(self) -> None:
+    def cancel(self, *, deadline_exceeded: bool = False) -> None:
         if not self._is_done:
             self._is_done = True
-            self._engine.cancel(self.request_id, self.request.spec.tenant)
+            self._engine.cancel(
+                self.request_id, self.request.spec.tenant, deadline_exceeded=deadline_exceeded
+            )
 
 
 class EngineLoop:
@@ -225,9 +227,10 @@ class EngineLoop:
             cause = self._error
         listener(cause)
 
-    def cancel(self, request_id: str, tenant: str = "") -> None:
+    def cancel(self, request_id: str, tenant: str = "", *, deadline_exceeded: bool = False) -> None:
+        """Drop the request at the next tick; `deadline_exceeded` ends it as DeadlineExceeded."""
         with self._wake:
-            self._inbox.append(("cancel", (request_id, tenant)))
+            self._inbox.append(("cancel", (request_id, tenant, deadline_exceeded)))
             self._wake.notify()
 
     async def clear_cache(self) -> CacheCleared:
@@ -365,7 +368,7 @@ class EngineLoop:
             inbox, self._inbox = self._inbox, []
             if self._is_stopping:
                 inbox += [
-                    ("cancel", (s.request_id, s.request.spec.tenant))
+                    ("cancel", (s.request_id, s.request.spec.tenant, False))
                     for s in self._streams.values()
                 ]
         events: Emitted = []
@@ -377,7 +380,10 @@ class EngineLoop:
             elif kind == "clear_cache":
                 self._clear_cache(item)
             else:
-                events += self._scheduler.cancel(*item)
+                request_id, tenant, deadline_exceeded = item
+                events += self._scheduler.cancel(
+                    request_id, tenant, deadline_exceeded=deadline_exceeded
+                )
         if inbox:
             self._publish()
         self._deliver(events)

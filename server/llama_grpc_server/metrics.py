@@ -167,7 +167,7 @@ class Metrics:
 
     def on_request(self, event: RequestEvent) -> None:
         """Latency histograms describe requests that finished; failures are counted by the
-        snapshot (requests_failed / cancelled / rejected)."""
+        snapshot (requests_failed / cancelled / deadline_exceeded / rejected)."""
         if event.is_failed:
             return
         model = event.model
@@ -274,6 +274,10 @@ def _snapshot_series(s: StatsSnapshot) -> Iterator[Series]:
         "requests_finished": ("Requests that finished normally.", s.requests_finished),
         "requests_failed": ("Requests that failed.", s.requests_failed),
         "requests_cancelled": ("Requests cancelled by the client.", s.requests_cancelled),
+        "requests_deadline_exceeded": (
+            "Requests whose deadline passed (queued, running, or the RPC ended by it).",
+            s.requests_deadline_exceeded,
+        ),
         "requests_rejected": ("Requests refused by the scheduler.", s.requests_rejected),
         "engine_ticks": ("Forward passes that succeeded.", s.ticks),
         "ram_cache_hits": ("RAM-tier restores.", s.ram_cache_hits),
@@ -292,6 +296,10 @@ def _snapshot_series(s: StatsSnapshot) -> Iterator[Series]:
             disk.read_seconds,
         ),
         "disk_cache_read_bytes": ("Bytes read for disk-tier restores.", disk.read_bytes),
+        "disk_cache_write_failures": (
+            "Disk-tier writes that failed (a full, read-only or failing volume).",
+            disk.write_failures,
+        ),
         "response_cache_hits": (
             "Generation requests answered from the response cache.",
             s.response_cache_hits,

@@ -256,9 +256,9 @@ class FakeStream:
             deltas += isinstance(event, TokenDelta)
             yield event
 
-    def cancel(self) -> None:
+    def cancel(self, *, deadline_exceeded: bool = False) -> None:
         self._engine._on_cancel(self._inner.request_id)
-        self._inner.cancel()
+        self._inner.cancel(deadline_exceeded=deadline_exceeded)
 
 
 class FakeEngine:
@@ -328,7 +328,12 @@ class FakeEngine:
         if self.submit_error is not None:
             raise self.submit_error
         done = self.stats()
-        ended = done.requests_finished + done.requests_failed + done.requests_cancelled
+        ended = (
+            done.requests_finished
+            + done.requests_failed
+            + done.requests_cancelled
+            + done.requests_deadline_exceeded
+        )
         unfinished = len(self.submitted) - ended
         if self.max_queue is not None and unfinished >= self.max_queue:
             raise errors.Overloaded(

@@ -283,3 +283,22 @@ def test_a_directory_that_vanishes_is_a_miss_not_an_error(tmp_path: Path) -> Non
     assert s.load(key, "") is None
     assert s.lookup("", tokens(300)) == ("", 0)
     assert s.stats().verify_failures == 0, "a vanished file is a miss, not a bad file"
+
+
+def test_a_failed_write_is_counted_and_the_writer_goes_on(tmp_path: Path) -> None:
+    """A write that raises (the directory replaced by a file: what a gone or read-only volume
+    looks like, even to root) counts one write failure and no write; once the directory is back
+    the writer thread still saves."""
+    directory = tmp_path / "kv"
+    s = store(directory)
+    directory.rmdir()
+    directory.write_bytes(b"not a directory")
+    s.put("", tokens(2 * BLOCK_TOKENS), blob(1000))
+    s.flush()
+    assert (s.stats().write_failures, s.stats().writes) == (1, 0)
+    directory.unlink()
+    directory.mkdir()
+    s.put("", tokens(2 * BLOCK_TOKENS, seed=1), blob(1000, seed=1))
+    s.flush()
+    assert (s.stats().write_failures, s.stats().writes) == (1, 1)
+    s.close()

@@ -215,7 +215,7 @@ async def test_stats_follow_a_request_that_expires_in_the_queue() -> None:
     finally:
         await asyncio.to_thread(engine.close)
     assert isinstance(last, Failed) and isinstance(last.error, errors.DeadlineExceeded)
-    assert (stats.queue_depth, stats.requests_failed) == (0, 1)
+    assert (stats.queue_depth, stats.requests_deadline_exceeded, stats.requests_failed) == (0, 1, 0)
 
 
 # -- admission window ------------------------------------------------------------------------------

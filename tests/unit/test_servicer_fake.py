@@ -170,6 +170,43 @@ async def test_deadline_mid_stream_cancels_the_engine_request(
     assert await engine.wait_for_cancel(timeout_s=2) == engine.submitted[0].request_id
 
 
+@pytest.mark.parametrize("method", ["Generate", "StreamGenerate"])
+async def test_a_deadline_is_counted_as_deadline_exceeded_not_cancelled(
+    stub: Any, engine: FakeEngine, method: str
+) -> None:
+    """The engine request of a call whose deadline expired ends as DeadlineExceeded: GetStats
+    counts it in requests_deadline_exceeded, never in requests_cancelled or requests_failed; a
+    client's own cancel still counts as cancelled."""
+    engine.token_delay_s = 0.05
+
+    async def expire() -> None:
+        if method == "Generate":
+            await stub.Generate(pb.GenerateRequest(prompt="x" * 50), timeout=0.3)
+        else:
+            await collect(
+                stub.StreamGenerate(pb.StreamGenerateRequest(prompt="x" * 50), timeout=0.3)
+            )
+
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await expire()
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    call = stub.StreamGenerate(pb.StreamGenerateRequest(prompt="y" * 50))
+    await call.read()
+    call.cancel()
+
+    def ended(s: Any) -> int:
+        return int(s.requests_deadline_exceeded + s.requests_cancelled + s.requests_failed)
+
+    stats = await stub.GetStats(pb.GetStatsRequest())
+    for _ in range(200):
+        if ended(stats) >= 2:
+            break
+        await asyncio.sleep(0.02)
+        stats = await stub.GetStats(pb.GetStatsRequest())
+    counts = (stats.requests_deadline_exceeded, stats.requests_cancelled, stats.requests_failed)
+    assert counts == (1, 1, 0)
+
+
 async def test_unary_deadline_cancels_the_engine_request(stub: Any, engine: FakeEngine) -> None:
     """A unary Generate that times out also cancels its engine request."""
     engine.token_delay_s = 0.05

@@ -111,6 +111,8 @@ def test_snapshot_series_equal_the_engine_stats() -> None:
         "llama_grpc:requests_started_total": stats.requests_started,
         "llama_grpc:requests_finished_total": stats.requests_finished,
         "llama_grpc:requests_cancelled_total": stats.requests_cancelled,
+        "llama_grpc:requests_deadline_exceeded_total": stats.requests_deadline_exceeded,
+        "llama_grpc:requests_failed_total": stats.requests_failed,
         "llama_grpc:requests_rejected_total": stats.requests_rejected,
         "llama_grpc:prompt_tokens_total": stats.prompt_tokens,
         "llama_grpc:generation_tokens_total": stats.generated_tokens,
@@ -127,6 +129,9 @@ def test_snapshot_series_equal_the_engine_stats() -> None:
         "llama_grpc:response_cache_evictions_total": stats.response_cache_evictions,
     }
     assert {name: value(got, name, model="m") for name in expected} == expected
+    assert stats.disk_cache is not None
+    disk_failures = value(got, "llama_grpc:disk_cache_write_failures_total", model="m")
+    assert disk_failures == stats.disk_cache.write_failures
     kv_use = stats.kv_cells_used / stats.kv_cells_total
     assert value(got, "llama_grpc:kv_cache_usage_perc", model="m") == pytest.approx(kv_use)
     assert value(got, "llama_grpc:num_slots", model="m", state="idle") == stats.idle_slots

@@ -92,6 +92,9 @@ class StatsSnapshot:
     spec_accepted_tokens: int = 0
     spec_acceptance_rate: float = 0.0
     spec_ticks: int = 0
+    # Requests whose caller's deadline passed (in the queue, in a slot, or the RPC ended by it):
+    # neither failed nor cancelled.
+    requests_deadline_exceeded: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +111,7 @@ class DiskTierStats:
     verify_failures: int = 0  # corrupt, truncated or mismatched files (skipped and deleted)
     read_seconds: float = 0.0  # reading + verifying files for restores, in all
     read_bytes: int = 0
+    write_failures: int = 0  # writes that raised (a full, read-only or failing volume)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,8 +133,10 @@ class RequestStream(Protocol):
 
     def __aiter__(self) -> AsyncIterator[Event]: ...
 
-    def cancel(self) -> None:
-        """Ask the engine to drop the request at its next tick (idempotent)."""
+    def cancel(self, *, deadline_exceeded: bool = False) -> None:
+        """Ask the engine to drop the request at its next tick (idempotent). With
+        `deadline_exceeded` the caller left because its deadline passed: the request ends as
+        DeadlineExceeded (and is counted so), not as a cancellation."""
         ...
 
 

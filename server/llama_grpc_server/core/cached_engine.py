@@ -81,7 +81,7 @@ class ReplayStream:
         end_ns = time.perf_counter_ns()
         yield replayed(self._entry.finished, self._arrival_ns, first_ns or end_ns, end_ns)
 
-    def cancel(self) -> None:
+    def cancel(self, *, deadline_exceeded: bool = False) -> None:
         return
 
 
@@ -102,8 +102,8 @@ class RecordingStream:
                 self._cache.put(self._key, deltas, event)
             yield event
 
-    def cancel(self) -> None:
-        self._inner.cancel()
+    def cancel(self, *, deadline_exceeded: bool = False) -> None:
+        self._inner.cancel(deadline_exceeded=deadline_exceeded)
 
 
 class ResponseCachingEngine:

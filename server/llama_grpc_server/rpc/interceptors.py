@@ -96,11 +96,17 @@ class NullRecorder:
         pass
 
 
+def deadline_expired(context: Context) -> bool:
+    """Whether the call's deadline has passed: grpc.aio ends a call whose deadline passes by
+    cancelling its handler, so this is what tells that apart from the client cancelling."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
+
+
 def status_name(context: Context, error: BaseException | None) -> str:
     """The status an RPC ended with, as seen from inside the server."""
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
-        remaining = context.time_remaining()
-        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+        return "DEADLINE_EXCEEDED" if deadline_expired(context) else "CANCELLED"
     if error is not None and not isinstance(error, grpc.aio.AbortError):
         return "UNKNOWN"
     code: grpc.StatusCode | None = context.code()

@@ -33,6 +33,7 @@ from llama_grpc_server.rpc import convert, validation
 from llama_grpc_server.rpc.interceptors import (
     current_principal,
     current_request_id,
+    deadline_expired,
     new_request_id,
 )
 from llama_grpc_server.rpc.status import ErrorsToStatus
@@ -102,10 +103,11 @@ def _deadline(context: Context) -> float | None:
 
 
 async def _run(
-    engine: EngineApi, spec: GenerationRequest, operation: str = "text_completion"
+    engine: EngineApi, spec: GenerationRequest, context: Context, operation: str = "text_completion"
 ) -> AsyncGenerator[TokenDelta | Finished, None]:
     """Submit and yield deltas, then the Finished event. A Failed event raises its error.
-    Leaving early (client cancel, deadline, closed stream) cancels the request in the engine.
+    Leaving early (client cancel, deadline, closed stream) cancels the request in the engine,
+    as a deadline exceeded when the call's deadline has passed (the access log's test too).
     With tracing on, the finished request's GenAI attributes and phases go on the RPC's span."""
     submitted_unix_ns = time.time_ns()
     stream = engine.submit(spec)
@@ -131,14 +133,14 @@ async def _run(
         raise errors.EngineError(NO_RESULT)
     finally:
         if not is_done:
-            stream.cancel()
+            stream.cancel(deadline_exceeded=deadline_expired(context))
 
 
 async def _collect(
-    engine: EngineApi, spec: GenerationRequest, operation: str
+    engine: EngineApi, spec: GenerationRequest, context: Context, operation: str
 ) -> tuple[list[TokenDelta], Finished]:
     deltas: list[TokenDelta] = []
-    async with aclosing(_run(engine, spec, operation)) as events:
+    async with aclosing(_run(engine, spec, context, operation)) as events:
         async for event in events:
             if isinstance(event, Finished):
                 return deltas, event
@@ -206,7 +208,7 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
             self._engine(request.model, context) as engine,
         ):
             spec = await self._text_request(request, engine, request_id, context)
-            deltas, finished = await _collect(engine, spec, _operation(request))
+            deltas, finished = await _collect(engine, spec, context, _operation(request))
             return convert.generate_response(request_id, deltas, finished)
 
     async def StreamGenerate(
@@ -218,7 +220,7 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
             self._engine(request.model, context) as engine,
         ):
             spec = await self._text_request(request, engine, request_id, context)
-            async with aclosing(_run(engine, spec, _operation(request))) as events:
+            async with aclosing(_run(engine, spec, context, _operation(request))) as events:
                 async for event in events:
                     yield convert.stream_generate_response(event, request_id)
 
@@ -241,7 +243,7 @@ class LlmServicer(pb_grpc.LlmServiceServicer):
                 deadline=_deadline(context),
                 tenant=current_principal().tenant,
             )
-            async with aclosing(_run(engine, spec)) as events:
+            async with aclosing(_run(engine, spec, context)) as events:
                 async for event in events:
                     yield convert.generate_tokens_response(event, request_id)
 
