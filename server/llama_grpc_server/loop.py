@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -38,6 +38,7 @@ from llama_grpc_server.core.request import (
     TokenDelta,
 )
 from llama_grpc_server.core.scheduler import Emitted, Scheduler
+from llama_grpc_server.core.tenants import TenantLimits
 
 log = structlog.get_logger("llama_grpc.engine")
 
@@ -249,6 +250,13 @@ class EngineLoop:
             self._inbox.append(("end_all", error))
             self._wake.notify()
 
+    def set_tenant_limits(self, limits: Mapping[str, TenantLimits]) -> None:
+        """New tenant limits, applied by the engine thread (which owns the scheduler) when it
+        drains the inbox: before any request submitted after this call."""
+        with self._wake:
+            self._inbox.append(("tenant_limits", dict(limits)))
+            self._wake.notify()
+
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return self._tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
 
@@ -379,6 +387,8 @@ class EngineLoop:
                 events += self._scheduler.fail_all(item)
             elif kind == "clear_cache":
                 self._clear_cache(item)
+            elif kind == "tenant_limits":
+                self._scheduler.set_tenant_limits(item)
             else:
                 request_id, tenant, deadline_exceeded = item
                 events += self._scheduler.cancel(

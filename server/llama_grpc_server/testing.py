@@ -18,7 +18,7 @@ import asyncio
 import json
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from llama_grpc_server import errors
 from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot
@@ -26,6 +26,7 @@ from llama_grpc_server.core.chat import ROLES, ChatMessage
 from llama_grpc_server.core.plan import DECODE_KV_FULL, Chunk, SeqOpKind, StepPlan, StepResult
 from llama_grpc_server.core.request import Event, Failed, GenerationRequest, TokenDelta
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.core.tenants import TenantLimits
 from llama_grpc_server.loop import EngineLoop, EngineStream
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -372,6 +373,9 @@ class FakeEngine:
 
     def end_all(self, error: errors.ServiceError) -> None:
         self.loop.end_all(error)
+
+    def set_tenant_limits(self, limits: Mapping[str, TenantLimits]) -> None:
+        self.loop.set_tenant_limits(limits)
 
     async def clear_cache(self) -> CacheCleared:
         return await self.loop.clear_cache()

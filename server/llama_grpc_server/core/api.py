@@ -3,12 +3,13 @@ Pure Python; the real implementation is loop.EngineLoop, tests may use fakes."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from llama_grpc_server.core.chat import ChatMessage
 from llama_grpc_server.core.request import Event, GenerationRequest
+from llama_grpc_server.core.tenants import TenantLimits
 from llama_grpc_server.errors import ServiceError
 
 
@@ -192,6 +193,11 @@ class EngineApi(Protocol):
 
     def end_all(self, error: ServiceError) -> None:
         """End every queued and running request with `error` (a drain's grace period is over)."""
+        ...
+
+    def set_tenant_limits(self, limits: Mapping[str, TenantLimits]) -> None:
+        """Every tenant's new limits (a reloaded tokens file), handed to the scheduler between
+        two ticks; a request submitted after this call is already judged by them."""
         ...
 
     async def clear_cache(self) -> CacheCleared:

@@ -146,6 +146,13 @@ class Scheduler:
         request.seed = seed if seed is not None else random.getrandbits(32)
         self.queue.append(request)
 
+    def set_tenant_limits(self, limits: Mapping[str, TenantLimits]) -> None:
+        """Replace every tenant's limits (SIGHUP reloaded the tokens file). They govern the
+        next admission and the next add(): running requests keep their slots and queued ones
+        their place, even where they now exceed a lowered max_concurrent or max_queued."""
+        self.limits = dataclasses.replace(self.limits, tenants=dict(limits))
+        self.fair_share.set_limits(limits)
+
     def _check_tenant_queue(self, tenant: str) -> None:
         limits = self.fair_share.limits(tenant)
         if limits.max_queued <= 0:

@@ -166,14 +166,19 @@ class RunningServer:
 
     def reload(self, why: str) -> bool:
         """Read the TLS files (new connections use them) and the tokens file (the next call
-        does) again. Broken files are logged and the old ones kept; returns False then."""
+        does) again; the file's tenant limits go to every engine (through its inbox: the
+        engine thread applies them before the next request). Broken files are logged and the
+        old ones kept; returns False then."""
         is_ok = True
         if self.credentials is not None:
             is_ok = self.credentials.reload(why)
         if self.tokens_file:
             try:
-                self.access.table = load_auth_file(Path(self.tokens_file))
-                log.info("auth_reloaded", why=why, file=self.tokens_file)
+                table = load_auth_file(Path(self.tokens_file))
+                self.access.table = table
+                self.pool.set_tenant_limits(table.limits)
+                log.info("auth_reloaded", why=why, file=self.tokens_file,
+                         tenant_limits=sorted(table.limits))  # fmt: skip
             except AuthFileError as exc:
                 log.error("auth_reload_failed", why=why, error=str(exc))
                 is_ok = False
