@@ -530,3 +530,17 @@ async def test_reload_applies_new_tenant_limits_to_the_running_engine(tmp_path: 
         assert engine.loop._scheduler.limits.tenants == {
             "a": TenantLimits(max_concurrent=1, max_queued=1)
         }
+
+
+async def test_start_server_refuses_tokens_on_a_plaintext_network_listener(tmp_path: Path) -> None:
+    """The same rule as the command line's, for servers started from code: nothing listens."""
+    path = tmp_path / "tokens.toml"
+    tokens_file(path)
+    server = dataclasses.replace(SETTINGS.server, host="0.0.0.0", auth_tokens_file=str(path))
+    refused = r"^--auth-tokens-file on a plaintext listener at --host=0\.0\.0\.0: bearer tokens"
+    with pytest.raises(ValueError, match=refused):
+        async with start_server(dataclasses.replace(SETTINGS, server=server), FakeEngine):
+            pass
+    allowed = dataclasses.replace(server, allow_insecure_tokens=True)
+    async with start_server(dataclasses.replace(SETTINGS, server=allowed), FakeEngine) as running:
+        assert await running.wait_loaded()

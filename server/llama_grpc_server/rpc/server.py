@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -29,7 +28,13 @@ from grpc_reflection.v1alpha import reflection
 
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import errors, model_files
-from llama_grpc_server.auth import AuthFileError, AuthTable, load_auth_file
+from llama_grpc_server.auth import (
+    AuthFileError,
+    AuthTable,
+    is_loopback,
+    load_auth_file,
+    plaintext_tokens_problem,
+)
 from llama_grpc_server.config import ServerSettings, Settings
 from llama_grpc_server.core.api import EngineApi
 from llama_grpc_server.core.cached_engine import ResponseCachingEngine
@@ -101,15 +106,6 @@ def _try_command(server: ServerSettings, port: int) -> str:
         flags.append("-H 'authorization: Bearer TOKEN'")
     request = """-d '{"prompt":"Hello"}'"""
     return f"grpcurl {' '.join(flags)} {request} {target} {SERVICE_NAME}/StreamGenerate"
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(eq=False)
@@ -364,6 +360,14 @@ async def _started(
     recorder: RpcRecorder | None,
     metrics: Metrics | None,
 ) -> RunningServer:
+    problem = plaintext_tokens_problem(
+        settings.server.host,
+        has_tls=bool(settings.server.tls_cert),
+        has_tokens=bool(settings.server.auth_tokens_file),
+        allow_insecure=settings.server.allow_insecure_tokens,
+    )
+    if problem:
+        raise ValueError(problem)
     access = AccessControl(_auth_table(settings.server))
     credentials = _credentials(settings.server)
     endpoint = settings.server.otlp_endpoint
@@ -394,7 +398,7 @@ async def _started(
     log.info("listening", address=_address(host, port), port=port, transport=security,
              auth="tokens" if access.table is not None else "none",
              tracing=endpoint or "off")  # fmt: skip
-    if credentials is None and not _is_loopback(host):
+    if credentials is None and not is_loopback(host):
         log.warning(
             "plaintext_on_network",
             address=_address(host, port),
