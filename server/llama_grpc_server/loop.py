@@ -26,7 +26,13 @@ from typing import Any
 import structlog
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot, Vocabulary
+from llama_grpc_server.core.api import (
+    CacheCleared,
+    DiskTierStats,
+    ModelInfo,
+    StatsSnapshot,
+    Vocabulary,
+)
 from llama_grpc_server.core.chat import ChatMessage
 from llama_grpc_server.core.plan import StepPlan, StepResult, StepRunner
 from llama_grpc_server.core.request import (
@@ -145,8 +151,13 @@ class EngineLoop:
         on_start: Callable[[], None] | None = None,
         on_idle: Callable[[], None] | None = None,
         admission_window_s: float = 0.0,
+        disk_stats: Callable[[], DiskTierStats] | None = None,
     ) -> None:
         self._scheduler = scheduler
+        # The disk tier's own figures, read at each stats(): its writer thread saves and fails
+        # after the last tick (an idle session's save, the saves of an idle engine), so the
+        # snapshot published then would show them only once the engine ticked again.
+        self._disk_stats = disk_stats
         self._admission_window_s = admission_window_s
         self._runner = runner
         self._model_info = model_info
@@ -161,6 +172,7 @@ class EngineLoop:
         self._released = False
         self._inbox: list[tuple[str, Any]] = []
         self._num_rejected_at_submit = 0
+        self._num_failed_by_death = 0  # requests _fail ended (the engine thread writes it once)
         self._wake = threading.Condition()  # guards inbox, streams, state, error, listeners
         self._streams: dict[str, EngineStream] = {}  # by request key: (tenant, request id)
         self._is_stopping = False
@@ -282,6 +294,8 @@ class EngineLoop:
         return dataclasses.replace(
             snapshot,
             requests_rejected=snapshot.requests_rejected + self._num_rejected_at_submit,
+            requests_failed=snapshot.requests_failed + self._num_failed_by_death,
+            disk_cache=self._disk_stats() if self._disk_stats is not None else snapshot.disk_cache,
             uptime_s=time.monotonic() - self._started,
             engine_state=self._state.value,
             engine_error=self._error,
@@ -344,6 +358,7 @@ class EngineLoop:
             if kind == "clear_cache" and not item.done():
                 item.set_exception(errors.EngineUnavailable(f"the engine has failed: {cause}"))
         failed = Failed(errors.EngineFailed(f"the engine failed: {cause}"))
+        self._num_failed_by_death = len(streams)  # counted in stats().requests_failed
         by_loop: Deliveries = defaultdict(list)
         for stream in streams:
             by_loop[stream.loop].append((stream, failed))

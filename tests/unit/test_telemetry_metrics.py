@@ -190,6 +190,35 @@ def test_serve_metrics_over_http() -> None:
         scrape(served.port)
 
 
+# What Prometheus 2.42 sends when it scrapes (scrape.go's acceptHeader): OpenMetrics first.
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+
+
+def test_a_prometheus_scrape_gets_the_names_with_their_colons() -> None:
+    """Asked the way Prometheus asks, /metrics answers in the text format with every sample
+    named as the dashboards query it (llama_grpc:...): prometheus_client's OpenMetrics output
+    escapes the colons of sample names to underscores (client_python#1177), which left every
+    engine series of the dashboard empty in a real Prometheus."""
+    metrics = Metrics()
+    metrics.on_tick(tick())
+    served = serve_metrics(metrics, "127.0.0.1", 0)
+    try:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{served.port}/metrics", headers={"Accept": PROMETHEUS_ACCEPT}
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            content_type = response.headers["Content-Type"]
+            got = samples(response.read())
+    finally:
+        served.close()
+    assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+    assert value(got, "llama_grpc:iteration_tokens_total_count", model="m") == 1
+    assert not [name for name, _ in got if name.startswith("llama_grpc_")]
+
+
 def server_settings(metrics_port: int) -> Settings:
     return Settings(
         server=ServerSettings(host="127.0.0.1", port=0, metrics_port=metrics_port, grace_s=0.2)

@@ -148,4 +148,5 @@ def build_engine(
         # (engine/openmp.py): they are released after IDLE_RELEASE_S without work.
         on_idle=openmp.idle_release(),
         admission_window_s=sched.admission_window_ms / 1000,
+        disk_stats=disk.stats if disk is not None else None,
     )
