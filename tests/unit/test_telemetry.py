@@ -426,3 +426,33 @@ def test_request_events_carry_the_tenant() -> None:
     assert event.tenant == "team-a"
     assert event.as_dict()["tenant"] == "team-a"
     assert telemetry.request_event(live_request(), failed, now_ns=1_001 * MS).tenant == ""
+
+
+async def test_a_deadline_cancel_is_a_deadline_event_not_a_cancellation() -> None:
+    """A request the rpc layer cancels because its call's deadline passed emits request_failed
+    with error_reason DEADLINE_EXCEEDED; a client's cancel stays CANCELLED."""
+    bus, got = Bus(), Recorder()
+    bus.attach("request_failed", got)
+    hooks = Telemetry(bus=bus)
+    engine = EngineLoop(
+        scheduler(n_parallel=2),
+        FakeRunner(),
+        fake_model_info(),
+        tokenizer=NullTokenizer(),
+        kv_cells_total=512,
+        on_tick=hooks.on_tick,
+        on_done=hooks.on_done,
+    )
+    try:
+        late = engine.submit(req("late", 20, 400).spec)
+        left = engine.submit(req("left", 20, 400).spec)
+        late.cancel(deadline_exceeded=True)
+        left.cancel()
+        for _ in range(500):
+            if len(got.of("request_failed")) == 2:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await asyncio.to_thread(engine.close)
+    reasons = {e.request_id: e.error_reason for e in got.of("request_failed")}
+    assert reasons == {"late": "DEADLINE_EXCEEDED", "left": "CANCELLED"}
