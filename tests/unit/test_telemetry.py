@@ -358,15 +358,9 @@ async def consume(engine: EngineLoop, rid: str, n_prompt: int, max_tokens: int) 
     return events[-1]
 
 
-async def test_raising_handler_never_breaks_the_engine() -> None:
-    """On the real engine thread a raising handler is detached after its first call and every
-    request still finishes; a well-behaved handler sees them all."""
-    bus, got = Bus(), Recorder()
-    bus.attach("tick", boom)
-    bus.attach("request_done", boom)
-    bus.attach("request_done", got)
-    hooks = Telemetry(bus=bus)
-    engine = EngineLoop(
+def hooked_engine(hooks: Telemetry) -> EngineLoop:
+    """A real engine thread (2 slots, the fake runner) calling `hooks`."""
+    return EngineLoop(
         scheduler(n_parallel=2),
         FakeRunner(),
         fake_model_info(),
@@ -375,6 +369,17 @@ async def test_raising_handler_never_breaks_the_engine() -> None:
         on_tick=hooks.on_tick,
         on_done=hooks.on_done,
     )
+
+
+async def test_raising_handler_never_breaks_the_engine() -> None:
+    """On the real engine thread a raising handler is detached after its first call and every
+    request still finishes; a well-behaved handler sees them all."""
+    bus, got = Bus(), Recorder()
+    bus.attach("tick", boom)
+    bus.attach("request_done", boom)
+    bus.attach("request_done", got)
+    hooks = Telemetry(bus=bus)
+    engine = hooked_engine(hooks)
     try:
         with capture_logs() as logs:
             finals = await asyncio.gather(*(consume(engine, f"r{i}", 20, 5) for i in range(4)))
@@ -434,15 +439,7 @@ async def test_a_deadline_cancel_is_a_deadline_event_not_a_cancellation() -> Non
     bus, got = Bus(), Recorder()
     bus.attach("request_failed", got)
     hooks = Telemetry(bus=bus)
-    engine = EngineLoop(
-        scheduler(n_parallel=2),
-        FakeRunner(),
-        fake_model_info(),
-        tokenizer=NullTokenizer(),
-        kv_cells_total=512,
-        on_tick=hooks.on_tick,
-        on_done=hooks.on_done,
-    )
+    engine = hooked_engine(hooks)
     try:
         late = engine.submit(req("late", 20, 400).spec)
         left = engine.submit(req("left", 20, 400).spec)
