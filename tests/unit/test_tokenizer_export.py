@@ -305,7 +305,10 @@ def test_runs_of_one_character_may_overlap(tmp_path: Path) -> None:
 
 
 def test_export_tokenizer_command(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    restore_logging: None,  # the command configures logging (warning level): undone after
 ) -> None:
     """By catalog name (the embedded one here) and by path, the export kept in the cache
     directory; a refused vocabulary exits 1 with one error line and writes nothing."""
