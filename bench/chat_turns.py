@@ -29,6 +29,9 @@ llama-server (bench/setup_peers.sh; its defaults: 8 GiB --cache-ram, slot prompt
 history found cached.
 
     python bench/chat_turns.py --shared --reps 3
+
+LLAMA_SERVER_BINARY=PATH takes that llama-server instead of bench/.venv-peers' (for example the
+one `bench/gpu.sh --cpu` builds from the pinned llama-cpp-python sdist's own llama.cpp).
 """
 
 from __future__ import annotations
@@ -261,7 +264,7 @@ def analyse_shared(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def main_shared(args: argparse.Namespace) -> int:
-    from peers import LlamaServerBackend, llama_server, llama_server_binary
+    from peers import LlamaServerBackend, llama_server, llama_server_binary, peer_facts
 
     from llama_grpc_server.model_files import default_model_path
 
@@ -295,6 +298,8 @@ def main_shared(args: argparse.Namespace) -> int:
         "command": "python bench/chat_turns.py " + " ".join(sys.argv[1:]),
         "machine": facts,
         "skipped": skipped,
+        "llama_server": binary or "",
+        "llama_server_version": peer_facts().get("llama_server_version", "") if binary else "",
         "workload": {
             "sessions": SHARED_SESSIONS,
             "slots": SHARED_SLOTS,

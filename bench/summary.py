@@ -388,6 +388,36 @@ def chat_turns(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def chat_turns_shared(data: dict[str, Any]) -> list[str]:
+    lines = header(data, "Many chat sessions on one system prompt", None)
+    w = data["workload"]
+    lines += [
+        f"{w['sessions']} sessions share one {w['system_tokens']}-token system prompt and take "
+        f"turns on {w['slots']} slots ({w['turns']} turns each, {w['user_words']} user words, "
+        f"{w['answer_tokens']}-token answers, the whole history resent as token ids with a "
+        "session id); the servers alternate in every repetition, each with its own text. "
+        "History cached: per later turn, the share of the previous prompt + answer found "
+        "cached; whole: the turns that found all of it.",
+        "",
+        "| server | total s median (min–max) | vs llama-grpc without cache | history cached | "
+        "whole history | TTFT p50 later turns ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, a in data["analysis"].items():
+        t = a["total_s"]
+        lines.append(
+            f"| {name} | {t['median']:.1f} ({t['min']:.1f}–{t['max']:.1f}) | "
+            f"×{a['speedup_vs_no_cache']:.2f} | {a['later_turns_history_cached']:.0%} | "
+            f"{a['later_turns_full_history']:.0%} | {a['ttft_ms_later_turns']['median']:.0f} |"
+        )
+    if data.get("llama_server_version"):
+        version = data["llama_server_version"].splitlines()[0]
+        lines += ["", f"llama-server: `{version}` ({data.get('llama_server', '')})."]
+    for name, why in data.get("skipped", {}).items():
+        lines += ["", f"{name}: skipped, {why}."]
+    return [*lines, ""]
+
+
 def models(data: dict[str, Any]) -> list[str]:
     lines = header(data, "Multi-model serving: load, swap, response-cache hit", "models.png")
     w = data["workload"]["models"]
@@ -755,6 +785,7 @@ def main() -> int:
         ("gateway", gateway),
         ("kv_tiers", kv_tiers),
         ("chat_turns", chat_turns),
+        ("chat_turns_shared", chat_turns_shared),
         ("build_isa", build_isa),
         ("decode_cost_shape", decode_cost_shape),
         ("decode_cost_shape_avx512", decode_cost_shape),
