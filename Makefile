@@ -11,7 +11,8 @@ PORT ?= 50051
 ARGS ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install wheelhouse llama-cmake-args FORCE run serve test test-unit test-model test-e2e check lint format types proto proto-check \
+.PHONY: install wheelhouse llama-cmake-args FORCE run serve test test-unit test-model test-e2e check prometheus lint format types \
+	proto proto-check \
 	proto-lint proto-breaking check-min-deps model cluster gateway bench bench-single bench-concurrency bench-strategies bench-prefix \
 	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-gateway bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-soak \
 	bench-gpu-bundle bench-gpu-cpu clean
@@ -117,6 +118,17 @@ types: $(STAMP)
 	$(BIN)/mypy
 
 check: proto-check proto-breaking lint types check-min-deps test
+
+# Debian's prometheus (2.42), which tests/e2e/test_prometheus.py runs to scrape a server: CI
+# (.ci/run, as root) installs it before `make check`. Nothing to do when it is on PATH; without
+# root or apt-get it says so and the test skips, naming this target.
+prometheus:
+	@if command -v prometheus >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends prometheus >/dev/null && prometheus --version | head -1; \
+	else echo "prometheus: not on PATH and cannot install it here (needs root and apt-get):" \
+		"tests/e2e/test_prometheus.py will be skipped"; fi
 
 # The lowest client versions pyproject.toml declares (grpcio, protobuf, grpcio-status), exactly,
 # plus the client package without the [server] extra, in a throwaway venv outside the checkout:

@@ -398,6 +398,7 @@ def server_deltas(before: Any, window_end: Any, after: Any, seconds: float) -> d
         "requests_finished",
         "requests_failed",
         "requests_cancelled",
+        "requests_deadline_exceeded",
         "requests_rejected",
         "generated_tokens",
         "prompt_tokens",

@@ -205,6 +205,9 @@ class Stats:
     spec_acceptance_rate: float = 0.0
     spec_ticks: int = 0
     model_name: str = ""  # the model these figures are of
+    # Requests whose deadline passed (not counted as failed or cancelled).
+    requests_deadline_exceeded: int = 0
+    disk_cache_write_failures: int = 0  # disk-tier writes that failed (full, read-only volume)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import ipaddress
 import re
 import tomllib
 from collections.abc import Mapping
@@ -216,3 +217,32 @@ def _principal(entry: Mapping[str, Any], where: str, own: set[str], via: str) ->
     if role not in {r.value for r in Role}:
         raise ValueError(f"{where}.role: {role!r} must be user or admin")
     return Principal(tenant, Role(role), via)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on `host` keeps the port on this machine: localhost, 127.0.0.0/8, ::1.
+    Any other name or address (0.0.0.0, ::, a hostname) may be reached from the network."""
+    name = host.strip().removeprefix("[").removesuffix("]")
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def plaintext_tokens_problem(
+    host: str, *, has_tls: bool, has_tokens: bool, allow_insecure: bool
+) -> str | None:
+    """Why a listener must not start: bearer tokens checked on a plaintext (no TLS) port that
+    the network reaches would be read by anyone on the path. None when that is not the case,
+    or when the operator said so with --allow-insecure-tokens (a TLS-terminating proxy in front
+    on a private network, for instance)."""
+    if not has_tokens or has_tls or allow_insecure or is_loopback(host):
+        return None
+    return (
+        f"--auth-tokens-file on a plaintext listener at --host={host}: bearer tokens would "
+        "travel in clear over the network, where anyone on the path can read and replay them. "
+        "Serve TLS (--tls-cert/--tls-key), listen on a loopback address (127.0.0.1, ::1, "
+        "localhost), or pass --allow-insecure-tokens if TLS ends in front of this port"
+    )

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from llama_grpc_server import catalog, telemetry, tracing
-from llama_grpc_server.auth import AuthFileError, load_auth_file
+from llama_grpc_server.auth import AuthFileError, load_auth_file, plaintext_tokens_problem
 from llama_grpc_server.config import (
     AUTO,
     ModelSettings,
@@ -239,6 +239,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("auth_tokens_file", str, "server.auth_tokens_file",
            "TOML file of bearer tokens / certificate subjects, each with a tenant and a role "
            "(user | admin), and per-tenant limits; reloaded on SIGHUP", _is_file, "PATH"),
+    Option("allow_insecure_tokens", bool, "server.allow_insecure_tokens",
+           "accept --auth-tokens-file on a plaintext (no TLS) listener that is not loopback; "
+           "without it such a server refuses to start, since the bearer tokens would cross the "
+           "network in clear (for TLS ended by a proxy in front)"),
     Option("reflection", bool, "server.reflection", "serve gRPC reflection (for grpcurl)"),
     Option("otlp_endpoint", str, "server.otlp_endpoint",
            "OpenTelemetry traces over OTLP/HTTP to this URL, e.g. http://collector:4318 (default: "
@@ -564,6 +568,19 @@ def _check(values: Mapping[str, Resolved]) -> None:
         raise ConfigError(f"{given} needs {missing} too")
     if client_ca.value and not cert.value:
         raise ConfigError(f"--tls-client-ca ({client_ca.source}) needs --tls-cert and --tls-key")
+    host, tokens, insecure = (
+        values["host"],
+        values["auth_tokens_file"],
+        values["allow_insecure_tokens"],
+    )
+    problem = plaintext_tokens_problem(
+        str(host.value),
+        has_tls=bool(cert.value),
+        has_tokens=bool(tokens.value),
+        allow_insecure=bool(insecure.value),
+    )
+    if problem:
+        raise ConfigError(f"{problem} (--host: {host.source}; --auth-tokens-file: {tokens.source})")
     port, metrics = values["port"], values["metrics_port"]
     if metrics.value and metrics.value == port.value:
         raise ConfigError(f"--metrics-port={metrics.value} ({metrics.source}): same as --port")

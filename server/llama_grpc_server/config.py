@@ -131,6 +131,8 @@ class ServerSettings:
     tls_key: str = ""
     tls_client_ca: str = ""  # PEM CA: clients must present a certificate it signed (mTLS)
     auth_tokens_file: str = ""  # TOML of tokens/identities -> tenant + role (see auth.py)
+    # Accept bearer tokens on a plaintext listener that is not loopback (auth.py): else refused
+    allow_insecure_tokens: bool = False
     reflection: bool = True
     otlp_endpoint: str = ""  # OTLP/HTTP traces URL ("" = tracing off); see tracing.py
 

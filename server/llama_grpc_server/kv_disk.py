@@ -360,10 +360,14 @@ class KvDiskStore:
         self._counters.misses += 1
 
     def stats(self) -> DiskTierStats:
+        """The figures now (any thread: the engine's for its snapshot, GetStats' and scrapes'
+        through EngineLoop.stats, while the writer thread writes)."""
         c = self._counters
+        with self._lock:
+            entries, num_bytes = len(self._entries), self._num_bytes
         return DiskTierStats(
-            entries=len(self._entries),
-            bytes=self._num_bytes,
+            entries=entries,
+            bytes=num_bytes,
             hits=c.hits,
             misses=c.misses,
             writes=c.writes,
@@ -371,6 +375,7 @@ class KvDiskStore:
             verify_failures=c.verify_failures,
             read_seconds=c.read_seconds,
             read_bytes=c.read_bytes,
+            write_failures=c.write_failures,
         )
 
     # -- writing (writer thread) ------------------------------------------------------------------

@@ -20,13 +20,19 @@ import threading
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot, Vocabulary
+from llama_grpc_server.core.api import (
+    CacheCleared,
+    DiskTierStats,
+    ModelInfo,
+    StatsSnapshot,
+    Vocabulary,
+)
 from llama_grpc_server.core.chat import ChatMessage
 from llama_grpc_server.core.plan import StepPlan, StepResult, StepRunner
 from llama_grpc_server.core.request import (
@@ -38,6 +44,7 @@ from llama_grpc_server.core.request import (
     TokenDelta,
 )
 from llama_grpc_server.core.scheduler import Emitted, Scheduler
+from llama_grpc_server.core.tenants import TenantLimits
 
 log = structlog.get_logger("llama_grpc.engine")
 
@@ -120,10 +127,12 @@ class EngineStream:
             max(part.cached_prompt_tokens for part in parts),
         )
 
-    def cancel(self) -> None:
+    def cancel(self, *, deadline_exceeded: bool = False) -> None:
         if not self._is_done:
             self._is_done = True
-            self._engine.cancel(self.request_id, self.request.spec.tenant)
+            self._engine.cancel(
+                self.request_id, self.request.spec.tenant, deadline_exceeded=deadline_exceeded
+            )
 
 
 class EngineLoop:
@@ -144,8 +153,13 @@ class EngineLoop:
         on_idle: Callable[[], None] | None = None,
         admission_window_s: float = 0.0,
         overlap_decode: bool = False,
+        disk_stats: Callable[[], DiskTierStats] | None = None,
     ) -> None:
         self._scheduler = scheduler
+        # The disk tier's own figures, read at each stats(): its writer thread saves and fails
+        # after the last tick (an idle session's save, the saves of an idle engine), so the
+        # snapshot published then would show them only once the engine ticked again.
+        self._disk_stats = disk_stats
         self._admission_window_s = admission_window_s
         # Deliver a tick's events (and publish its stats) while the next tick's forward pass
         # runs: see _tick. _held is that tick's events, written and read by the engine thread.
@@ -164,6 +178,7 @@ class EngineLoop:
         self._released = False
         self._inbox: list[tuple[str, Any]] = []
         self._num_rejected_at_submit = 0
+        self._num_failed_by_death = 0  # requests _fail ended (the engine thread writes it once)
         self._wake = threading.Condition()  # guards inbox, streams, state, error, listeners
         self._streams: dict[str, EngineStream] = {}  # by request key: (tenant, request id)
         self._is_stopping = False
@@ -231,9 +246,10 @@ class EngineLoop:
             cause = self._error
         listener(cause)
 
-    def cancel(self, request_id: str, tenant: str = "") -> None:
+    def cancel(self, request_id: str, tenant: str = "", *, deadline_exceeded: bool = False) -> None:
+        """Drop the request at the next tick; `deadline_exceeded` ends it as DeadlineExceeded."""
         with self._wake:
-            self._inbox.append(("cancel", (request_id, tenant)))
+            self._inbox.append(("cancel", (request_id, tenant, deadline_exceeded)))
             self._wake.notify()
 
     async def clear_cache(self) -> CacheCleared:
@@ -250,6 +266,13 @@ class EngineLoop:
         """End every queued and running request with `error` at the next tick."""
         with self._wake:
             self._inbox.append(("end_all", error))
+            self._wake.notify()
+
+    def set_tenant_limits(self, limits: Mapping[str, TenantLimits]) -> None:
+        """New tenant limits, applied by the engine thread (which owns the scheduler) when it
+        drains the inbox: before any request submitted after this call."""
+        with self._wake:
+            self._inbox.append(("tenant_limits", dict(limits)))
             self._wake.notify()
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
@@ -277,6 +300,8 @@ class EngineLoop:
         return dataclasses.replace(
             snapshot,
             requests_rejected=snapshot.requests_rejected + self._num_rejected_at_submit,
+            requests_failed=snapshot.requests_failed + self._num_failed_by_death,
+            disk_cache=self._disk_stats() if self._disk_stats is not None else snapshot.disk_cache,
             uptime_s=time.monotonic() - self._started,
             engine_state=self._state.value,
             engine_error=self._error,
@@ -340,6 +365,7 @@ class EngineLoop:
             if kind == "clear_cache" and not item.done():
                 item.set_exception(errors.EngineUnavailable(f"the engine has failed: {cause}"))
         failed = Failed(errors.EngineFailed(f"the engine failed: {cause}"))
+        self._num_failed_by_death = len(streams)  # counted in stats().requests_failed
         by_loop: Deliveries = defaultdict(list)
         for stream in streams:
             by_loop[stream.loop].append((stream, failed))
@@ -372,24 +398,32 @@ class EngineLoop:
             inbox, self._inbox = self._inbox, []
             if self._is_stopping:
                 inbox += [
-                    ("cancel", (s.request_id, s.request.spec.tenant))
+                    ("cancel", (s.request_id, s.request.spec.tenant, False))
                     for s in self._streams.values()
                 ]
         events: Emitted = []
         for kind, item in inbox:
-            if kind == "add":
-                events += self._add(item)
-            elif kind == "end_all":
-                events += self._scheduler.fail_all(item)
-            elif kind == "clear_cache":
-                self._clear_cache(item)
-            else:
-                events += self._scheduler.cancel(*item)
+            events += self._apply(kind, item)
         if inbox:
             self._publish()
         if events:  # after those an overlapped tick held, if any (_deliver)
             self._deliver(events)
         return not self._is_stopping
+
+    def _apply(self, kind: str, item: Any) -> Emitted:
+        """One inbox item, on the engine thread; the events it makes."""
+        if kind == "add":
+            return self._add(item)
+        if kind == "end_all":
+            return self._scheduler.fail_all(item)
+        if kind == "clear_cache":
+            self._clear_cache(item)
+        elif kind == "tenant_limits":
+            self._scheduler.set_tenant_limits(item)
+        else:
+            request_id, tenant, deadline_exceeded = item
+            return self._scheduler.cancel(request_id, tenant, deadline_exceeded=deadline_exceeded)
+        return []
 
     def _clear_cache(self, done: concurrent.futures.Future[CacheCleared]) -> None:
         # The caller may have given up (a deadline cancels the future through wrap_future): then

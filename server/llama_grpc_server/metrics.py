@@ -7,8 +7,10 @@ Imports prometheus_client; never llama_cpp or grpc."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from threading import Thread
 from typing import Any
 
@@ -20,7 +22,6 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
     generate_latest,
-    start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -167,7 +168,7 @@ class Metrics:
 
     def on_request(self, event: RequestEvent) -> None:
         """Latency histograms describe requests that finished; failures are counted by the
-        snapshot (requests_failed / cancelled / rejected)."""
+        snapshot (requests_failed / cancelled / deadline_exceeded / rejected)."""
         if event.is_failed:
             return
         model = event.model
@@ -274,6 +275,10 @@ def _snapshot_series(s: StatsSnapshot) -> Iterator[Series]:
         "requests_finished": ("Requests that finished normally.", s.requests_finished),
         "requests_failed": ("Requests that failed.", s.requests_failed),
         "requests_cancelled": ("Requests cancelled by the client.", s.requests_cancelled),
+        "requests_deadline_exceeded": (
+            "Requests whose deadline passed (queued, running, or the RPC ended by it).",
+            s.requests_deadline_exceeded,
+        ),
         "requests_rejected": ("Requests refused by the scheduler.", s.requests_rejected),
         "engine_ticks": ("Forward passes that succeeded.", s.ticks),
         "ram_cache_hits": ("RAM-tier restores.", s.ram_cache_hits),
@@ -292,6 +297,10 @@ def _snapshot_series(s: StatsSnapshot) -> Iterator[Series]:
             disk.read_seconds,
         ),
         "disk_cache_read_bytes": ("Bytes read for disk-tier restores.", disk.read_bytes),
+        "disk_cache_write_failures": (
+            "Disk-tier writes that failed (a full, read-only or failing volume).",
+            disk.write_failures,
+        ),
         "response_cache_hits": (
             "Generation requests answered from the response cache.",
             s.response_cache_hits,
@@ -352,7 +361,7 @@ class MetricsServer:
     """/metrics over HTTP on a background thread; close() stops it."""
 
     port: int
-    _httpd: Any
+    _httpd: ThreadingHTTPServer
     _thread: Thread
 
     def close(self) -> None:
@@ -361,7 +370,38 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
+# Always the text format, whatever the scraper's Accept header prefers: prometheus_client's
+# OpenMetrics output (what Prometheus asks for first) names samples with the colons escaped to
+# underscores while their # TYPE lines keep them (client_python#1177), so a real Prometheus
+# stored llama_grpc_* series and every llama_grpc:* query of the dashboard came back empty.
+TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    registry: CollectorRegistry  # set on the subclass serve_metrics makes
+
+    def do_GET(self) -> None:  # http.server's name
+        body = generate_latest(self.registry)
+        self.send_response(200)
+        self.send_header("Content-Type", TEXT_FORMAT)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # the base's name
+        """Scrapes are not logged (one a second per scraper)."""
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+
 def serve_metrics(metrics: Metrics, host: str, port: int) -> MetricsServer:
     """Listen on host:port (0 = any free port); raises OSError if the port is taken."""
-    httpd, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("MetricsHttpServer", (_Server,), {"address_family": family})
+    handler = type("Handler", (_MetricsHandler,), {"registry": metrics.registry})
+    httpd = server_class((host, port), handler)
+    thread = Thread(target=httpd.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
     return MetricsServer(int(httpd.server_port), httpd, thread)

@@ -31,7 +31,7 @@ import dataclasses
 import enum
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from llama_grpc_server import catalog, errors
 from llama_grpc_server.config import Settings
 from llama_grpc_server.core import stats
 from llama_grpc_server.core.api import EngineApi, StatsSnapshot
+from llama_grpc_server.core.tenants import TenantLimits
 from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
 
 log = structlog.get_logger("llama_grpc.models")
@@ -213,6 +214,7 @@ class ModelPool:
         self._changed = asyncio.Event()
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._tenant_limits: Mapping[str, TenantLimits] | None = None  # set by a reload
 
     # -- lookups ----------------------------------------------------------------------------------
 
@@ -414,6 +416,8 @@ class ModelPool:
                 metadata={"model": entry.name},
             ) from exc
         entry.load_seconds = time.monotonic() - started
+        if self._tenant_limits is not None:  # reloaded since the settings were read
+            engine.set_tenant_limits(self._tenant_limits)
         entry.engine, entry.state, entry.load_task = engine, ModelState.LOADED, None
         entry.loads += 1
         info = engine.model_info
@@ -561,6 +565,14 @@ class ModelPool:
         for entry in self._entries:
             if entry.engine is not None:
                 entry.engine.end_all(error)
+
+    def set_tenant_limits(self, limits: Mapping[str, TenantLimits]) -> None:
+        """New tenant limits (SIGHUP reloaded the tokens file): for every resident engine now,
+        and for every engine loaded later instead of those its settings were built with."""
+        self._tenant_limits = dict(limits)
+        for entry in self._entries:
+            if entry.engine is not None:
+                entry.engine.set_tenant_limits(self._tenant_limits)
 
     async def close(self) -> None:
         """Refuse new loads, let loads under way finish, close every engine (in threads)."""

@@ -18,7 +18,7 @@ import asyncio
 import json
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from llama_grpc_server import errors
 from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot
@@ -33,6 +33,7 @@ from llama_grpc_server.core.plan import (
 )
 from llama_grpc_server.core.request import Event, Failed, GenerationRequest, TokenDelta
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.core.tenants import TenantLimits
 from llama_grpc_server.loop import EngineLoop, EngineStream
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -268,9 +269,9 @@ class FakeStream:
             deltas += isinstance(event, TokenDelta)
             yield event
 
-    def cancel(self) -> None:
+    def cancel(self, *, deadline_exceeded: bool = False) -> None:
         self._engine._on_cancel(self._inner.request_id)
-        self._inner.cancel()
+        self._inner.cancel(deadline_exceeded=deadline_exceeded)
 
 
 class FakeEngine:
@@ -340,7 +341,12 @@ class FakeEngine:
         if self.submit_error is not None:
             raise self.submit_error
         done = self.stats()
-        ended = done.requests_finished + done.requests_failed + done.requests_cancelled
+        ended = (
+            done.requests_finished
+            + done.requests_failed
+            + done.requests_cancelled
+            + done.requests_deadline_exceeded
+        )
         unfinished = len(self.submitted) - ended
         if self.max_queue is not None and unfinished >= self.max_queue:
             raise errors.Overloaded(
@@ -379,6 +385,9 @@ class FakeEngine:
 
     def end_all(self, error: errors.ServiceError) -> None:
         self.loop.end_all(error)
+
+    def set_tenant_limits(self, limits: Mapping[str, TenantLimits]) -> None:
+        self.loop.set_tenant_limits(limits)
 
     async def clear_cache(self) -> CacheCleared:
         return await self.loop.clear_cache()

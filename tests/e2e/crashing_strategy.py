@@ -1,10 +1,12 @@
-"""A custom batch strategy (loaded by `--batch-strategy crashing_strategy:from_env` with this
-directory on PYTHONPATH) that raises on its Nth allocate() call, N = $CRASH_AT_CALL: a buggy
-plugin that kills the engine thread mid-run."""
+"""Custom batch strategies that kill the engine thread. `from_env` (loaded by `--batch-strategy
+crashing_strategy:from_env` with this directory on PYTHONPATH) raises on its Nth allocate()
+call, N = $CRASH_AT_CALL: a buggy plugin that kills the engine thread mid-run. `on_demand`
+(`tests.e2e.crashing_strategy:on_demand`, in-process) raises once a test sets CRASH_NOW."""
 
 from __future__ import annotations
 
 import os
+import threading
 
 from llama_grpc_server.core.strategies import Allocation, BatchView, DecodeMaximal
 
@@ -25,3 +27,25 @@ class CrashAtCall:
 
 def from_env() -> CrashAtCall:
     return CrashAtCall(int(os.environ.get("CRASH_AT_CALL", "0")))
+
+
+CRASH_NOW = threading.Event()
+"""Set by a test: the next allocate() of an `on_demand` strategy raises (the engine dies)."""
+
+
+class CrashOnDemand:
+    """DecodeMaximal until CRASH_NOW is set; then its next call raises, killing the engine."""
+
+    name = "crash_on_demand"
+
+    def __init__(self) -> None:
+        self.inner = DecodeMaximal()
+
+    def allocate(self, view: BatchView) -> Allocation:
+        if CRASH_NOW.is_set():
+            raise RuntimeError("injected engine failure")
+        return self.inner.allocate(view)
+
+
+def on_demand() -> CrashOnDemand:
+    return CrashOnDemand()

@@ -61,9 +61,12 @@ class EngineProbe:
         engine = build_engine(conf, on_tick=self._on_tick, on_done=self._on_done)
         cancel = engine.cancel
 
-        def spy(request_id: str, tenant: str = "") -> None:  # on the event loop, by the stream
+        # Everything but the request id is forwarded as given, so the spy keeps accepting what
+        # EngineLoop.cancel accepts (a spy without its deadline_exceeded keyword raised
+        # TypeError in every stream's cancel: no cancellation reached the engine).
+        def spy(request_id: str, *args: Any, **kwargs: Any) -> None:  # on the event loop
             self.cancel_ticks.setdefault(request_id, engine.stats().ticks)
-            cancel(request_id, tenant)
+            cancel(request_id, *args, **kwargs)
 
         engine.cancel = spy  # type: ignore[method-assign]
         self._engine = engine

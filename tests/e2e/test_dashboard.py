@@ -2,7 +2,8 @@
 is one the server exports (names compared with the scraped sample names, so a histogram must be
 queried as _bucket/_sum/_count and a counter as _total), every panel is well formed, and the
 panels cover the required topics. The extractor itself is checked on representative expressions
-and on a copy of the dashboard with a bogus metric in it."""
+and on a copy of the dashboard with a bogus metric in it. test_prometheus.py evaluates every
+query in a real Prometheus."""
 
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ REQUIRED = {
     "RPC rate": "grpc_server_started_total",
     "RPC outcomes by code": "grpc_server_handled_total",
     "engine up": P + "engine_up",
+    "deadlines": P + "requests_deadline_exceeded_total",
+    "disk-tier write failures": P + "disk_cache_write_failures_total",
 }
 
 # -- the PromQL name extractor ---------------------------------------------------------------------
@@ -213,7 +216,12 @@ def test_the_disk_tier_is_on_the_dashboard() -> None:
     """The disk tier's size, restores and rejected files are shown (that every queried series
     exists on a real server is checked above)."""
     names = queried(load_dashboard())
-    for series in ("disk_cache_entries", "disk_cache_hits_total", "disk_cache_verify_failures"):
+    for series in (
+        "disk_cache_entries",
+        "disk_cache_hits_total",
+        "disk_cache_verify_failures",
+        "disk_cache_write_failures",
+    ):
         assert any(series in name for name in names), series
 
 

@@ -173,7 +173,7 @@ async def test_deadline_expiring_fails_that_request_only(
     assert isinstance(failed.error, DeadlineExceededError), failed
     assert await until(lambda: victim in s.probe.ended), "the engine released it"
     ended = s.probe.ended[victim]
-    assert isinstance(ended.error, errors.DeadlineExceeded | errors.Cancelled), ended
+    assert isinstance(ended.error, errors.DeadlineExceeded), ended  # never a cancellation
     if phase == "queued":
         assert not ended.was_admitted, ended
     elif phase == "prefill":

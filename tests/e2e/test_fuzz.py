@@ -208,8 +208,8 @@ async def fuzzed() -> AsyncIterator[Fuzzed]:
 
 
 ENGINE_FIGURES = ("requests_started", "requests_finished", "requests_failed",
-                  "requests_cancelled", "requests_rejected", "prompt_tokens", "generated_tokens",
-                  "ticks")  # fmt: skip
+                  "requests_cancelled", "requests_deadline_exceeded", "requests_rejected",
+                  "prompt_tokens", "generated_tokens", "ticks")  # fmt: skip
 
 
 def _report(stats: pb.GetStatsResponse) -> None:

@@ -187,14 +187,26 @@ def test_admin_methods_need_the_admin_role(
 
 @pytest.mark.parametrize(
     ("host", "is_loopback"),
-    [("127.0.0.1", True), ("::1", True), ("localhost", True), ("127.3.2.1", True),
-     ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("myhost.internal", False)],
+    [("127.0.0.1", True), ("::1", True), ("[::1]", True), ("localhost", True),
+     ("LocalHost", True), ("127.3.2.1", True), ("0.0.0.0", False), ("::", False),
+     ("", False), ("10.0.0.5", False), ("myhost.internal", False)],
 )  # fmt: skip
 def test_plaintext_warning_applies_off_loopback(host: str, is_loopback: bool) -> None:
-    """rpc.server warns at start when plaintext listens anywhere but loopback."""
-    from llama_grpc_server.rpc.server import _is_loopback
-
-    assert _is_loopback(host) is is_loopback
+    """rpc.server warns at start when plaintext listens anywhere but loopback, and refuses
+    tokens there (auth.plaintext_tokens_problem) unless TLS or --allow-insecure-tokens."""
+    assert auth.is_loopback(host) is is_loopback
+    problem = auth.plaintext_tokens_problem(
+        host, has_tls=False, has_tokens=True, allow_insecure=False
+    )
+    assert (problem is None) is is_loopback
+    for has_tls, has_tokens, allow_insecure in ((True, True, False), (False, False, False),
+                                                (False, True, True)):  # fmt: skip
+        assert (
+            auth.plaintext_tokens_problem(
+                host, has_tls=has_tls, has_tokens=has_tokens, allow_insecure=allow_insecure
+            )
+            is None
+        )
 
 
 def test_the_vllm_engine_service_is_protected_and_flush_cache_is_admin_only(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import subprocess
 import sys
 import types
@@ -544,3 +545,61 @@ def test_the_ram_tier_is_on_by_default_sized_from_available_memory() -> None:
     assert ram_tier_mb(300, 1) == 300
     assert 0 < ram_tier_mb(-1) == min(8192, available_memory_bytes() // 4 // 2**20)
     assert settings("--prompt-cache-ram-mb", "0").scheduler.prompt_cache_ram_mb == 0
+
+
+# -- tokens never in clear off the box -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "myhost.example"])
+def test_tokens_on_a_plaintext_network_listener_refuse_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host: str
+) -> None:
+    """A tokens file with a plaintext listener on a non-loopback address is a ConfigError that
+    says why and how to fix it; --allow-insecure-tokens or TLS lets it start."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tokens.toml").write_text(
+        "[[tokens]]\ntenant = 'a'\ntoken = 'a-token-0123456789'\n"
+    )
+    for name in ("cert.pem", "key.pem"):
+        (tmp_path / name).write_text("x")
+    with pytest.raises(ConfigError) as caught:
+        settings("--host", host, "--auth-tokens-file", "tokens.toml")
+    message = str(caught.value)
+    assert message.startswith(f"--auth-tokens-file on a plaintext listener at --host={host}: ")
+    assert "bearer tokens would travel in clear" in message
+    assert "--allow-insecure-tokens" in message and "--tls-cert" in message
+    assert message.endswith("(--host: command line; --auth-tokens-file: command line)")
+    allowed = settings(
+        "--host", host, "--auth-tokens-file", "tokens.toml", "--allow-insecure-tokens"
+    )
+    assert allowed.server.allow_insecure_tokens is True
+    tls = settings("--host", host, "--auth-tokens-file", "tokens.toml",
+                   "--tls-cert", "cert.pem", "--tls-key", "key.pem")  # fmt: skip
+    assert tls.server.allow_insecure_tokens is False
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.8.9.10", "::1", "[::1]", "localhost"])
+def test_tokens_on_a_plaintext_loopback_listener_start(tmp_path: Path, host: str) -> None:
+    (tmp_path / "tokens.toml").write_text(
+        "[[tokens]]\ntenant = 'a'\ntoken = 'a-token-0123456789'\n"
+    )
+    got = settings("--host", host, "--auth-tokens-file", str(tmp_path / "tokens.toml"))
+    assert got.server.host == host and got.server.auth_tokens_file
+
+
+def test_plaintext_without_tokens_may_listen_anywhere() -> None:
+    assert settings("--host", "0.0.0.0").server.host == "0.0.0.0"
+
+
+def test_the_readme_options_table_lists_every_option() -> None:
+    """Each option has a row in README.md's options table (its --flag, or the --no- form of a
+    switch), and the table names no flag that does not exist."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    listed: set[str] = set()
+    for line in readme.splitlines():
+        if line.startswith("| `--"):
+            listed |= set(re.findall(r"`(--[a-z0-9-]+)", line.split("|")[1]))
+    flags = {opt.flag for opt in OPTIONS}
+    switches = {"--no-" + opt.flag[2:] for opt in OPTIONS if opt.kind is bool}
+    assert flags - listed == set()
+    assert listed - flags - switches == set()

@@ -240,6 +240,8 @@ class StubContext:
         (None, None, asyncio.CancelledError(), "CANCELLED"),
         (None, 5.0, GeneratorExit(), "CANCELLED"),
         (None, 0.0, asyncio.CancelledError(), "DEADLINE_EXCEEDED"),
+        (None, 0.009, asyncio.CancelledError(), "DEADLINE_EXCEEDED"),  # the client's came first
+        (None, 0.2, asyncio.CancelledError(), "CANCELLED"),
         (None, None, ValueError("bug"), "UNKNOWN"),
     ],
 )

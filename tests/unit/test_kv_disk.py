@@ -3,6 +3,7 @@ checks, prefix lookup, scopes, the byte budget, atomic writes from two processes
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import time
@@ -11,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from llama_grpc_server import kv_disk
+from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.kv_disk import BLOCK_TOKENS, KvDiskStore
+from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.testing import FakeRunner, FakeVocabulary, fake_model_info
+
+from .test_scheduler import PIECES
 
 FP = {"model_sha256": "ab" * 32, "n_ctx": 4096, "type_k": 1}
 MB = 1 << 20
@@ -283,3 +289,48 @@ def test_a_directory_that_vanishes_is_a_miss_not_an_error(tmp_path: Path) -> Non
     assert s.load(key, "") is None
     assert s.lookup("", tokens(300)) == ("", 0)
     assert s.stats().verify_failures == 0, "a vanished file is a miss, not a bad file"
+
+
+def test_a_failed_write_is_counted_and_the_writer_goes_on(tmp_path: Path) -> None:
+    """A write that raises (the directory replaced by a file: what a gone or read-only volume
+    looks like, even to root) counts one write failure and no write; once the directory is back
+    the writer thread still saves."""
+    directory = tmp_path / "kv"
+    s = store(directory)
+    directory.rmdir()
+    directory.write_bytes(b"not a directory")
+    s.put("", tokens(2 * BLOCK_TOKENS), blob(1000))
+    s.flush()
+    assert (s.stats().write_failures, s.stats().writes) == (1, 0)
+    directory.unlink()
+    directory.mkdir()
+    s.put("", tokens(2 * BLOCK_TOKENS, seed=1), blob(1000, seed=1))
+    s.flush()
+    assert (s.stats().write_failures, s.stats().writes) == (1, 1)
+    s.close()
+
+
+async def test_engine_stats_show_a_write_that_failed_after_the_last_tick(tmp_path: Path) -> None:
+    """An idle engine does not tick, but its disk tier's writer goes on (an idle session's
+    save): EngineLoop.stats() (GetStats, /metrics) reads the tier's own figures, so a write
+    that failed after the last tick shows at once."""
+    directory = tmp_path / "kv"
+    disk = store(directory)
+    engine = EngineLoop(
+        Scheduler(SchedulerLimits(1, 512, 64, 16, 8), pieces=PIECES, eog_ids=frozenset()),
+        FakeRunner(),
+        fake_model_info(),
+        tokenizer=FakeVocabulary(),
+        kv_cells_total=512,
+        disk_stats=disk.stats,
+    )
+    try:
+        directory.rmdir()
+        directory.write_bytes(b"not a directory")
+        disk.put("", tokens(2 * BLOCK_TOKENS), blob(1000))
+        disk.flush()
+        got = engine.stats().disk_cache
+        assert got is not None and (got.write_failures, got.writes) == (1, 0)
+    finally:
+        await asyncio.to_thread(engine.close)
+        disk.close()

@@ -118,6 +118,8 @@ async def test_engine_death_fails_in_flight_and_queued_requests(crashing: Engine
     errs = [f.error for f in finals if isinstance(f, Failed)]
     assert all(isinstance(e, errors.EngineFailed) and e.code == "INTERNAL" for e in errs)
     assert all("ZeroDivisionError: strategy bug" in e.message for e in errs)
+    stats = crashing.stats()  # the four count as failed (GetStats, /metrics), not lost
+    assert (stats.engine_state, stats.requests_failed, stats.requests_cancelled) == ("failed", 4, 0)
 
 
 async def test_after_death_submit_is_unavailable_and_stats_say_why(crashing: EngineLoop) -> None:
@@ -218,7 +220,7 @@ async def test_stats_follow_a_request_that_expires_in_the_queue() -> None:
     finally:
         await asyncio.to_thread(engine.close)
     assert isinstance(last, Failed) and isinstance(last.error, errors.DeadlineExceeded)
-    assert (stats.queue_depth, stats.requests_failed) == (0, 1)
+    assert (stats.queue_depth, stats.requests_deadline_exceeded, stats.requests_failed) == (0, 1, 0)
 
 
 # -- admission window ------------------------------------------------------------------------------

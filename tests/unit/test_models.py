@@ -18,6 +18,7 @@ from llama_grpc_server import errors
 from llama_grpc_server.config import ModelSettings, PoolSettings, Settings
 from llama_grpc_server.core import stats
 from llama_grpc_server.core.request import Failed, Finished, GenerationRequest, StoppingParams
+from llama_grpc_server.core.tenants import TenantLimits
 from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
 from llama_grpc_server.models import (
     RESCAN_INTERVAL_S,
@@ -469,3 +470,21 @@ async def test_snapshots_and_statuses(pool: ModelPool) -> None:
     assert by_name["a"].is_default and by_name["a"].state == "loaded"
     assert by_name["a"].last_used_unix_ms > 0 and by_name["a"].size_bytes == 100
     assert (by_name["b"].state, by_name["b"].last_used_unix_ms) == ("unloaded", 0)
+
+
+async def test_reloaded_tenant_limits_reach_resident_and_later_engines(factory: Factory) -> None:
+    """set_tenant_limits (SIGHUP): the resident engine's scheduler gets them through its inbox,
+    and a model loaded afterwards starts with them, not with those of the settings."""
+    pool = make_pool(factory)
+    try:
+        await pool.load("a")
+        limits = {"t": TenantLimits(max_concurrent=2, max_queued=3, weight=0.5)}
+        pool.set_tenant_limits(limits)
+        scheduler = factory.engine("a").loop._scheduler
+        await settle(lambda: scheduler.limits.tenants == limits)
+        await pool.load("b")
+        later = factory.engine("b").loop._scheduler
+        await settle(lambda: later.limits.tenants == limits)
+        assert later.fair_share.limits("t") == limits["t"]
+    finally:
+        await pool.close()

@@ -193,6 +193,25 @@ def test_cancel_frees_slot_at_next_tick() -> None:
     assert s.counters.cancelled == 1
 
 
+def test_cancel_for_a_passed_deadline_is_deadline_exceeded() -> None:
+    """A cancel because the caller's deadline passed (grpc ended the call) ends the request with
+    DeadlineExceeded and counts it as such, not as cancelled or failed; queued or running."""
+    s, runner = make(n_parallel=1), FakeRunner()
+    s.add(req("running", max_tokens=100))
+    s.add(req("queued", max_tokens=100))
+    plan, _ = s.schedule()
+    assert plan is not None
+    s.update(plan, runner.execute(plan))
+    ended = s.cancel("queued", deadline_exceeded=True) + s.cancel("running", deadline_exceeded=True)
+    assert [(r.request_id, type(e.error)) for r, e in ended if isinstance(e, Failed)] == [
+        ("queued", errors.DeadlineExceeded),
+        ("running", errors.DeadlineExceeded),
+    ]
+    c = s.counters
+    assert (c.deadline_exceeded, c.cancelled, c.failed) == (2, 0, 0)
+    assert s.snapshot(64).requests_deadline_exceeded == 2
+
+
 def test_prefill_is_chunked() -> None:
     """A 100-token prompt with chunk_size 16 is fed in chunks of at most 16."""
     s, runner = make(n_parallel=1, chunk=16), FakeRunner()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import signal
 import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,6 +24,7 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import errors
 from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings
+from llama_grpc_server.core.tenants import TenantLimits
 from llama_grpc_server.rpc.server import RunningServer, serve, start_server
 from llama_grpc_server.rpc.servicer import SERVICE_NAME
 from llama_grpc_server.testing import BOS_ID, FakeEngine, encode
@@ -168,6 +171,43 @@ async def test_deadline_mid_stream_cancels_the_engine_request(
         await collect(call)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert await engine.wait_for_cancel(timeout_s=2) == engine.submitted[0].request_id
+
+
+@pytest.mark.parametrize("method", ["Generate", "StreamGenerate"])
+async def test_a_deadline_is_counted_as_deadline_exceeded_not_cancelled(
+    stub: Any, engine: FakeEngine, method: str
+) -> None:
+    """The engine request of a call whose deadline expired ends as DeadlineExceeded: GetStats
+    counts it in requests_deadline_exceeded, never in requests_cancelled or requests_failed; a
+    client's own cancel still counts as cancelled."""
+    engine.token_delay_s = 0.05
+
+    async def expire() -> None:
+        if method == "Generate":
+            await stub.Generate(pb.GenerateRequest(prompt="x" * 50), timeout=0.3)
+        else:
+            await collect(
+                stub.StreamGenerate(pb.StreamGenerateRequest(prompt="x" * 50), timeout=0.3)
+            )
+
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await expire()
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    call = stub.StreamGenerate(pb.StreamGenerateRequest(prompt="y" * 50))
+    await call.read()
+    call.cancel()
+
+    def ended(s: Any) -> int:
+        return int(s.requests_deadline_exceeded + s.requests_cancelled + s.requests_failed)
+
+    stats = await stub.GetStats(pb.GetStatsRequest())
+    for _ in range(200):
+        if ended(stats) >= 2:
+            break
+        await asyncio.sleep(0.02)
+        stats = await stub.GetStats(pb.GetStatsRequest())
+    counts = (stats.requests_deadline_exceeded, stats.requests_cancelled, stats.requests_failed)
+    assert counts == (1, 1, 0)
 
 
 async def test_unary_deadline_cancels_the_engine_request(stub: Any, engine: FakeEngine) -> None:
@@ -425,3 +465,82 @@ async def test_serve_stops_on_sigterm() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
     assert await asyncio.wait_for(task, 10) == 0
     assert engine.is_closed
+
+
+# -- tenant limits reload --------------------------------------------------------------------------
+
+TENANT_TOKEN = "tenant-a-token-0123456789"
+
+
+def tokens_file(path: Path, limits: str = "") -> None:
+    path.write_text(f'{limits}\n[[tokens]]\ntenant = "a"\ntoken = "{TENANT_TOKEN}"\n')
+
+
+async def test_reload_applies_new_tenant_limits_to_the_running_engine(tmp_path: Path) -> None:
+    """The tokens file's tenant limits reload with the tokens (what SIGHUP calls): three streams
+    of tenant a are all accepted before; after a reload that sets max_concurrent = 1 and
+    max_queued = 1, the third is RESOURCE_EXHAUSTED naming the new limit."""
+    path = tmp_path / "tokens.toml"
+    tokens_file(path)
+    conf = dataclasses.replace(
+        SETTINGS, server=dataclasses.replace(SETTINGS.server, auth_tokens_file=str(path))
+    )
+    engine = FakeEngine(token_delay_s=0.05)
+    metadata = (("authorization", f"Bearer {TENANT_TOKEN}"),)
+    async with (
+        start_server(conf, lambda: engine) as running,
+        grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel,
+    ):
+        assert await running.wait_loaded()
+        stub: Any = pb_grpc.LlmServiceStub(channel)
+
+        async def three() -> list[Any]:
+            calls = [
+                stub.StreamGenerate(pb.StreamGenerateRequest(prompt="x" * 60), metadata=metadata)
+                for _ in range(3)
+            ]
+            for call in calls:
+                await call.wait_for_connection()
+            return calls
+
+        async def outcome(call: Any) -> grpc.StatusCode:
+            try:
+                await call.read()
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            call.cancel()
+            return grpc.StatusCode.OK
+
+        before = await three()
+        assert [await outcome(c) for c in before] == [grpc.StatusCode.OK] * 3
+        for _ in range(500):  # the cancelled streams leave their slots
+            stats = await stub.GetStats(pb.GetStatsRequest(), metadata=metadata)
+            if stats.active_slots == stats.queue_depth == 0:
+                break
+            await asyncio.sleep(0.01)
+        tokens_file(path, "[tenants.a]\nmax_concurrent = 1\nmax_queued = 1\n")
+        assert running.reload("test")
+        after = await three()
+        codes = [await outcome(c) for c in after]
+        assert sorted(codes, key=str) == sorted(
+            [grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED], key=str
+        )
+        rejected = after[codes.index(grpc.StatusCode.RESOURCE_EXHAUSTED)]
+        assert await rejected.details() == "tenant 'a' has 1 requests waiting (max_queued=1)"
+        assert engine.loop._scheduler.limits.tenants == {
+            "a": TenantLimits(max_concurrent=1, max_queued=1)
+        }
+
+
+async def test_start_server_refuses_tokens_on_a_plaintext_network_listener(tmp_path: Path) -> None:
+    """The same rule as the command line's, for servers started from code: nothing listens."""
+    path = tmp_path / "tokens.toml"
+    tokens_file(path)
+    server = dataclasses.replace(SETTINGS.server, host="0.0.0.0", auth_tokens_file=str(path))
+    refused = r"^--auth-tokens-file on a plaintext listener at --host=0\.0\.0\.0: bearer tokens"
+    with pytest.raises(ValueError, match=refused):
+        async with start_server(dataclasses.replace(SETTINGS, server=server), FakeEngine):
+            pass
+    allowed = dataclasses.replace(server, allow_insecure_tokens=True)
+    async with start_server(dataclasses.replace(SETTINGS, server=allowed), FakeEngine) as running:
+        assert await running.wait_loaded()

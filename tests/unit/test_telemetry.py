@@ -358,15 +358,9 @@ async def consume(engine: EngineLoop, rid: str, n_prompt: int, max_tokens: int) 
     return events[-1]
 
 
-async def test_raising_handler_never_breaks_the_engine() -> None:
-    """On the real engine thread a raising handler is detached after its first call and every
-    request still finishes; a well-behaved handler sees them all."""
-    bus, got = Bus(), Recorder()
-    bus.attach("tick", boom)
-    bus.attach("request_done", boom)
-    bus.attach("request_done", got)
-    hooks = Telemetry(bus=bus)
-    engine = EngineLoop(
+def hooked_engine(hooks: Telemetry) -> EngineLoop:
+    """A real engine thread (2 slots, the fake runner) calling `hooks`."""
+    return EngineLoop(
         scheduler(n_parallel=2),
         FakeRunner(),
         fake_model_info(),
@@ -375,6 +369,17 @@ async def test_raising_handler_never_breaks_the_engine() -> None:
         on_tick=hooks.on_tick,
         on_done=hooks.on_done,
     )
+
+
+async def test_raising_handler_never_breaks_the_engine() -> None:
+    """On the real engine thread a raising handler is detached after its first call and every
+    request still finishes; a well-behaved handler sees them all."""
+    bus, got = Bus(), Recorder()
+    bus.attach("tick", boom)
+    bus.attach("request_done", boom)
+    bus.attach("request_done", got)
+    hooks = Telemetry(bus=bus)
+    engine = hooked_engine(hooks)
     try:
         with capture_logs() as logs:
             finals = await asyncio.gather(*(consume(engine, f"r{i}", 20, 5) for i in range(4)))
@@ -426,3 +431,25 @@ def test_request_events_carry_the_tenant() -> None:
     assert event.tenant == "team-a"
     assert event.as_dict()["tenant"] == "team-a"
     assert telemetry.request_event(live_request(), failed, now_ns=1_001 * MS).tenant == ""
+
+
+async def test_a_deadline_cancel_is_a_deadline_event_not_a_cancellation() -> None:
+    """A request the rpc layer cancels because its call's deadline passed emits request_failed
+    with error_reason DEADLINE_EXCEEDED; a client's cancel stays CANCELLED."""
+    bus, got = Bus(), Recorder()
+    bus.attach("request_failed", got)
+    hooks = Telemetry(bus=bus)
+    engine = hooked_engine(hooks)
+    try:
+        late = engine.submit(req("late", 20, 400).spec)
+        left = engine.submit(req("left", 20, 400).spec)
+        late.cancel(deadline_exceeded=True)
+        left.cancel()
+        for _ in range(500):
+            if len(got.of("request_failed")) == 2:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await asyncio.to_thread(engine.close)
+    reasons = {e.request_id: e.error_reason for e in got.of("request_failed")}
+    assert reasons == {"late": "DEADLINE_EXCEEDED", "left": "CANCELLED"}

@@ -111,6 +111,8 @@ def test_snapshot_series_equal_the_engine_stats() -> None:
         "llama_grpc:requests_started_total": stats.requests_started,
         "llama_grpc:requests_finished_total": stats.requests_finished,
         "llama_grpc:requests_cancelled_total": stats.requests_cancelled,
+        "llama_grpc:requests_deadline_exceeded_total": stats.requests_deadline_exceeded,
+        "llama_grpc:requests_failed_total": stats.requests_failed,
         "llama_grpc:requests_rejected_total": stats.requests_rejected,
         "llama_grpc:prompt_tokens_total": stats.prompt_tokens,
         "llama_grpc:generation_tokens_total": stats.generated_tokens,
@@ -127,6 +129,9 @@ def test_snapshot_series_equal_the_engine_stats() -> None:
         "llama_grpc:response_cache_evictions_total": stats.response_cache_evictions,
     }
     assert {name: value(got, name, model="m") for name in expected} == expected
+    assert stats.disk_cache is not None
+    disk_failures = value(got, "llama_grpc:disk_cache_write_failures_total", model="m")
+    assert disk_failures == stats.disk_cache.write_failures
     kv_use = stats.kv_cells_used / stats.kv_cells_total
     assert value(got, "llama_grpc:kv_cache_usage_perc", model="m") == pytest.approx(kv_use)
     assert value(got, "llama_grpc:num_slots", model="m", state="idle") == stats.idle_slots
@@ -183,6 +188,35 @@ def test_serve_metrics_over_http() -> None:
         served.close()
     with pytest.raises(urllib.error.URLError):
         scrape(served.port)
+
+
+# What Prometheus 2.42 sends when it scrapes (scrape.go's acceptHeader): OpenMetrics first.
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+
+
+def test_a_prometheus_scrape_gets_the_names_with_their_colons() -> None:
+    """Asked the way Prometheus asks, /metrics answers in the text format with every sample
+    named as the dashboards query it (llama_grpc:...): prometheus_client's OpenMetrics output
+    escapes the colons of sample names to underscores (client_python#1177), which left every
+    engine series of the dashboard empty in a real Prometheus."""
+    metrics = Metrics()
+    metrics.on_tick(tick())
+    served = serve_metrics(metrics, "127.0.0.1", 0)
+    try:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{served.port}/metrics", headers={"Accept": PROMETHEUS_ACCEPT}
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            content_type = response.headers["Content-Type"]
+            got = samples(response.read())
+    finally:
+        served.close()
+    assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+    assert value(got, "llama_grpc:iteration_tokens_total_count", model="m") == 1
+    assert not [name for name, _ in got if name.startswith("llama_grpc_")]
 
 
 def server_settings(metrics_port: int) -> Settings:

@@ -318,3 +318,26 @@ def test_stats_name_the_tenant_of_each_slot() -> None:
     s.schedule()
     slots = s.snapshot(512).slots
     assert [(v.request_id, v.tenant) for v in slots] == [("a0", "a"), ("", "")]
+
+
+def test_new_limits_govern_the_next_add_and_admission() -> None:
+    """set_tenant_limits (a reloaded tokens file): the next add() is judged by the new max_queued
+    and the next admission by the new max_concurrent; requests already in slots or queued keep
+    their place."""
+    s, runner = make_fair(n_parallel=2), FakeRunner()
+    s.add(tenant_req("a", "a0"))
+    s.add(tenant_req("a", "a1"))
+    s.add(tenant_req("a", "a2"))
+    step(s, runner)  # a0 and a1 take both slots, a2 waits
+    s.set_tenant_limits({"a": TenantLimits(max_concurrent=1, max_queued=1)})
+    assert s.limits.tenants == {"a": TenantLimits(max_concurrent=1, max_queued=1)}
+    with pytest.raises(errors.Overloaded) as info:
+        s.add(tenant_req("a", "a3"))
+    assert info.value.message == "tenant 'a' has 1 requests waiting (max_queued=1)"
+    assert [r.request_id for r in s.queue] == ["a2"]
+    s.cancel("a0", "a")
+    step(s, runner)  # a slot is free, but a still runs a1: at max_concurrent=1, a2 waits
+    assert [r.request_id for r in s.queue] == ["a2"]
+    s.set_tenant_limits({})
+    step(s, runner)
+    assert not s.queue

@@ -3,12 +3,13 @@ Pure Python; the real implementation is loop.EngineLoop, tests may use fakes."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from llama_grpc_server.core.chat import ChatMessage
 from llama_grpc_server.core.request import Event, GenerationRequest
+from llama_grpc_server.core.tenants import TenantLimits
 from llama_grpc_server.errors import ServiceError
 
 
@@ -92,6 +93,9 @@ class StatsSnapshot:
     spec_accepted_tokens: int = 0
     spec_acceptance_rate: float = 0.0
     spec_ticks: int = 0
+    # Requests whose caller's deadline passed (in the queue, in a slot, or the RPC ended by it):
+    # neither failed nor cancelled.
+    requests_deadline_exceeded: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +112,7 @@ class DiskTierStats:
     verify_failures: int = 0  # corrupt, truncated or mismatched files (skipped and deleted)
     read_seconds: float = 0.0  # reading + verifying files for restores, in all
     read_bytes: int = 0
+    write_failures: int = 0  # writes that raised (a full, read-only or failing volume)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,8 +134,10 @@ class RequestStream(Protocol):
 
     def __aiter__(self) -> AsyncIterator[Event]: ...
 
-    def cancel(self) -> None:
-        """Ask the engine to drop the request at its next tick (idempotent)."""
+    def cancel(self, *, deadline_exceeded: bool = False) -> None:
+        """Ask the engine to drop the request at its next tick (idempotent). With
+        `deadline_exceeded` the caller left because its deadline passed: the request ends as
+        DeadlineExceeded (and is counted so), not as a cancellation."""
         ...
 
 
@@ -186,6 +193,11 @@ class EngineApi(Protocol):
 
     def end_all(self, error: ServiceError) -> None:
         """End every queued and running request with `error` (a drain's grace period is over)."""
+        ...
+
+    def set_tenant_limits(self, limits: Mapping[str, TenantLimits]) -> None:
+        """Every tenant's new limits (a reloaded tokens file), handed to the scheduler between
+        two ticks; a request submitted after this call is already judged by them."""
         ...
 
     async def clear_cache(self) -> CacheCleared:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from llama_grpc_server.core.api import (
     CacheCleared,
@@ -36,6 +36,7 @@ from llama_grpc_server.core.response_cache import (
     is_cacheable,
     response_key,
 )
+from llama_grpc_server.core.tenants import TenantLimits
 from llama_grpc_server.errors import ServiceError
 
 RUNNING = "running"  # StatsSnapshot.engine_state of an engine that serves
@@ -81,7 +82,7 @@ class ReplayStream:
         end_ns = time.perf_counter_ns()
         yield replayed(self._entry.finished, self._arrival_ns, first_ns or end_ns, end_ns)
 
-    def cancel(self) -> None:
+    def cancel(self, *, deadline_exceeded: bool = False) -> None:
         return
 
 
@@ -102,8 +103,8 @@ class RecordingStream:
                 self._cache.put(self._key, deltas, event)
             yield event
 
-    def cancel(self) -> None:
-        self._inner.cancel()
+    def cancel(self, *, deadline_exceeded: bool = False) -> None:
+        self._inner.cancel(deadline_exceeded=deadline_exceeded)
 
 
 class ResponseCachingEngine:
@@ -170,6 +171,9 @@ class ResponseCachingEngine:
 
     def end_all(self, error: ServiceError) -> None:
         self.engine.end_all(error)
+
+    def set_tenant_limits(self, limits: Mapping[str, TenantLimits]) -> None:
+        self.engine.set_tenant_limits(limits)
 
     def on_failure(self, listener: Callable[[str], None]) -> None:
         self.engine.on_failure(listener)

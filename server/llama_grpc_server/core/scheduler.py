@@ -148,6 +148,13 @@ class Scheduler:
         request.seed = seed if seed is not None else random.getrandbits(32)
         self.queue.append(request)
 
+    def set_tenant_limits(self, limits: Mapping[str, TenantLimits]) -> None:
+        """Replace every tenant's limits (SIGHUP reloaded the tokens file). They govern the
+        next admission and the next add(): running requests keep their slots and queued ones
+        their place, even where they now exceed a lowered max_concurrent or max_queued."""
+        self.limits = dataclasses.replace(self.limits, tenants=dict(limits))
+        self.fair_share.set_limits(limits)
+
     def _check_tenant_queue(self, tenant: str) -> None:
         limits = self.fair_share.limits(tenant)
         if limits.max_queued <= 0:
@@ -162,17 +169,26 @@ class Scheduler:
                 retry_after_s=1.0,
             )
 
-    def cancel(self, request_id: str, tenant: str = "") -> Emitted:
+    def cancel(
+        self, request_id: str, tenant: str = "", *, deadline_exceeded: bool = False
+    ) -> Emitted:
         """Drop a tenant's request now: a queued one leaves the queue, an active one frees its
-        slot (its computed KV stays as prefix cache) and its sampler is closed in the next plan."""
+        slot (its computed KV stays as prefix cache) and its sampler is closed in the next plan.
+        `deadline_exceeded`: the caller left because its deadline passed, so the request ends
+        with DeadlineExceeded and counts as such, not as cancelled."""
         key = request_key(tenant, request_id)
+        error: errors.ServiceError = (
+            errors.DeadlineExceeded("deadline exceeded")
+            if deadline_exceeded
+            else errors.Cancelled("cancelled")
+        )
         for request in self.queue:
             if request.key == key:
                 self.queue.remove(request)
-                return self._end_failed(request, errors.Cancelled("cancelled"), cancelled=True)
+                return self._end_failed(request, error)
         for slot in self.slots:
             if slot.request is not None and slot.request.key == key:
-                return self._end_failed(slot.request, errors.Cancelled("cancelled"), cancelled=True)
+                return self._end_failed(slot.request, error)
         return []
 
     def clear_cache(self) -> CacheCleared:
@@ -591,12 +607,13 @@ class Scheduler:
         )
         return [*out, (request, done)]
 
-    def _end_failed(
-        self, request: Request, error: errors.ServiceError, *, cancelled: bool = False
-    ) -> Emitted:
+    def _end_failed(self, request: Request, error: errors.ServiceError) -> Emitted:
+        """End a request with `error`, counted as cancelled, deadline exceeded or failed."""
         self._release(request, keep_cache=not isinstance(error, errors.EngineError))
-        if cancelled:
+        if isinstance(error, errors.Cancelled):
             self.counters.cancelled += 1
+        elif isinstance(error, errors.DeadlineExceeded):
+            self.counters.deadline_exceeded += 1
         else:
             self.counters.failed += 1
         return [(request, Failed(error))]

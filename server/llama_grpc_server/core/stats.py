@@ -20,6 +20,7 @@ class Counters:
     finished: int = 0
     failed: int = 0
     cancelled: int = 0
+    deadline_exceeded: int = 0  # neither failed nor cancelled: the caller's deadline passed
     rejected: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -97,6 +98,7 @@ def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact
             c.spec_accepted_tokens / c.spec_draft_tokens if c.spec_draft_tokens else 0.0
         ),
         spec_ticks=c.spec_ticks,
+        requests_deadline_exceeded=c.deadline_exceeded,
     )
 
 

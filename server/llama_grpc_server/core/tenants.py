@@ -66,6 +66,11 @@ class FairShare:
     def limits(self, tenant: str) -> TenantLimits:
         return self._limits.get(tenant, _NO_LIMITS)
 
+    def set_limits(self, limits: Mapping[str, TenantLimits]) -> None:
+        """New limits (a reloaded tokens file) for every later choice; the tenants' virtual
+        times and admission order are kept, so a reload neither owes nor charges anyone."""
+        self._limits = dict(limits)
+
     def pick(
         self, queue: Iterable[Request], running: Mapping[str, int], idle_sessions: Set[str]
     ) -> Request | None:

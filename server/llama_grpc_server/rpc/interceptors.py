@@ -33,6 +33,8 @@ from llama_grpc_server.tracing import RpcSpan, Tracing, bind_rpc_span, unbind_rp
 REQUEST_ID_KEY = "x-request-id"
 MAX_REQUEST_ID_LENGTH = 128
 MAX_PAYLOAD_LOG_CHARS = 4096
+# A call cancelled this close to its deadline (or after it) ended by its deadline (deadline_expired)
+DEADLINE_SLACK_S = 0.1
 
 log = structlog.get_logger("llama_grpc.rpc")
 
@@ -96,11 +98,20 @@ class NullRecorder:
         pass
 
 
+def deadline_expired(context: Context) -> bool:
+    """Whether the call ended because its deadline passed. grpc.aio ends such a call by
+    cancelling its handler, as it does when the client cancels, so the time left tells them
+    apart. Within DEADLINE_SLACK_S of it counts as the deadline: the client's own deadline
+    fires at the same moment and its cancellation (on the wire, the same RST_STREAM as an
+    explicit cancel) may arrive a few ms before the server's timer (seen: 2-9 ms)."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= DEADLINE_SLACK_S
+
+
 def status_name(context: Context, error: BaseException | None) -> str:
     """The status an RPC ended with, as seen from inside the server."""
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
-        remaining = context.time_remaining()
-        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+        return "DEADLINE_EXCEEDED" if deadline_expired(context) else "CANCELLED"
     if error is not None and not isinstance(error, grpc.aio.AbortError):
         return "UNKNOWN"
     code: grpc.StatusCode | None = context.code()

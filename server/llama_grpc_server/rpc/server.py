@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -31,7 +30,13 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import errors, model_files
-from llama_grpc_server.auth import AuthFileError, AuthTable, load_auth_file
+from llama_grpc_server.auth import (
+    AuthFileError,
+    AuthTable,
+    is_loopback,
+    load_auth_file,
+    plaintext_tokens_problem,
+)
 from llama_grpc_server.config import ServerSettings, Settings
 from llama_grpc_server.core.api import EngineApi
 from llama_grpc_server.core.cached_engine import ResponseCachingEngine
@@ -106,15 +111,6 @@ def _try_command(server: ServerSettings, port: int) -> str:
     return f"grpcurl {' '.join(flags)} {request} {target} {SERVICE_NAME}/StreamGenerate"
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 @dataclass(eq=False)
 class EngineWatch:
     """Set on the event loop when the engine reports its death; `cause` says why."""
@@ -170,14 +166,19 @@ class RunningServer:
 
     def reload(self, why: str) -> bool:
         """Read the TLS files (new connections use them) and the tokens file (the next call
-        does) again. Broken files are logged and the old ones kept; returns False then."""
+        does) again; the file's tenant limits go to every engine (through its inbox: the
+        engine thread applies them before the next request). Broken files are logged and the
+        old ones kept; returns False then."""
         is_ok = True
         if self.credentials is not None:
             is_ok = self.credentials.reload(why)
         if self.tokens_file:
             try:
-                self.access.table = load_auth_file(Path(self.tokens_file))
-                log.info("auth_reloaded", why=why, file=self.tokens_file)
+                table = load_auth_file(Path(self.tokens_file))
+                self.access.table = table
+                self.pool.set_tenant_limits(table.limits)
+                log.info("auth_reloaded", why=why, file=self.tokens_file,
+                         tenant_limits=sorted(table.limits))  # fmt: skip
             except AuthFileError as exc:
                 log.error("auth_reload_failed", why=why, error=str(exc))
                 is_ok = False
@@ -366,6 +367,14 @@ async def _started(
     *,
     tokenizer_zip: TokenizerZip | None = None,
 ) -> RunningServer:
+    problem = plaintext_tokens_problem(
+        settings.server.host,
+        has_tls=bool(settings.server.tls_cert),
+        has_tokens=bool(settings.server.auth_tokens_file),
+        allow_insecure=settings.server.allow_insecure_tokens,
+    )
+    if problem:
+        raise ValueError(problem)
     access = AccessControl(_auth_table(settings.server))
     credentials = _credentials(settings.server)
     endpoint = settings.server.otlp_endpoint
@@ -401,7 +410,7 @@ async def _started(
     log.info("listening", address=_address(host, port), port=port, transport=security,
              auth="tokens" if access.table is not None else "none",
              tracing=endpoint or "off")  # fmt: skip
-    if credentials is None and not _is_loopback(host):
+    if credentials is None and not is_loopback(host):
         log.warning(
             "plaintext_on_network",
             address=_address(host, port),

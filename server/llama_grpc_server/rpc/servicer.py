@@ -33,6 +33,7 @@ from llama_grpc_server.rpc import convert, validation
 from llama_grpc_server.rpc.interceptors import (
     current_principal,
     current_request_id,
+    deadline_expired,
     new_request_id,
 )
 from llama_grpc_server.rpc.status import ErrorsToStatus
@@ -104,12 +105,14 @@ def deadline_of(context: Context) -> float | None:
 async def run_request(
     engine: EngineApi,
     spec: GenerationRequest,
+    context: Context,
     operation: str = "text_completion",
     *,
     on_submit: Callable[[RequestStream], None] | None = None,
 ) -> AsyncGenerator[TokenDelta | Finished, None]:
     """Submit and yield deltas, then the Finished event. A Failed event raises its error.
-    Leaving early (client cancel, deadline, closed stream) cancels the request in the engine.
+    Leaving early (client cancel, deadline, closed stream) cancels the request in the engine,
+    as a deadline exceeded when the call's deadline has passed (the access log's test too).
     With tracing on, the finished request's GenAI attributes and phases go on the RPC's span.
     `on_submit` is handed the engine's stream (to cancel it from elsewhere)."""
     submitted_unix_ns = time.time_ns()
@@ -138,14 +141,14 @@ async def run_request(
         raise errors.EngineError(NO_RESULT)
     finally:
         if not is_done:
-            stream.cancel()
+            stream.cancel(deadline_exceeded=deadline_expired(context))
 
 
 async def _collect(
-    engine: EngineApi, spec: GenerationRequest, operation: str
+    engine: EngineApi, spec: GenerationRequest, context: Context, operation: str
 ) -> tuple[list[TokenDelta], Finished]:
     deltas: list[TokenDelta] = []
-    async with aclosing(run_request(engine, spec, operation)) as events:
+    async with aclosing(run_request(engine, spec, context, operation)) as events:
         async for event in events:
             if isinstance(event, Finished):
                 return deltas, event
@@ -219,7 +222,7 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
             self._engine(request.model, context) as engine,
         ):
             spec = await self._text_request(request, engine, request_id, context)
-            deltas, finished = await _collect(engine, spec, _operation(request))
+            deltas, finished = await _collect(engine, spec, context, _operation(request))
             return convert.generate_response(request_id, deltas, finished)
 
     async def StreamGenerate(
@@ -231,7 +234,7 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
             self._engine(request.model, context) as engine,
         ):
             spec = await self._text_request(request, engine, request_id, context)
-            async with aclosing(run_request(engine, spec, _operation(request))) as events:
+            async with aclosing(run_request(engine, spec, context, _operation(request))) as events:
                 async for event in events:
                     yield convert.stream_generate_response(event, request_id)
 
@@ -254,7 +257,7 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
                 deadline=deadline_of(context),
                 tenant=current_principal().tenant,
             )
-            async with aclosing(run_request(engine, spec)) as events:
+            async with aclosing(run_request(engine, spec, context)) as events:
                 async for event in events:
                     yield convert.generate_tokens_response(event, request_id)
 

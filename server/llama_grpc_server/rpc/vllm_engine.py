@@ -89,11 +89,12 @@ class _InFlight:
 
 
 async def _sample_events(
-    engine: EngineApi, spec: GenerationRequest, call: _InFlight
+    engine: EngineApi, spec: GenerationRequest, call: _InFlight, context: Context
 ) -> AsyncGenerator[Outcome, None]:
     """One sample's deltas, then Finished, or None once Abort has ended it."""
     try:
-        async with aclosing(run_request(engine, spec, on_submit=call.streams.append)) as events:
+        run = run_request(engine, spec, context, on_submit=call.streams.append)
+        async with aclosing(run) as events:
             async for event in events:
                 yield event
     except errors.DuplicateRequest as exc:
@@ -177,7 +178,8 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
                 )
             call = self._in_flight[key] = _InFlight()
             try:
-                async for message in self._generate(engine, specs, call, stream=request.stream):
+                messages = self._generate(engine, specs, call, context, stream=request.stream)
+                async for message in messages:
                     yield message
             finally:
                 del self._in_flight[key]
@@ -200,7 +202,13 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
         )
 
     async def _generate(
-        self, engine: EngineApi, specs: list[GenerationRequest], call: _InFlight, *, stream: bool
+        self,
+        engine: EngineApi,
+        specs: list[GenerationRequest],
+        call: _InFlight,
+        context: Context,
+        *,
+        stream: bool,
     ) -> AsyncGenerator[vpb.GenerateResponse, None]:
         """Chunks as tokens come (streaming), and each sample's GenerateComplete as it ends."""
         samples = [
@@ -211,7 +219,7 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
             )
             for index, spec in enumerate(specs)
         ]
-        runs = [_sample_events(engine, spec, call) for spec in specs]
+        runs = [_sample_events(engine, spec, call, context) for spec in specs]
         async with aclosing(_merged(runs)) as events:
             async for index, event in events:
                 sample = samples[index]
