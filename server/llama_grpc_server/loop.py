@@ -28,6 +28,7 @@ import structlog
 from llama_grpc_server import errors
 from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot, Vocabulary
 from llama_grpc_server.core.chat import ChatMessage
+from llama_grpc_server.core.kv_events import KvEventLog
 from llama_grpc_server.core.plan import StepPlan, StepResult, StepRunner
 from llama_grpc_server.core.request import (
     Event,
@@ -282,6 +283,10 @@ class EngineLoop:
             engine_error=self._error,
         )
 
+    @property
+    def kv_events(self) -> KvEventLog:
+        return self._scheduler.kv_events
+
     def close(self) -> None:
         with self._wake:
             self._is_stopping = True
@@ -472,6 +477,7 @@ class EngineLoop:
     def _publish(self) -> None:
         """Before delivering: a caller that saw its request end then reads stats that agree."""
         self._published = self._scheduler.snapshot(self._kv_cells_total)
+        self._scheduler.publish_kv_events(time.time())
 
     def _deliver(self, events: Emitted) -> None:
         """One call_soon_threadsafe per event loop for the whole tick; events held back by an
