@@ -311,6 +311,7 @@ class EngineLoop:
             with self._wake:
                 if self._state is EngineState.STARTING:
                     self._state = EngineState.RUNNING
+            self._publish()  # the first KV event batch: a clear, then the disk tier's files
             while self._drain_inbox():
                 if self._released:
                     self._tick_after_release()
