@@ -41,7 +41,7 @@ import threading
 import time
 import zlib
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,7 +193,17 @@ class KvDiskStore:
         self._counters = _Counters()
         self._pending: queue.Queue[tuple[int, str, tuple[int, ...], bytes] | None] = queue.Queue()
         self._writer: threading.Thread | None = None
+        # told of every file indexed or forgotten, under the lock (KV events' DISK tier)
+        self._listener: Callable[[str, str, Sequence[int] | None], None] | None = None
         self.refresh()
+
+    def watch(self, listener: Callable[[str, str, Sequence[int] | None], None]) -> None:
+        """Report every indexed file now (a restart announces what survived it), then every
+        file indexed or forgotten: listener(name, scope, tokens or None), from any thread."""
+        with self._lock:
+            self._listener = listener
+            for entry in self._entries.values():
+                listener(entry.name, entry.scope, entry.tokens)
 
     # -- the index --------------------------------------------------------------------------------
 
@@ -264,6 +274,8 @@ class KvDiskStore:
             self._forget(name)  # indexed twice: by the writer and by a refresh
             self._entries[name] = entry
             self._num_bytes += size
+            if self._listener is not None:
+                self._listener(name, entry.scope, entry.tokens)
             for h in entry.chain:
                 self._by_block.setdefault(h, set()).add(name)
 
@@ -273,6 +285,8 @@ class KvDiskStore:
         if entry is None:
             return
         self._num_bytes -= entry.size
+        if self._listener is not None:
+            self._listener(name, entry.scope, None)
         for h in entry.chain:
             names = self._by_block.get(h)
             if names is not None:
@@ -354,6 +368,11 @@ class KvDiskStore:
         self._counters.read_bytes += len(data)
         self._counters.hits += 1
         return tokens.tolist(), blob
+
+    def held(self) -> list[tuple[str, list[int]]]:
+        """(scope, tokens) of every indexed file."""
+        with self._lock:
+            return [(e.scope, e.tokens.tolist()) for e in self._entries.values()]
 
     def record_miss(self) -> None:
         """A lookup that restored nothing from disk."""
@@ -486,6 +505,9 @@ class KvDiskStore:
             self._generation += 1
             entries = list(self._entries.values())
             self._entries.clear()
+            if self._listener is not None:
+                for entry in entries:
+                    self._listener(entry.name, entry.scope, None)
             self._by_block.clear()
             self._num_bytes = 0
         freed, freed_bytes = 0, 0

@@ -34,6 +34,7 @@ from llama_grpc_server.core.api import (
     Vocabulary,
 )
 from llama_grpc_server.core.chat import ChatMessage
+from llama_grpc_server.core.kv_events import KvEventLog
 from llama_grpc_server.core.plan import StepPlan, StepResult, StepRunner
 from llama_grpc_server.core.request import (
     Event,
@@ -307,6 +308,10 @@ class EngineLoop:
             engine_error=self._error,
         )
 
+    @property
+    def kv_events(self) -> KvEventLog:
+        return self._scheduler.kv_events
+
     def close(self) -> None:
         with self._wake:
             self._is_stopping = True
@@ -331,6 +336,7 @@ class EngineLoop:
             with self._wake:
                 if self._state is EngineState.STARTING:
                     self._state = EngineState.RUNNING
+            self._publish()  # the first KV event batch: a clear, then the disk tier's files
             while self._drain_inbox():
                 if self._released:
                     self._tick_after_release()
@@ -506,6 +512,7 @@ class EngineLoop:
     def _publish(self) -> None:
         """Before delivering: a caller that saw its request end then reads stats that agree."""
         self._published = self._scheduler.snapshot(self._kv_cells_total)
+        self._scheduler.publish_kv_events(time.time())
 
     def _deliver(self, events: Emitted) -> None:
         """One call_soon_threadsafe per event loop for the whole tick; events held back by an

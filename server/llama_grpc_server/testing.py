@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from llama_grpc_server import errors
 from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot
 from llama_grpc_server.core.chat import ROLES, ChatMessage
+from llama_grpc_server.core.kv_events import KvEventLog
 from llama_grpc_server.core.plan import (
     DECODE_KV_FULL,
     Chunk,
@@ -379,6 +380,10 @@ class FakeEngine:
 
     def stats(self) -> StatsSnapshot:
         return self.loop.stats()
+
+    @property
+    def kv_events(self) -> KvEventLog:
+        return self.loop.kv_events
 
     def on_failure(self, listener: Callable[[str], None]) -> None:
         self.loop.on_failure(listener)

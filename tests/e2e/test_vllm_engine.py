@@ -14,14 +14,17 @@ from typing import Any
 import grpc
 import pytest
 import pytest_asyncio
+from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc import AsyncClient, Delta
+from llama_grpc_server.core.kv_events import BLOCK_SIZE, chain
 from llama_grpc_server.core.regex_grammar import choice_to_gbnf, regex_to_gbnf
 from llama_grpc_server.rpc.server import RunningServer
 from tests.unit.test_regex_grammar import REGEX_CASES
 from tests.unit.test_servicer_fake import details
+from tests.unit.test_vllm_engine_fake import announces, is_cleared, kv_until, stored_blocks
 
 from ..conftest import PERSON_SCHEMA, check_person
 
@@ -251,3 +254,33 @@ async def test_model_info_is_the_real_model(vllm: Any, server: RunningServer) ->
 async def _text(client: AsyncClient, done: Any) -> str:
     """The generated text of a complete (v1 Detokenize of its ids)."""
     return await client.detokenize(list(done.output_ids))
+
+
+async def test_kv_events_announce_a_prompts_blocks_and_a_clear(
+    vllm: Any, client: AsyncClient
+) -> None:
+    """SubscribeKvEvents with the real model: after a generation, every whole 16-token block
+    of its prompt is announced on the device tier with exactly the prompt's ids, chained
+    block to block; FlushCache is announced as a clear."""
+    stream = vllm.SubscribeKvEvents(cpb.SubscribeKvEventsRequest())
+    await kv_until(stream, lambda b: True)  # the snapshot
+    text = f"Request {uuid.uuid4().hex}: list the planets of the solar system in order, " * 2
+    ids = await client.tokenize(text)
+    whole = len(ids) // BLOCK_SIZE * BLOCK_SIZE
+    assert whole >= 3 * BLOCK_SIZE
+    await run(vllm, generate(ids=ids, temperature=0.0, max_tokens=4, ignore_eos=True))
+    batches = await kv_until(stream, announces(ids[whole - BLOCK_SIZE : whole]))
+    sent = {block.block_hash: (stored, block) for stored, block in stored_blocks(batches)}
+    parent = None
+    for block in chain("", ids[:whole]):
+        stored, got = sent[block.hash]
+        assert list(got.token_ids) == list(block.tokens)
+        assert stored.tier == cpb.KV_CACHE_TIER_DEVICE
+        if stored.blocks[0].block_hash == block.hash:  # the first block of its event
+            assert stored.parent_block_hash == parent if parent is not None else (
+                not stored.HasField("parent_block_hash")
+            )  # fmt: skip
+        parent = block.hash
+    await vllm.FlushCache(cpb.FlushCacheRequest())
+    await kv_until(stream, is_cleared)
+    stream.cancel()

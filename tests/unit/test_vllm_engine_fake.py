@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import hashlib
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -21,6 +21,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings
+from llama_grpc_server.core.kv_events import chain
 from llama_grpc_server.core.request import Constraint, OutputParams, SamplingParams
 from llama_grpc_server.rpc.server import RunningServer, start_server
 from llama_grpc_server.rpc.vllm_engine import VLLM_SERVICE_NAME
@@ -62,6 +63,35 @@ async def completes(vllm: Any, request: vpb.GenerateRequest) -> list[vpb.Generat
     messages = await collect(vllm.Generate(request))
     assert all(m.WhichOneof("response") == "complete" for m in messages)
     return [m.complete for m in messages]
+
+
+async def kv_until(
+    stream: Any, done: Callable[[cpb.KvEventBatch], bool], timeout_s: float = 20.0
+) -> list[cpb.KvEventBatch]:
+    """The batches of a SubscribeKvEvents stream up to the first one `done` accepts (bounded)."""
+    seen: list[cpb.KvEventBatch] = []
+    async with asyncio.timeout(timeout_s):
+        while not seen or not done(seen[-1]):
+            seen.append(await stream.read())
+    return seen
+
+
+def stored_blocks(batches: list[cpb.KvEventBatch]) -> list[tuple[cpb.KvBlocksStored, cpb.KvBlock]]:
+    return [
+        (e.stored, block)
+        for b in batches
+        for e in b.events
+        if e.WhichOneof("data") == "stored"
+        for block in e.stored.blocks
+    ]
+
+
+def announces(tokens: list[int]) -> Callable[[cpb.KvEventBatch], bool]:
+    return lambda b: any(list(block.token_ids) == tokens for _, block in stored_blocks([b]))
+
+
+def is_cleared(batch: cpb.KvEventBatch) -> bool:
+    return any(e.WhichOneof("data") == "cleared" for e in batch.events)
 
 
 # -- generation ------------------------------------------------------------------------------------
@@ -462,10 +492,6 @@ async def test_unserved_rpcs_say_so(vllm: Any) -> None:
         assert (caught.value.code(), caught.value.details()) == (
             grpc.StatusCode.UNIMPLEMENTED, message
         )  # fmt: skip
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await collect(vllm.SubscribeKvEvents(cpb.SubscribeKvEventsRequest()))
-    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "KV cache events are not published yet" in caught.value.details()
 
 
 async def test_health_follows_the_engine_state(
@@ -498,3 +524,42 @@ async def test_an_exporter_refusal_is_failed_precondition(engine: FakeEngine) ->
                 await collect(stub.GetTokenizer(cpb.GetTokenizerRequest()))
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert caught.value.details() == "no tokenizer to export: the vocabulary is not reproducible"
+
+
+# -- KV cache events -------------------------------------------------------------------------------
+
+
+async def test_kv_events_announce_a_prompts_blocks_resume_and_clear(vllm: Any) -> None:
+    """A new subscriber gets a one-chunk snapshot starting with a clear; a prompt's whole
+    16-token blocks are then announced on the device tier with their exact ids, chained from no
+    parent; a subscriber resuming at that sequence number gets no snapshot, only a load record;
+    FlushCache is announced as a clear."""
+    stream = vllm.SubscribeKvEvents(cpb.SubscribeKvEventsRequest())
+    [first] = await kv_until(stream, lambda b: True)
+    assert (first.snapshot.index, first.snapshot.count) == (0, 1)
+    assert first.events[0].WhichOneof("data") == "cleared"
+    ids = [BOS_ID, *range(10, 50)]  # 41 tokens: two whole blocks
+    await completes(vllm, generate(ids=ids, max_tokens=4, temperature=0.0))
+    batches = await kv_until(stream, announces(ids[16:32]))
+    got = {block.block_hash: (stored, block) for stored, block in stored_blocks(batches)}
+    expected = chain("", ids[:32])
+    for block in expected:
+        stored, sent = got[block.hash]
+        assert list(sent.token_ids) == list(block.tokens)
+        assert (sent.block_size, sent.cache_level, stored.tier) == (16, 0, cpb.KV_CACHE_TIER_DEVICE)
+        assert not stored.HasField("cache_salt")
+    first_run = got[expected[0].hash][0]
+    assert not first_run.HasField("parent_block_hash")
+    assert batches[-1].load.max_running_requests == 4
+    seq = batches[-1].sequence_number
+
+    resumed = vllm.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(start_sequence_number=seq))
+    [again] = await kv_until(resumed, lambda b: True)
+    assert (again.sequence_number, again.load.load_only, len(again.events)) == (seq, True, 0)
+    assert not again.HasField("snapshot")
+    resumed.cancel()
+
+    await vllm.FlushCache(cpb.FlushCacheRequest())
+    cleared = await kv_until(stream, is_cleared)
+    assert cleared[-1].sequence_number > seq
+    stream.cancel()

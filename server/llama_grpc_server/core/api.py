@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from llama_grpc_server.core.chat import ChatMessage
+from llama_grpc_server.core.kv_events import KvEventLog
 from llama_grpc_server.core.request import Event, GenerationRequest
 from llama_grpc_server.core.tenants import TenantLimits
 from llama_grpc_server.errors import ServiceError
@@ -190,6 +191,11 @@ class EngineApi(Protocol):
         ...
 
     def stats(self) -> StatsSnapshot: ...
+
+    @property
+    def kv_events(self) -> KvEventLog:
+        """What the KV cache holds, as numbered block events (SubscribeKvEvents); any thread."""
+        ...
 
     def end_all(self, error: ServiceError) -> None:
         """End every queued and running request with `error` (a drain's grace period is over)."""

@@ -23,6 +23,7 @@ from llama_grpc_server.core.api import (
     StatsSnapshot,
 )
 from llama_grpc_server.core.chat import ChatMessage
+from llama_grpc_server.core.kv_events import KvEventLog
 from llama_grpc_server.core.request import (
     Event,
     Finished,
@@ -141,6 +142,10 @@ class ResponseCachingEngine:
             response_cache_misses=cached.misses,
             response_cache_evictions=cached.evictions,
         )
+
+    @property
+    def kv_events(self) -> KvEventLog:
+        return self.engine.kv_events
 
     async def clear_cache(self) -> CacheCleared:
         """The engine's caches first: if that fails (a dead engine), nothing is cleared here

@@ -16,6 +16,7 @@ from typing import Protocol
 from llama_grpc_server.core import prefix_cache
 from llama_grpc_server.core.api import CacheCleared, DiskTierStats
 from llama_grpc_server.core.kv_cells import CellMap
+from llama_grpc_server.core.kv_events import KvEventPublisher, Tier
 from llama_grpc_server.core.plan import Chunk, SeqOp, SeqOpKind, StepResult
 from llama_grpc_server.core.request import Request
 from llama_grpc_server.core.slot import Slot
@@ -34,6 +35,7 @@ offer. Measured on the embedded model (2 cores): restoring a 1,100-token state (
 restoring pays from the first few tokens, and 8 leaves room for larger states."""
 
 CountCached = Callable[[Request, int], None]  # record a request's cached prompt tokens
+DiskListener = Callable[[str, str, Sequence[int] | None], None]
 
 
 class DiskTier(Protocol):
@@ -55,6 +57,11 @@ class DiskTier(Protocol):
 
     def stats(self) -> DiskTierStats: ...
 
+    def watch(self, listener: DiskListener) -> None:
+        """Report every file indexed now, then every file indexed or forgotten, from any
+        thread: listener(file, scope, tokens), tokens None when forgotten."""
+        ...
+
 
 class KvCacheManager:
     def __init__(
@@ -67,11 +74,16 @@ class KvCacheManager:
         ram_min_tokens: int = 64,
         disk: DiskTier | None = None,
         session_idle_ns: int = 0,
+        events: KvEventPublisher | None = None,
     ) -> None:
         self.slots = slots
         self.cells = CellMap()  # cells shared through seq_cp count once
-        self.ram = prefix_cache.RamTier(ram_cache_bytes) if ram_cache_bytes else None
+        # the blocks each tier holds, for SubscribeKvEvents: told at every edit below
+        self.events = events if events is not None else KvEventPublisher()
+        self.ram = prefix_cache.RamTier(ram_cache_bytes, self.events) if ram_cache_bytes else None
         self.disk = disk
+        if disk is not None:
+            disk.watch(self.events.disk_changed)
         self._session_idle_ns = session_idle_ns
         self._count_cached = count_cached
         self._supports_partial_removal = supports_partial_removal
@@ -95,10 +107,13 @@ class KvCacheManager:
         self._ops.append(op)
         if op.kind is SeqOpKind.REMOVE:
             self.cells.removed(op.seq_id, op.p0, op.p1)
+            self.events.truncate(Tier.DEVICE, op.seq_id, op.p0)
         elif op.kind is SeqOpKind.COPY:
             self.cells.copied(op.src_seq_id, op.seq_id, op.p1)
+            self.events.truncate(Tier.DEVICE, op.seq_id)  # sync_events() adds what it holds
         elif op.kind is SeqOpKind.RESTORE:
             self.cells.restored(op.seq_id, restored_tokens)
+            self.events.truncate(Tier.DEVICE, op.seq_id)
 
     def clear(self, slot: Slot) -> None:
         """Drop the whole sequence (no RAM-tier save)."""
@@ -110,6 +125,7 @@ class KvCacheManager:
         before any save or copy, so no cache tier ever holds it."""
         self._ops.append(SeqOp(SeqOpKind.REMOVE, slot.slot_id, p0, -1))
         self.cells.trimmed(slot.slot_id, p0)
+        self.events.truncate(Tier.DEVICE, slot.slot_id, p0)
 
     def clear_idle(self) -> CacheCleared:
         """Forget every idle slot's prefix cache (no RAM-tier save) and the whole RAM tier;
@@ -126,6 +142,7 @@ class KvCacheManager:
         files, file_bytes = self.disk.clear() if self.disk is not None else (0, 0)
         for slot in self.slots:
             slot.persisted_tokens = 0
+        self.events.cleared()
         return CacheCleared(
             cleared, used - self.cells.num_used(), entries, num_bytes, files, file_bytes
         )
@@ -332,6 +349,7 @@ class KvCacheManager:
         """A partial seq_rm failed and the runner emptied the sequence instead: its request
         re-prefills from position 0 (never reuses a stale cache); an idle slot holds nothing."""
         self.cells.cleared(seq_id)
+        self.events.truncate(Tier.DEVICE, seq_id)
         slot = self.slots[seq_id]
         request = slot.request
         if request is None:
@@ -346,3 +364,13 @@ class KvCacheManager:
 
     def num_used_cells(self) -> int:
         return self.cells.num_used()
+
+    def sync_events(self) -> None:
+        """Tell the DEVICE tier the whole blocks each slot has computed by now (the hooks above
+        truncated it at every edit, so only new blocks are hashed: O(slots) per tick)."""
+        for slot in self.slots:
+            request = slot.request
+            tokens = request.tokens if request is not None else slot.idle_cache
+            self.events.hold(
+                Tier.DEVICE, slot.slot_id, slot.cache_scope, tokens, slot.num_kv_tokens
+            )

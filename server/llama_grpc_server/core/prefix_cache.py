@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from llama_grpc_server.core.kv_events import KvEventPublisher, Tier
 from llama_grpc_server.core.slot import Slot
 
 AFFINITY_MIN_RATIO = 0.10
@@ -151,8 +152,9 @@ class RamTier:
     """LRU store of saved sequence states bounded by bytes; the scheduler decides when to save
     (before an idle slot's cache is destroyed) and when to restore (best verified LCP)."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, events: KvEventPublisher | None = None) -> None:
         self.max_bytes = max_bytes
+        self._events = events  # told of every entry stored and dropped (HOST tier blocks)
         self._entries: dict[int, RamEntry] = {}  # insertion order = LRU order
         # (scope, first RAM_KEY_TOKENS tokens) -> keys of the entries beginning so; an entry
         # shorter than that is filed under all its tokens and looked at by every lookup
@@ -186,6 +188,8 @@ class RamTier:
         key = self._next_key
         self._next_key += 1
         self._entries[key] = RamEntry(scope, tokens, data)
+        if self._events is not None:
+            self._events.hold(Tier.HOST, key, scope, tokens)
         if len(tokens) < RAM_KEY_TOKENS:
             self._short.add(key)
         else:
@@ -202,6 +206,9 @@ class RamTier:
     def clear(self) -> tuple[int, int]:
         """Drop every entry; (entries, bytes) dropped."""
         dropped = (len(self._entries), self.num_bytes)
+        if self._events is not None:
+            for key in self._entries:
+                self._events.truncate(Tier.HOST, key)
         self._entries.clear()
         self._by_start.clear()
         self._short.clear()
@@ -211,6 +218,8 @@ class RamTier:
     def _drop(self, key: int) -> RamEntry:
         entry = self._entries.pop(key)
         self.num_bytes -= len(entry.data)
+        if self._events is not None:
+            self._events.truncate(Tier.HOST, key)
         if key in self._short:
             self._short.discard(key)
         else:
@@ -234,6 +243,10 @@ class RamTier:
             if n > best_len or (n == best_len and n > 0 and key > best_key):
                 best_key, best_len = key, n
         return best_key, best_len
+
+    def held(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(scope, tokens) of every entry."""
+        return [(e.scope, e.tokens) for e in self._entries.values()]
 
     def take(self, key: int) -> RamEntry:
         """Use an entry: it becomes the most recently used."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from llama_grpc_server import errors
 from llama_grpc_server.core import context_fit, prefix_cache, stats
 from llama_grpc_server.core.api import CacheCleared, StatsSnapshot
+from llama_grpc_server.core.kv_events import KvEventLog, LoadRecord
 from llama_grpc_server.core.kv_manager import DiskTier, KvCacheManager
 from llama_grpc_server.core.outputs import Outputs
 from llama_grpc_server.core.plan import (
@@ -673,6 +674,25 @@ class Scheduler:
         self._is_admission_paused = True
 
     # -- observation ------------------------------------------------------------------------------
+
+    @property
+    def kv_events(self) -> KvEventLog:
+        return self.kv.events.log
+
+    def load_record(self) -> LoadRecord:
+        return LoadRecord(
+            running=sum(1 for s in self.slots if s.request is not None),
+            waiting=len(self.queue),
+            used_cells=self.kv.num_used_cells(),
+            total_cells=self.limits.n_ctx,
+            max_running=self.limits.n_parallel,
+        )
+
+    def publish_kv_events(self, timestamp: float) -> None:
+        """Hand the KV blocks each tier gained or lost since the last call, with the load, to
+        the event log (SubscribeKvEvents); the engine thread calls it with each stats snapshot."""
+        self.kv.sync_events()
+        self.kv.events.flush(self.load_record(), timestamp)
 
     @property
     def ram(self) -> prefix_cache.RamTier | None:

@@ -9,13 +9,24 @@ part of it (matched_token_id names a stop token)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc_server.auth import scoped_cache_scope
 from llama_grpc_server.core.api import ModelInfo
+from llama_grpc_server.core.kv_events import (
+    BLOCK_SIZE,
+    BlocksStored,
+    CacheCleared,
+    EventBatch,
+    KvEvent,
+    LoadRecord,
+)
 from llama_grpc_server.core.request import (
     Finished,
     FinishReason,
@@ -156,3 +167,97 @@ def loads(report: pb.LoadReport, version: str) -> vpb.GetLoadsResponse:
     )
     stamp = datetime.fromtimestamp(report.timestamp_unix_ms / 1000, UTC).isoformat()
     return vpb.GetLoadsResponse(timestamp=stamp, version=version, dp_rank_count=1, loads=[load])
+
+
+# -- KV cache events (SubscribeKvEvents) ---------------------------------------------------------
+
+
+def scope_salt(tenant: str) -> Callable[[str], str | None]:
+    """What a subscriber of `tenant` sees of a block's cache scope: None for another tenant's
+    block (never sent: its token ids are that tenant's prompt), else the scope the tenant chose
+    (\"\" for none), which goes out as the blocks' cache_salt when set. An anonymous subscriber
+    (no authentication configured) sees every scope."""
+    prefix = scoped_cache_scope(tenant, "")
+
+    def salt(scope: str) -> str | None:
+        return scope[len(prefix) :] if scope.startswith(prefix) else None
+
+    return salt
+
+
+def engine_load(load: LoadRecord, sample: int, *, load_only: bool) -> cpb.EngineLoad:
+    return cpb.EngineLoad(
+        running_requests=load.running,
+        waiting_requests=load.waiting,
+        token_usage=load.token_usage,
+        max_running_requests=load.max_running,
+        sample=sample,
+        load_only=load_only,
+        num_used_tokens=load.used_cells,
+        max_total_num_tokens=load.total_cells,
+    )
+
+
+def _kv_event(
+    event: KvEvent, salt: Callable[[str], str | None], event_id: int
+) -> cpb.KvCacheEvent | None:
+    if isinstance(event, CacheCleared):
+        return cpb.KvCacheEvent(event_id=event_id, cleared=cpb.KvCacheCleared())
+    scope_salt_ = salt(event.scope)
+    if scope_salt_ is None:
+        return None
+    level = int(event.tier) - 1  # KvBlock.cache_level: 0 device, 1 host, 2 disk
+    local = cpb.KV_CACHE_LOCALITY_LOCAL
+    if isinstance(event, BlocksStored):
+        stored = cpb.KvBlocksStored(
+            blocks=[
+                cpb.KvBlock(
+                    block_hash=b.hash, token_ids=b.tokens, block_size=BLOCK_SIZE, cache_level=level
+                )
+                for b in event.blocks
+            ],
+            tier=int(event.tier),
+            locality=local,
+        )
+        if event.parent is not None:
+            stored.parent_block_hash = event.parent
+        if scope_salt_:
+            stored.cache_salt = scope_salt_
+        return cpb.KvCacheEvent(event_id=event_id, stored=stored)
+    removed = cpb.KvBlocksRemoved(
+        block_hashes=event.hashes, cache_level=level, tier=int(event.tier), locality=local
+    )
+    return cpb.KvCacheEvent(event_id=event_id, removed=removed)
+
+
+def kv_event_batch(
+    batch: EventBatch, salt: Callable[[str], str | None], sample: int
+) -> cpb.KvEventBatch:
+    """A batch of the engine's KV event log as the subscriber may see it (scope_salt). Events
+    are numbered seq << 16 | index + 1 (a batch of a tick holds far fewer); a snapshot's are 0,
+    as the protocol asks of synthesized events, and it goes out as a one-chunk snapshot."""
+    events = []
+    for i, event in enumerate(batch.events):
+        event_id = 0 if batch.is_snapshot else batch.seq << 16 | (i + 1)
+        converted = _kv_event(event, salt, event_id)
+        if converted is not None:
+            events.append(converted)
+    out = cpb.KvEventBatch(
+        sequence_number=batch.seq,
+        timestamp=batch.timestamp,
+        events=events,
+        load=engine_load(batch.load, sample, load_only=False),
+    )
+    if batch.is_snapshot:
+        blocks = sum(len(e.stored.blocks) for e in events if e.WhichOneof("data") == "stored")
+        out.snapshot.CopyFrom(cpb.KvSnapshotChunk(index=0, count=1, blocks=blocks))
+    return out
+
+
+def load_only_batch(seq: int, load: LoadRecord, sample: int, timestamp: float) -> cpb.KvEventBatch:
+    """A heartbeat, or a load change without KV events: no events, the last sequence sent."""
+    return cpb.KvEventBatch(
+        sequence_number=seq,
+        timestamp=timestamp,
+        load=engine_load(load, sample, load_only=True),
+    )

@@ -10,11 +10,13 @@ second call with an id in flight gets ALREADY_EXISTS. Never imports llama_cpp.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import importlib
 import importlib.metadata
 import time
+from asyncio import FIRST_COMPLETED
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -49,6 +51,9 @@ from llama_grpc_server.rpc.status import ErrorsToStatus
 
 VLLM_SERVICE_NAME: str = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 TOKENIZER_CHUNK_BYTES = 1 << 20  # GetTokenizer's zip, sent in pieces of at most this
+KV_HEARTBEAT_S = 0.5
+"""A KV event stream with nothing to send sends its load this often: SMG counts a worker silent
+for --worker-stall-secs (2 s) as stalled, and the stream is its contact while it routes."""
 
 log = structlog.get_logger("llama_grpc.rpc")
 
@@ -73,6 +78,26 @@ def exported_tokenizer(info: ModelInfo) -> TokenizerZip:
     template = BUILTIN_TEMPLATES.get(info.chat_template)  # None: the model file's own
     cache_dir = tokenizer_export.default_cache_dir()
     return lambda: tokenizer_export.tokenizer_zip(info.model_path, template, cache_dir=cache_dir)
+
+
+class _Wake:
+    """Wakes one KV event stream from the engine thread: at most one call_soon_threadsafe in
+    flight per stream, however many batches the engine publishes meanwhile."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.event = asyncio.Event()
+        self._scheduled = False
+
+    def notify(self) -> None:  # engine thread
+        if not self._scheduled:
+            self._scheduled = True
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens
+                self.loop.call_soon_threadsafe(self._fire)
+
+    def _fire(self) -> None:
+        self._scheduled = False
+        self.event.set()
 
 
 @dataclass(eq=False)
@@ -328,6 +353,47 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
                     data=data[start:end], sha256=digest if end >= len(data) else ""
                 )
 
+    async def SubscribeKvEvents(
+        self, request: cpb.SubscribeKvEventsRequest, context: Context
+    ) -> AsyncIterator[cpb.KvEventBatch]:
+        """The default model's KV cache as block events (core.kv_events): the batches after
+        start_sequence_number, or a snapshot (cleared, then every block held) when it is 0, not
+        kept any more, or from an earlier process; then each batch as the engine publishes it,
+        and a load-only record when the load changes without KV events and every
+        KV_HEARTBEAT_S while nothing else goes out. A subscriber sees its own tenant's blocks
+        only. Ends when the server drains."""
+        async with ErrorsToStatus(context, current_request_id()):
+            log = self._ready_pool().resident("").kv_events
+            salt = vllm_convert.scope_salt(current_principal().tenant)
+            wake = _Wake(asyncio.get_running_loop())
+            remove = log.add_listener(wake.notify)
+            drained = asyncio.ensure_future(self.draining.wait())
+            cursor, sample, sent_load = request.start_sequence_number, 0, -1
+            try:
+                while not self.draining.is_set():
+                    wake.event.clear()
+                    read = log.read(cursor)
+                    for batch in read.batches:
+                        sample += 1
+                        yield vllm_convert.kv_event_batch(batch, salt, sample)
+                    cursor = read.seq
+                    if read.batches:
+                        sent_load = read.load_version
+                    elif read.load_version != sent_load and cursor > 0:
+                        sample += 1
+                        yield vllm_convert.load_only_batch(cursor, read.load, sample, time.time())
+                        sent_load = read.load_version
+                    woken = asyncio.ensure_future(wake.event.wait())
+                    done, _ = await asyncio.wait(
+                        (woken, drained), timeout=KV_HEARTBEAT_S, return_when=FIRST_COMPLETED
+                    )
+                    woken.cancel()
+                    if not done:
+                        sent_load = -1  # a heartbeat: the record again
+            finally:
+                remove()
+                drained.cancel()
+
     # -- not served -------------------------------------------------------------------------------
 
     async def Embed(self, request: vpb.EmbedRequest, context: Context) -> vpb.EmbedResponse:
@@ -348,13 +414,5 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "profiling is not supported")
         raise AssertionError("context.abort returned")  # pragma: no cover
 
-    async def SubscribeKvEvents(
-        self, request: cpb.SubscribeKvEventsRequest, context: Context
-    ) -> None:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "KV cache events are not published yet: poll GetLoads for the load",
-        )
 
-
-__all__ = ["VLLM_SERVICE_NAME", "VllmEngineServicer", "exported_tokenizer"]
+__all__ = ["KV_HEARTBEAT_S", "VLLM_SERVICE_NAME", "VllmEngineServicer", "exported_tokenizer"]
