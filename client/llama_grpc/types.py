@@ -205,6 +205,8 @@ class Stats:
     spec_acceptance_rate: float = 0.0
     spec_ticks: int = 0
     model_name: str = ""  # the model these figures are of
+    # Disk-tier reads that brought nothing back (the request computed its prompt instead).
+    disk_cache_read_failures: int = 0
 
 
 @dataclass(frozen=True, slots=True)

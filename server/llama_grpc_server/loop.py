@@ -173,6 +173,8 @@ class EngineLoop:
         self._started = time.monotonic()
         # Written by the engine thread only (one reference assignment), read by stats().
         self._published = scheduler.snapshot(kv_cells_total)
+        # The disk tier's I/O thread wakes this one when a read comes back (Scheduler.wakeup).
+        scheduler.wakeup = self._notify
         self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
         self._thread.start()
 
@@ -210,6 +212,11 @@ class EngineLoop:
             self._inbox.append(("add", stream))
             self._wake.notify()
         return stream
+
+    def _notify(self) -> None:
+        """Wake the engine thread (from another thread) to look at the scheduler again."""
+        with self._wake:
+            self._wake.notify()
 
     def _check_accepting(self) -> None:
         """Raise unless the engine thread is alive and accepting work (call with _wake held)."""
@@ -274,8 +281,12 @@ class EngineLoop:
         """The snapshot the engine thread published after its last tick (never the live
         scheduler, which that thread is mutating), with this thread's own figures."""
         snapshot = self._published
+        disk = self._scheduler.kv.disk
         return dataclasses.replace(
             snapshot,
+            # the disk tier's I/O threads move its figures between ticks (an idle engine
+            # publishes nothing): read them now
+            disk_cache=disk.stats() if disk is not None else None,
             requests_rejected=snapshot.requests_rejected + self._num_rejected_at_submit,
             uptime_s=time.monotonic() - self._started,
             engine_state=self._state.value,

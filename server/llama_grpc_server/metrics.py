@@ -292,6 +292,10 @@ def _snapshot_series(s: StatsSnapshot) -> Iterator[Series]:
             disk.read_seconds,
         ),
         "disk_cache_read_bytes": ("Bytes read for disk-tier restores.", disk.read_bytes),
+        "disk_cache_read_failures": (
+            "Disk-tier reads that brought nothing back (the request computed its prompt).",
+            disk.read_failures,
+        ),
         "response_cache_hits": (
             "Generation requests answered from the response cache.",
             s.response_cache_hits,

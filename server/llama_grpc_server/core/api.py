@@ -108,6 +108,9 @@ class DiskTierStats:
     verify_failures: int = 0  # corrupt, truncated or mismatched files (skipped and deleted)
     read_seconds: float = 0.0  # reading + verifying files for restores, in all
     read_bytes: int = 0
+    # reads that brought nothing back (file gone, unreadable, corrupt, the read queue full):
+    # the request computed its prompt instead
+    read_failures: int = 0
 
 
 @dataclass(frozen=True, slots=True)
