@@ -208,6 +208,8 @@ class Stats:
     # Requests whose deadline passed (not counted as failed or cancelled).
     requests_deadline_exceeded: int = 0
     disk_cache_write_failures: int = 0  # disk-tier writes that failed (full, read-only volume)
+    # Disk-tier reads that brought nothing back (the request computed its prompt instead).
+    disk_cache_read_failures: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,8 +26,12 @@ headers at start (they are small: 4 bytes a token) and refreshed when the direct
 file written by another replica). One scope can never reach another's file: the scope seeds the
 chain and is checked again at load.
 
-The engine thread calls lookup/load/clear; a writer thread does every write and eviction, so a
-save never stalls a tick. One lock guards the index between the two."""
+The engine thread calls lookup (the index in memory: no file is touched) and clear. Nothing it
+does waits for the disk: a reader thread reads and verifies the file a restore needs (read(),
+whose answer comes back through a callback) and refreshes the index every REFRESH_S, and a
+writer thread does every write and eviction. So a volume that blocks delays the requests waiting
+for its bytes and no tick. One lock guards the index between the three; no file operation runs
+with it held."""
 
 from __future__ import annotations
 
@@ -62,8 +66,20 @@ STALE_TEMP_S = 600.0
 """A temporary file older than this is a crashed writer's (a live one renames within seconds)."""
 MAX_CANDIDATES = 8
 """Files compared token by token at the deepest matching block (the most recently used)."""
+REFRESH_S = 1.0
+"""The reader thread looks for files other replicas wrote (a stat of the directory) this often."""
+MAX_PENDING_READS = 64
+"""Reads queued for the reader thread at most; read() refuses more (the request computes)."""
 
 _PREFIX = struct.Struct("<4sIII")
+
+
+ReadDone = Callable[[tuple[list[int], bytes] | None], None]
+"""What a read() calls on the reader thread with the verified (tokens, state), or None."""
+
+
+def _no_read(loaded: tuple[list[int], bytes] | None) -> None:
+    """The reader thread's turn without a read (time for the index refresh)."""
 
 
 class CorruptFile(ValueError):
@@ -92,6 +108,7 @@ class _Counters:
     verify_failures: int = 0
     read_seconds: float = 0.0
     read_bytes: int = 0
+    read_failures: int = 0
 
 
 def fingerprint_tag(fingerprint: Mapping[str, object]) -> str:
@@ -195,7 +212,11 @@ class KvDiskStore:
         self._writer: threading.Thread | None = None
         # told of every file indexed or forgotten, under the lock (KV events' DISK tier)
         self._listener: Callable[[str, str, Sequence[int] | None], None] | None = None
+        self._reads: queue.Queue[tuple[str, str, ReadDone] | None] = queue.Queue(MAX_PENDING_READS)
+        self._reader: threading.Thread | None = None
+        self._reader_lock = threading.Lock()
         self.refresh()
+        self._start_reader()  # from now on it keeps the index fresh
 
     def watch(self, listener: Callable[[str, str, Sequence[int] | None], None]) -> None:
         """Report every indexed file now (a restart announces what survived it), then every
@@ -303,13 +324,14 @@ class KvDiskStore:
         with contextlib.suppress(OSError):
             os.unlink(self.directory / name)
 
-    # -- reading (engine thread) ------------------------------------------------------------------
+    # -- reading --------------------------------------------------------------------------------
 
     def lookup(self, scope: str, tokens: Sequence[int]) -> tuple[str, int]:
         """(file name, usable prefix) of the file sharing the longest verified prefix with
         `tokens` in `scope`; ("", 0) when none shares a full block. At least the last token is
-        left to compute."""
-        self.refresh()
+        left to compute. The index only (the engine thread calls it): the reader thread keeps
+        it fresh."""
+        self._start_reader()
         names: set[str] = set()
         with self._lock:
             for h in iter_chain(scope, tokens):
@@ -327,9 +349,71 @@ class KvDiskStore:
                 best, best_n = entry.name, n
         return best, best_n
 
+    def read(self, name: str, scope: str, done: ReadDone) -> bool:
+        """Read and verify a file on the reader thread, then call `done` there with what load()
+        returns. False (and `done` is never called) when MAX_PENDING_READS are queued already."""
+        self._start_reader()
+        try:
+            self._reads.put_nowait((name, scope, done))
+        except queue.Full:
+            self._counters.read_failures += 1
+            return False
+        return True
+
+    def _start_reader(self) -> None:
+        with self._reader_lock:
+            if self._reader is None:
+                self._reader = threading.Thread(
+                    target=self._read_loop, name="kv-disk-read", daemon=True
+                )
+                self._reader.start()
+
+    def _read_loop(self) -> None:
+        """Reads in order; the index refresh whenever REFRESH_S passed (and while idle)."""
+        refreshed = time.monotonic()
+        while True:
+            wait = max(0.0, refreshed + REFRESH_S - time.monotonic())
+            try:
+                item: tuple[str, str, ReadDone] | None = self._reads.get(timeout=wait)
+            except queue.Empty:
+                item = ("", "", _no_read)
+            if item is None:
+                return
+            name, scope, done = item
+            if name:
+                loaded = self._load_safely(name, scope)
+                try:
+                    done(loaded)
+                except Exception:  # the reader must outlive a broken callback
+                    log.exception("kv_disk_read_callback_failed")
+            if time.monotonic() - refreshed >= REFRESH_S:
+                self._refresh_safely()
+                refreshed = time.monotonic()
+
+    def _load_safely(self, name: str, scope: str) -> tuple[list[int], bytes] | None:
+        try:
+            loaded = self.load(name, scope)
+        except Exception as exc:  # anything a broken volume raises is a failed read
+            log.warning("kv_disk_read_failed", file=name, error=f"{type(exc).__name__}: {exc}")
+            loaded = None
+        if loaded is None:
+            self._counters.read_failures += 1
+        return loaded
+
+    def _refresh_safely(self) -> None:
+        try:
+            self.refresh()
+        except Exception as exc:
+            log.warning("kv_disk_refresh_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def _read_file(self, path: Path) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
     def load(self, name: str, scope: str) -> tuple[list[int], bytes] | None:
         """The tokens and blob of an indexed file, verified again in full (it may have changed
-        since it was indexed); None when it is gone or fails a check (then it is deleted)."""
+        since it was indexed); None when it is gone or fails a check (then it is deleted).
+        Blocking: the reader thread's (read())."""
         with self._lock:
             entry = self._entries.get(name)
         if entry is None or entry.scope != scope:
@@ -337,8 +421,7 @@ class KvDiskStore:
         path = self.directory / name
         t0 = time.perf_counter()
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = self._read_file(path)
         except FileNotFoundError:
             with self._lock:
                 self._forget(name)
@@ -395,6 +478,7 @@ class KvDiskStore:
             read_seconds=c.read_seconds,
             read_bytes=c.read_bytes,
             write_failures=c.write_failures,
+            read_failures=c.read_failures,
         )
 
     # -- writing (writer thread) ------------------------------------------------------------------
@@ -414,11 +498,17 @@ class KvDiskStore:
             self._pending.join()
 
     def close(self) -> None:
-        """Finish the queued writes and stop the writer thread."""
+        """Finish the queued writes and stop the writer and reader threads (a read in flight
+        is not waited for: a blocked volume must not hold up a shutdown)."""
         if self._writer is not None:
             self._pending.put(None)
             self._writer.join()
             self._writer = None
+        with self._reader_lock:
+            reader, self._reader = self._reader, None
+        if reader is not None:
+            with contextlib.suppress(queue.Full):
+                self._reads.put_nowait(None)
 
     def _write_loop(self) -> None:
         while True:
@@ -450,10 +540,16 @@ class KvDiskStore:
         with open(tmp, "wb") as f:
             f.write(data)
         with self._lock:
-            if generation != self._generation:  # cleared while this write was queued
-                tmp.unlink(missing_ok=True)
-                return
-            os.replace(tmp, path)
+            cleared = generation != self._generation  # cleared while this write was queued
+        if cleared:
+            tmp.unlink(missing_ok=True)
+            return
+        os.replace(tmp, path)  # without the lock: a slow volume must not hold up a lookup
+        with self._lock:
+            cleared = generation != self._generation
+        if cleared:  # cleared during the rename
+            path.unlink(missing_ok=True)
+            return
         self._counters.writes += 1
         self._index_file(name)
         self._drop_superseded(scope, tokens, name)

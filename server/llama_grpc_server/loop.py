@@ -28,7 +28,6 @@ import structlog
 from llama_grpc_server import errors
 from llama_grpc_server.core.api import (
     CacheCleared,
-    DiskTierStats,
     ModelInfo,
     StatsSnapshot,
     Vocabulary,
@@ -154,13 +153,8 @@ class EngineLoop:
         on_idle: Callable[[], None] | None = None,
         admission_window_s: float = 0.0,
         overlap_decode: bool = False,
-        disk_stats: Callable[[], DiskTierStats] | None = None,
     ) -> None:
         self._scheduler = scheduler
-        # The disk tier's own figures, read at each stats(): its writer thread saves and fails
-        # after the last tick (an idle session's save, the saves of an idle engine), so the
-        # snapshot published then would show them only once the engine ticked again.
-        self._disk_stats = disk_stats
         self._admission_window_s = admission_window_s
         # Deliver a tick's events (and publish its stats) while the next tick's forward pass
         # runs: see _tick. _held is that tick's events, written and read by the engine thread.
@@ -189,6 +183,8 @@ class EngineLoop:
         self._started = time.monotonic()
         # Written by the engine thread only (one reference assignment), read by stats().
         self._published = scheduler.snapshot(kv_cells_total)
+        # The disk tier's I/O thread wakes this one when a read comes back (Scheduler.wakeup).
+        scheduler.wakeup = self._notify
         self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
         self._thread.start()
 
@@ -226,6 +222,11 @@ class EngineLoop:
             self._inbox.append(("add", stream))
             self._wake.notify()
         return stream
+
+    def _notify(self) -> None:
+        """Wake the engine thread (from another thread) to look at the scheduler again."""
+        with self._wake:
+            self._wake.notify()
 
     def _check_accepting(self) -> None:
         """Raise unless the engine thread is alive and accepting work (call with _wake held)."""
@@ -298,11 +299,14 @@ class EngineLoop:
         """The snapshot the engine thread published after its last tick (never the live
         scheduler, which that thread is mutating), with this thread's own figures."""
         snapshot = self._published
+        disk = self._scheduler.kv.disk
         return dataclasses.replace(
             snapshot,
+            # the disk tier's I/O threads save, fail and read between ticks (an idle session's
+            # save; an idle engine publishes nothing): its figures are read now
+            disk_cache=disk.stats() if disk is not None else None,
             requests_rejected=snapshot.requests_rejected + self._num_rejected_at_submit,
             requests_failed=snapshot.requests_failed + self._num_failed_by_death,
-            disk_cache=self._disk_stats() if self._disk_stats is not None else snapshot.disk_cache,
             uptime_s=time.monotonic() - self._started,
             engine_state=self._state.value,
             engine_error=self._error,

@@ -301,6 +301,10 @@ def _snapshot_series(s: StatsSnapshot) -> Iterator[Series]:
             "Disk-tier writes that failed (a full, read-only or failing volume).",
             disk.write_failures,
         ),
+        "disk_cache_read_failures": (
+            "Disk-tier reads that brought nothing back (the request computed its prompt).",
+            disk.read_failures,
+        ),
         "response_cache_hits": (
             "Generation requests answered from the response cache.",
             s.response_cache_hits,

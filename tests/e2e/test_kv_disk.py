@@ -126,15 +126,18 @@ async def test_a_session_moving_to_another_replica_is_restored_from_the_shared_d
 ) -> None:
     """Two replicas share one directory. Replica 1 serves turn 1 and writes the idle session
     (--session-idle-s 0.5); turn 2 goes to replica 2, which finds the file written after it
-    started and restores it instead of recomputing."""
+    started (its I/O thread indexes new files within a second) and restores it instead of
+    recomputing."""
     cache = tmp_path / "kv"
     shared = (*ARGS, "--kv-cache-dir", str(cache), "--session-idle-s", "0.5")
     async with replica(*shared) as (_, c1), replica(*shared) as (_, c2):
         first, second = await conversation(c1)
         for _ in range(100):
-            if (await c1.stats()).disk_cache_writes:
+            if (await c2.stats()).disk_cache_entries:
                 break
             await asyncio.sleep(0.1)
+        assert (await c2.stats()).disk_cache_entries == 1
+        assert (await c1.stats()).disk_cache_writes == 1
         moved = await turn(c2, second)
         stats = await c2.stats()
     assert moved.done is not None

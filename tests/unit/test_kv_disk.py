@@ -317,12 +317,13 @@ async def test_engine_stats_show_a_write_that_failed_after_the_last_tick(tmp_pat
     directory = tmp_path / "kv"
     disk = store(directory)
     engine = EngineLoop(
-        Scheduler(SchedulerLimits(1, 512, 64, 16, 8), pieces=PIECES, eog_ids=frozenset()),
+        Scheduler(
+            SchedulerLimits(1, 512, 64, 16, 8), pieces=PIECES, eog_ids=frozenset(), disk=disk
+        ),
         FakeRunner(),
         fake_model_info(),
         tokenizer=FakeVocabulary(),
         kv_cells_total=512,
-        disk_stats=disk.stats,
     )
     try:
         directory.rmdir()

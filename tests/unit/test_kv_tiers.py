@@ -1,28 +1,65 @@
 """The scheduler with the disk tier: a real KvDiskStore on a temporary directory and the fake
 runner (whose saved "state" is its token list): what goes to disk when, restores after a
-restart with output identical to a cold run, damaged files recomputed (no model)."""
+restart with output identical to a cold run, damaged files recomputed; reads on the store's
+I/O thread, a blocking one delaying only the requests that wait for it (no model)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from llama_grpc_server.core.plan import SeqOpKind
-from llama_grpc_server.core.request import GenerationRequest, Request, StoppingParams
+from llama_grpc_server.core.request import (
+    Event,
+    Failed,
+    Finished,
+    GenerationRequest,
+    Request,
+    RequestState,
+    StoppingParams,
+)
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.kv_disk import SUFFIX, KvDiskStore
 from llama_grpc_server.testing import FakeRunner
-from tests.unit.test_scheduler import GREEDY, PIECES, Clock, drive, outputs, req
+from tests.unit.test_scheduler import GREEDY, PIECES, Clock, finals, outputs, req
+from tests.unit.test_scheduler import drive as drive_ticks
 
 FP = {"model_sha256": "fake", "n_ctx": 4096}
 
 
+class GatedStore(KvDiskStore):
+    """A disk tier whose file reads block until the test opens the gate (a hung volume), or
+    fail with `error`."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, FP, 1 << 26)
+        self.gate = threading.Event()
+        self.reading = threading.Event()  # a read has started (and is blocked)
+        self.error: OSError | None = None
+
+    def _read_file(self, path: Path) -> bytes:
+        self.reading.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        if self.error is not None:
+            raise self.error
+        return super()._read_file(path)
+
+
 def make(
-    path: Path, *, ram_bytes: int = 0, idle_s: float = 0.0, clock: Clock | None = None
+    path: Path,
+    *,
+    ram_bytes: int = 0,
+    idle_s: float = 0.0,
+    clock: Clock | None = None,
+    n_parallel: int = 1,
+    disk: KvDiskStore | None = None,
 ) -> tuple[Scheduler, KvDiskStore, FakeRunner]:
     clock = clock or Clock()
-    disk = KvDiskStore(path, FP, 1 << 26)
+    disk = disk or KvDiskStore(path, FP, 1 << 26)
     s = Scheduler(
-        SchedulerLimits(1, 4096, 256, 64, 8, ram_cache_bytes=ram_bytes, session_idle_s=idle_s),
+        SchedulerLimits(
+            n_parallel, 4096, 256, 64, 8, ram_cache_bytes=ram_bytes, session_idle_s=idle_s
+        ),
         pieces=PIECES,
         eog_ids=frozenset(),
         disk=disk,
@@ -30,6 +67,19 @@ def make(
         monotonic=clock.monotonic,
     )
     return s, disk, FakeRunner()
+
+
+def drive(s: Scheduler, runner: FakeRunner, timeout_s: float = 10.0) -> list[tuple[Request, Event]]:
+    """Tick until nothing is left, waiting (on the scheduler's wakeup, never a sleep) for the
+    disk reads of requests that are RESTORING."""
+    woken = threading.Event()
+    s.wakeup = woken.set
+    out = drive_ticks(s, runner)
+    while s.restoring or s.has_work:
+        assert woken.wait(timeout_s), "a disk read never came back"
+        woken.clear()
+        out += drive_ticks(s, runner)
+    return out
 
 
 def follow_up(first: Request, rid: str = "again", tail: tuple[int, ...] = (5, 6, 7)) -> Request:
@@ -182,3 +232,108 @@ def test_clear_cache_clears_the_disk_tier(tmp_path: Path) -> None:
     assert not files(tmp_path)
     drive(s, runner)
     assert s.persist_idle(everything=True) is False, "the slot's cache was cleared too"
+
+
+def blocked_follow_up(
+    tmp_path: Path, clock: Clock | None = None, deadline: float | None = None
+) -> tuple[Scheduler, GatedStore, FakeRunner, Request, Request]:
+    """A restarted server (2 slots) whose disk reads block: the follow-up of a saved history
+    waits for its read (RESTORING) while an unrelated request is served."""
+    first = shut_down_after_one_request(tmp_path)
+    disk = GatedStore(tmp_path)
+    s, _, runner = make(tmp_path, n_parallel=2, disk=disk, clock=clock)
+    prompt = (*first.tokens[: first.num_computed], 5, 6, 7)
+    again = Request(
+        GenerationRequest("again", prompt, GREEDY, StoppingParams(max_tokens=6), deadline=deadline)
+    )
+    s.add(again)
+    s.add(req("unrelated", 90, 5))
+    return s, disk, runner, again, first
+
+
+def test_a_blocked_disk_read_delays_only_the_request_waiting_for_it(tmp_path: Path) -> None:
+    """The follow-up's read blocks on the I/O thread; the engine thread never waits for it: the
+    unrelated request is served to the end meanwhile (exact output), the follow-up holds no slot
+    and gets nothing. Once the read comes back it restores the state and generates exactly what a
+    cold run does, computing only its new tokens."""
+    s, disk, runner, again, first = blocked_follow_up(tmp_path)
+    events = drive_ticks(s, runner)  # returns once nothing is left but the read
+    assert disk.reading.wait(10)
+    assert outputs(events) == {"unrelated": alone_output(req("unrelated", 90, 5))}
+    assert finals(events).keys() == {"unrelated"}
+    assert s.restoring == {"again": again} and again.state is RequestState.RESTORING
+    assert again.slot_id == -1 and not s.has_work, "the engine may sleep: nothing to tick"
+    assert s.snapshot(4096).queue_depth == 1
+    assert s.counters.started == 1, "the follow-up is not admitted until its bytes arrive"
+
+    disk.gate.set()
+    events = drive(s, runner)
+    assert outputs(events)["again"] == cold(again.spec.prompt_tokens)
+    assert isinstance(finals(events)["again"], Finished)
+    assert again.num_cached_prompt == first.num_computed
+    assert runner.fed["again"] == 3 + 6 - 1
+    # the miss is the unrelated request's lookup
+    assert (disk.stats().hits, disk.stats().misses, disk.stats().read_failures) == (1, 1, 0)
+    assert not s.restoring
+
+
+def test_a_request_cancelled_while_restoring_ends_cancelled_and_its_bytes_are_dropped(
+    tmp_path: Path,
+) -> None:
+    s, disk, runner, _, _ = blocked_follow_up(tmp_path)
+    drive_ticks(s, runner)
+    assert disk.reading.wait(10)
+    (event,) = [e for r, e in s.cancel("again") if r.request_id == "again"]
+    assert isinstance(event, Failed) and event.error.code == "CANCELLED"
+    assert not s.restoring and s.counters.cancelled == 1
+
+    woken = threading.Event()
+    s.wakeup = woken.set
+    disk.gate.set()
+    assert woken.wait(10), "the late read still comes back"
+    plans = len(runner.plans)
+    assert drive_ticks(s, runner) == [], "its answer is dropped: no event, no placement"
+    assert all(op.kind is not SeqOpKind.RESTORE for p in runner.plans[plans:] for op in p.seq_ops)
+    assert all(slot.is_idle for slot in s.slots)
+    assert s.counters.started == 1
+
+
+def test_a_request_whose_deadline_passes_while_restoring_ends_deadline_exceeded(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    s, disk, runner, _, _ = blocked_follow_up(tmp_path, clock, deadline=5.0)
+    drive_ticks(s, runner)
+    assert disk.reading.wait(10)
+    assert s.idle_wait_s() == 5.0, "the sleeping engine wakes for the deadline"
+    assert not s.has_work
+    clock.s = 5.0
+    assert s.has_work
+    events = drive_ticks(s, runner)
+    (event,) = [e for r, e in events if r.request_id == "again"]
+    assert isinstance(event, Failed) and event.error.code == "DEADLINE_EXCEEDED"
+    assert "disk tier" in event.error.message
+    assert not s.restoring and s.counters.failed == 1
+    disk.gate.set()
+    disk.close()
+    assert drive(s, runner) == []
+
+
+def test_a_read_that_fails_falls_back_to_computing_the_prompt(tmp_path: Path) -> None:
+    s, disk, runner, again, _ = blocked_follow_up(tmp_path)
+    assert isinstance(disk, GatedStore)
+    disk.error = OSError(5, "Input/output error")
+    disk.gate.set()
+    events = drive(s, runner)
+    assert outputs(events)["again"] == cold(again.spec.prompt_tokens)
+    assert again.num_cached_prompt == 0
+    assert runner.fed["again"] == len(again.spec.prompt_tokens) + 6 - 1
+    stats = disk.stats()
+    # misses: the follow-up's and the unrelated request's
+    assert (stats.hits, stats.misses, stats.read_failures, stats.verify_failures) == (0, 2, 1, 1)
+
+
+def alone_output(request: Request) -> list[int]:
+    s = Scheduler(SchedulerLimits(1, 4096, 256, 64, 8), pieces=PIECES, eog_ids=frozenset())
+    s.add(request)
+    return outputs(drive_ticks(s, FakeRunner()))[request.request_id]

@@ -114,6 +114,9 @@ class DiskTierStats:
     read_seconds: float = 0.0  # reading + verifying files for restores, in all
     read_bytes: int = 0
     write_failures: int = 0  # writes that raised (a full, read-only or failing volume)
+    # reads that brought nothing back (file gone, unreadable, corrupt, the read queue full):
+    # the request computed its prompt instead
+    read_failures: int = 0
 
 
 @dataclass(frozen=True, slots=True)

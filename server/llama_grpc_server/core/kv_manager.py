@@ -36,17 +36,23 @@ restoring pays from the first few tokens, and 8 leaves room for larger states.""
 
 CountCached = Callable[[Request, int], None]  # record a request's cached prompt tokens
 DiskListener = Callable[[str, str, Sequence[int] | None], None]
+Loaded = tuple[list[int], bytes]  # a saved state: its tokens and llama.cpp's blob
+ReadDone = Callable[[Loaded | None], None]  # a disk read's answer, called on the reader thread
 
 
 class DiskTier(Protocol):
-    """Saved states on disk (kv_disk.KvDiskStore), verified before they are handed out."""
+    """Saved states on disk (kv_disk.KvDiskStore), verified before they are handed out. The
+    engine thread never waits for the disk: lookup reads an index in memory, read hands the
+    file to an I/O thread."""
 
     def lookup(self, scope: str, tokens: Sequence[int]) -> tuple[str, int]:
         """(key, usable prefix) of the saved state sharing the longest prefix; ("", 0)."""
         ...
 
-    def load(self, key: str, scope: str) -> tuple[list[int], bytes] | None:
-        """(tokens, state) when the saved state is intact; None otherwise."""
+    def read(self, key: str, scope: str, done: ReadDone) -> bool:
+        """Read and verify the saved state on another thread, then call done((tokens, state)),
+        or done(None) when it is not intact. False when the read cannot be queued (then done
+        is never called)."""
         ...
 
     def put(self, scope: str, tokens: Sequence[int], blob: bytes) -> None: ...
@@ -159,21 +165,37 @@ class KvCacheManager:
             return 0
         return self._reuse(slot, placement if request.spec.cache_prompt else None)
 
-    def _try_restore(self, slot: Slot, request: Request, num_cached: int) -> int:
-        """Restore a saved state from the RAM or disk tier when it beats what the slots offer
-        (the longer verified prefix wins; RAM on a tie); returns the prefix length it will
-        provide (0 = no restore)."""
+    def start_disk_read(self, request: Request, num_cached: int, done: ReadDone) -> bool:
+        """Ask the disk tier for a saved state when it beats what the slots and the RAM tier
+        offer (by MIN_RESTORE_GAIN); True if a read is in flight (its answer comes through
+        `done`, on the I/O thread). A request reads at most once."""
         spec = request.spec
+        if self.disk is None or request.disk_tried or not spec.cache_prompt:
+            return False
+        if request.num_preemptions:
+            return False
+        ram_n = self.ram.best(spec.cache_scope, request.tokens)[1] if self.ram else 0
+        key, n = self.disk.lookup(spec.cache_scope, request.tokens)
+        if n <= ram_n or n < num_cached + MIN_RESTORE_GAIN:
+            return False
+        request.disk_tried = True
+        return self.disk.read(key, spec.cache_scope, done)
+
+    def _try_restore(self, slot: Slot, request: Request, num_cached: int) -> int:
+        """Restore a saved state when it beats what the slots offer: the one a disk read
+        brought for this request, else the RAM tier's (the longer verified prefix wins; RAM on
+        a tie); returns the prefix length it will provide (0 = no restore)."""
+        spec = request.spec
+        loaded, request.disk_loaded = request.disk_loaded, None
         if not spec.cache_prompt or request.num_preemptions:
             return 0
         if self.ram is None and self.disk is None:
             return 0
         ram_key, ram_n = self.ram.best(spec.cache_scope, request.tokens) if self.ram else (-1, 0)
         if self.disk is not None:
-            disk_key, disk_n = self.disk.lookup(spec.cache_scope, request.tokens)
-            if disk_n > ram_n and disk_n >= num_cached + MIN_RESTORE_GAIN:
-                loaded = self.disk.load(disk_key, spec.cache_scope)
-                if loaded is not None:
+            if loaded is not None:
+                disk_n = prefix_cache.common_prefix_length(loaded[0], request.tokens)
+                if disk_n > ram_n and disk_n >= num_cached + MIN_RESTORE_GAIN:
                     if self.ram is not None:
                         self.ram.misses += 1
                     return self._restore(slot, request, *loaded)

@@ -28,6 +28,7 @@ class Priority(enum.IntEnum):
 
 class RequestState(enum.Enum):
     QUEUED = "queued"
+    RESTORING = "restoring"  # admitted, waiting for its KV cache from the disk tier's I/O thread
     PREFILLING = "prefilling"
     GENERATING = "generating"
     FINISHED = "finished"
@@ -283,6 +284,11 @@ class Request:
     wait_key: str = ""  # the donor request's key
     wait_tokens: int = 0
     restoring_tokens: int = 0  # > 0 while a RAM-tier restore of this many tokens is in flight
+    # The disk tier: a read was asked for (never twice), the read in flight (0: none), and the
+    # saved state it brought (tokens, blob) until the request is placed with it.
+    disk_tried: bool = False
+    disk_ticket: int = 0
+    disk_loaded: tuple[list[int], bytes] | None = None
     num_draft_tokens: int = 0  # speculative decoding: tokens drafted for it
     num_accepted_draft: int = 0  # ... and accepted
     # spec.key, computed once: the scheduler and the loop compare it for every token of a tick

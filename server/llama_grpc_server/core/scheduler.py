@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -17,7 +18,7 @@ from llama_grpc_server import errors
 from llama_grpc_server.core import context_fit, prefix_cache, stats
 from llama_grpc_server.core.api import CacheCleared, StatsSnapshot
 from llama_grpc_server.core.kv_events import KvEventLog, LoadRecord
-from llama_grpc_server.core.kv_manager import DiskTier, KvCacheManager
+from llama_grpc_server.core.kv_manager import DiskTier, KvCacheManager, Loaded
 from llama_grpc_server.core.outputs import Outputs
 from llama_grpc_server.core.plan import (
     DECODE_KV_FULL,
@@ -55,6 +56,12 @@ from llama_grpc_server.core.strategies import (
 from llama_grpc_server.core.tenants import FairShare, TenantLimits
 
 Emitted = list[tuple[Request, Event]]
+
+
+def _nothing() -> None:
+    """Scheduler.wakeup without an engine thread to wake (tests driving schedule() directly)."""
+
+
 PAD_FROM_ROWS = 3  # one logits row takes llama.cpp's matrix-vector path: never padded
 DRAFT_PAUSE_TICKS = 16  # ticks without drafts after drafts did not fit the KV cache
 
@@ -121,6 +128,14 @@ class Scheduler:
         self._is_admission_paused = False
         self._started_ns = clock_ns()
         self._session_live_ns = int(limits.session_live_s * 1e9)
+        # Requests waiting for the disk tier's I/O thread (RESTORING), by key: they hold no
+        # slot. Its answers arrive on that thread: _disk_done (with _disk_lock), then wakeup()
+        # (the EngineLoop sets it to wake the engine thread).
+        self.restoring: dict[str, Request] = {}
+        self._disk_done: list[tuple[int, str, Loaded | None]] = []
+        self._disk_lock = threading.Lock()
+        self._disk_tickets = 0
+        self.wakeup: Callable[[], None] = _nothing
 
     # -- intake ---------------------------------------------------------------------------------
 
@@ -190,6 +205,9 @@ class Scheduler:
         for slot in self.slots:
             if slot.request is not None and slot.request.key == key:
                 return self._end_failed(slot.request, error)
+        restoring = self.restoring.pop(key, None)
+        if restoring is not None:  # its read's answer, when it comes, is dropped
+            return self._end_failed(restoring, error)
         return []
 
     def clear_cache(self) -> CacheCleared:
@@ -199,9 +217,22 @@ class Scheduler:
 
     def idle_wait_s(self) -> float | None:
         """How long the idle engine may sleep before an idle session is due for the disk tier
-        (None: until something arrives)."""
+        or a waiting request's deadline passes (None: until something arrives)."""
         due = self.kv.next_persist_ns()
-        return None if due is None else max(0.0, (due - self._clock_ns()) / 1e9)
+        waits = [self._timer_s()]
+        if due is not None:
+            waits.append(max(0.0, (due - self._clock_ns()) / 1e9))
+        return min((w for w in waits if w is not None), default=None)
+
+    def _timer_s(self) -> float | None:
+        """Seconds until the earliest deadline of a request that is waiting for something other
+        than the engine (a disk read), or None."""
+        deadlines = [
+            r.spec.deadline for r in self.restoring.values() if r.spec.deadline is not None
+        ]
+        if not deadlines:
+            return None
+        return max(0.0, min(deadlines) - self._monotonic())
 
     def persist_idle(self, *, everything: bool = False) -> bool:
         """Queue the disk-tier saves that are due (all of them at shutdown); True if any (the
@@ -213,6 +244,8 @@ class Scheduler:
         out: Emitted = []
         while self.queue:
             out += self._end_failed(self.queue.popleft(), error)
+        while self.restoring:
+            out += self._end_failed(self.restoring.popitem()[1], error)
         for slot in self.slots:
             if slot.request is not None:
                 out += self._end_failed(slot.request, error)
@@ -220,10 +253,15 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        """Whether a tick would do something now (a request waiting for the disk is not work
+        until its answer arrives or its deadline passes)."""
+        timer = self._timer_s()
         return bool(
             self.queue
             or self.kv.has_ops
             or self._samplers_to_close
+            or self._disk_done
+            or (timer is not None and timer <= 0.0)
             or any(s.request is not None for s in self.slots)
         )
 
@@ -232,6 +270,7 @@ class Scheduler:
     def schedule(self) -> tuple[StepPlan | None, Emitted]:
         """Expire, admit, let the strategy split the budget; returns the plan (None if idle)."""
         self._tick += 1
+        self._take_disk_reads()
         events = self._expire()
         self._admit()
         self.kv.resolve_waits()
@@ -261,7 +300,50 @@ class Scheduler:
                 out += self._end_failed(request, errors.DeadlineExceeded("deadline exceeded"))
             elif request.time_limit_passed(now_ns):
                 out += self._finish(request, FinishReason.TIME_LIMIT)
+        for restoring in [r for r in self.restoring.values() if r.deadline_passed(now)]:
+            del self.restoring[restoring.key]  # its read's answer, when it comes, is dropped
+            error = errors.DeadlineExceeded(
+                "deadline exceeded while reading the request's KV cache from the disk tier"
+            )
+            out += self._end_failed(restoring, error)
         return out
+
+    # -- the disk tier's reads ----------------------------------------------------------------
+
+    def _read_from_disk(self, request: Request, num_cached: int) -> bool:
+        """Start a disk-tier read for a request being placed (kv.start_disk_read); True if it
+        now waits for it (RESTORING, no slot held) instead of being placed."""
+        self._disk_tickets += 1
+        ticket, key = self._disk_tickets, request.key
+
+        def done(loaded: Loaded | None) -> None:  # on the I/O thread
+            with self._disk_lock:
+                self._disk_done.append((ticket, key, loaded))
+            self.wakeup()
+
+        if not self.kv.start_disk_read(request, num_cached, done):
+            return False
+        request.disk_ticket = ticket
+        request.state = RequestState.RESTORING
+        self.restoring[key] = request
+        return True
+
+    def _take_disk_reads(self) -> None:
+        """The reads that came back: each one's request goes back to the head of the queue
+        with its state (or, when the read failed, to compute its prompt). An answer for a
+        request that ended meanwhile (cancelled, deadline) is dropped."""
+        if not self._disk_done:
+            return
+        with self._disk_lock:
+            done, self._disk_done = self._disk_done, []
+        for ticket, key, loaded in reversed(done):  # appendleft: the first answer ends first
+            request = self.restoring.get(key)
+            if request is None or request.disk_ticket != ticket:
+                continue
+            del self.restoring[key]
+            request.disk_ticket, request.disk_loaded = 0, loaded
+            request.state = RequestState.QUEUED
+            self.queue.appendleft(request)
 
     def _admit(self) -> None:
         if self._is_admission_paused and any(s.request is not None for s in self.slots):
@@ -274,9 +356,10 @@ class Scheduler:
             self._place(request)
 
     def _next_queued(self) -> Request | None:
-        """A preempted request at the head keeps its place (it was admitted fairly once, and
-        its tenant's count dropped when it left its slot); else the fair share picks."""
-        if self.queue[0].num_preemptions:
+        """A preempted request, or one back from a disk read, at the head keeps its place (it
+        was admitted fairly once, and its tenant's count dropped when it left its slot); else
+        the fair share picks."""
+        if self.queue[0].num_preemptions or self.queue[0].disk_tried:
             return self.queue.popleft()
         sessions = {s.session_id for s in self.slots if s.is_idle and s.session_id}
         request = self.fair_share.pick(self.queue, self._running(), sessions)
@@ -298,6 +381,8 @@ class Scheduler:
             now_ns=self._clock_ns(),
             live_ns=self._session_live_ns,
         )
+        if self._read_from_disk(request, placement.num_cached):
+            return  # placed again when the read's answer arrives
         slot = self.slots[placement.slot_id]
         kept = self.kv.prepare(slot, request, placement)
         slot.request, slot.idle_cache, slot.persisted_tokens = request, [], 0
@@ -701,7 +786,7 @@ class Scheduler:
     def snapshot(self, kv_cells_total: int) -> StatsSnapshot:
         return stats.snapshot(
             self.slots,
-            len(self.queue),
+            len(self.queue) + len(self.restoring),
             self.counters,
             self.kv.num_used_cells(),
             kv_cells_total,

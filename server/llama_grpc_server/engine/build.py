@@ -153,7 +153,6 @@ def build_engine(
         on_idle=openmp.idle_release(),
         admission_window_s=sched.admission_window_ms / 1000,
         overlap_decode=overlap_decode(sched.overlap_decode, model),
-        disk_stats=disk.stats if disk is not None else None,
     )
 
 
