@@ -32,7 +32,6 @@ from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 AUTHORIZATION_KEY = "authorization"
-HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
 _MAX_UINT32 = 2**32 - 1
 
 MetadataLike = Mapping[str, str] | Sequence[tuple[str, str]]
