@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
-from typing import Any, Generic, Literal, Self, TypedDict, TypeVar, Unpack, overload
+from typing import Any, Generic, Literal, Self, TypedDict, TypeVar, Unpack, cast, overload
 
 import grpc
 import grpc.aio
@@ -32,7 +34,6 @@ from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 AUTHORIZATION_KEY = "authorization"
-HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
 _MAX_UINT32 = 2**32 - 1
 
 MetadataLike = Mapping[str, str] | Sequence[tuple[str, str]]
@@ -271,6 +272,10 @@ def _tokenized(response: pb.TokenizeResponse, return_pieces: bool) -> list[int] 
     if return_pieces:
         return t.TokenizeResult(tuple(response.token_ids), tuple(response.pieces))
     return list(response.token_ids)
+
+
+def _model_status(response: pb.LoadModelResponse) -> t.ModelStatus:
+    return t.model_status_from_proto(response.model)
 
 
 def _health_modules() -> tuple[ModuleType, ModuleType]:
@@ -563,15 +568,167 @@ def watch_load_request(interval_s: float) -> pb.WatchLoadRequest:
     return pb.WatchLoadRequest(interval_ms=min(round(interval_s * 1000), _MAX_UINT32))
 
 
-_StreamResp = TypeVar("_StreamResp", pb.StreamGenerateResponse, pb.GenerateTokensResponse)
+_T = TypeVar("_T")
+_Wrapped = TypeVar("_Wrapped")
 
 
-def _open_stream(call: grpc.CallIterator[_StreamResp]) -> Stream:
-    return Stream(call, iter(call))
+@dataclass(frozen=True, slots=True)
+class _Unary(Generic[_Req, _Resp, _T]):
+    """One unary call: the stub method it calls (picked from a sync stub; an aio stub has the
+    same methods for the same messages), its request and per-call options, and how its
+    response and the server's `x-request-id` become the value the client method returns."""
+
+    rpc: Callable[[pb_grpc.LlmServiceStub], grpc.UnaryUnaryMultiCallable[_Req, _Resp]]
+    request: _Req
+    options: CallOptions
+    convert: Callable[[_Resp, str], _T]
 
 
-def _open_async_stream(call: grpc.aio.UnaryStreamCall[_Req, _StreamResp]) -> AsyncStream:
-    return AsyncStream(call, aiter(call))
+@dataclass(frozen=True, slots=True)
+class _Streaming(Generic[_Req, _Resp]):
+    """One server-streaming call: the stub method, its request and per-call options; a call with
+    no natural end (a watch) takes no default timeout."""
+
+    rpc: Callable[[pb_grpc.LlmServiceStub], grpc.UnaryStreamMultiCallable[_Req, _Resp]]
+    request: _Req
+    options: CallOptions
+    use_default_timeout: bool = True
+
+
+def _value(convert: Callable[[_Resp], _T]) -> Callable[[_Resp, str], _T]:
+    """A response converter that has no use for the server's request id."""
+    return lambda response, _: convert(response)
+
+
+class _Surface:
+    """The call surface of Client and AsyncClient, defined once: per public method, the call it
+    makes (stub method, request built from its arguments, options) and how the response becomes
+    its return value. Each client method is a shell that runs its call here, sync or async
+    (tests/unit/test_client_parity.py checks that the two classes' methods match)."""
+
+    @staticmethod
+    def generate(
+        prompt: str, params: GenerationParams
+    ) -> _Unary[pb.GenerateRequest, pb.GenerateResponse, t.GenerateResult]:
+        request = build_request(pb.GenerateRequest(prompt=prompt), params)
+        return _Unary(lambda stub: stub.Generate, request, params, t.result_from_proto)
+
+    @staticmethod
+    def stream(
+        prompt: str, params: GenerationParams
+    ) -> _Streaming[pb.StreamGenerateRequest, pb.StreamGenerateResponse]:
+        request = build_request(pb.StreamGenerateRequest(prompt=prompt), params)
+        return _Streaming(lambda stub: stub.StreamGenerate, request, params)
+
+    @staticmethod
+    def chat(
+        messages: Iterable[MessageLike], params: GenerationParams
+    ) -> _Unary[pb.GenerateRequest, pb.GenerateResponse, t.GenerateResult]:
+        request = build_request(pb.GenerateRequest(messages=chat_messages(messages)), params)
+        return _Unary(lambda stub: stub.Generate, request, params, t.result_from_proto)
+
+    @staticmethod
+    def stream_chat(
+        messages: Iterable[MessageLike], params: GenerationParams
+    ) -> _Streaming[pb.StreamGenerateRequest, pb.StreamGenerateResponse]:
+        messages_pb = chat_messages(messages)
+        request = build_request(pb.StreamGenerateRequest(messages=messages_pb), params)
+        return _Streaming(lambda stub: stub.StreamGenerate, request, params)
+
+    @staticmethod
+    def generate_tokens(
+        token_ids: Sequence[int], params: TokenGenerationParams
+    ) -> _Streaming[pb.GenerateTokensRequest, pb.GenerateTokensResponse]:
+        request = build_request(pb.GenerateTokensRequest(token_ids=token_ids), params)
+        return _Streaming(lambda stub: stub.GenerateTokens, request, params)
+
+    @staticmethod
+    def tokenize(  # noqa: PLR0917  # tokenize()'s arguments, passed on
+        text: str,
+        add_special: bool,
+        parse_special: bool,
+        return_pieces: bool,
+        model: str | None,
+        options: CallOptions,
+    ) -> _Unary[pb.TokenizeRequest, pb.TokenizeResponse, list[int] | t.TokenizeResult]:
+        request = tokenize_request(text, add_special, parse_special, return_pieces, model)
+        pieces = _value(partial(_tokenized, return_pieces=return_pieces))
+        return _Unary(lambda stub: stub.Tokenize, request, options, pieces)
+
+    @staticmethod
+    def detokenize(
+        token_ids: Sequence[int], render_special: bool, model: str | None, options: CallOptions
+    ) -> _Unary[pb.DetokenizeRequest, pb.DetokenizeResponse, str]:
+        request = pb.DetokenizeRequest(
+            model=model or "", token_ids=token_ids, render_special=render_special
+        )
+        return _Unary(lambda stub: stub.Detokenize, request, options, lambda r, _: r.text)
+
+    @staticmethod
+    def stats(
+        model: str | None, options: CallOptions
+    ) -> _Unary[pb.GetStatsRequest, pb.GetStatsResponse, t.Stats]:
+        request = pb.GetStatsRequest(model=model or "")
+        return _Unary(lambda stub: stub.GetStats, request, options, _value(t.stats_from_proto))
+
+    @staticmethod
+    def watch_load(
+        interval_s: float, options: CallOptions
+    ) -> _Streaming[pb.WatchLoadRequest, pb.LoadReport]:
+        request = watch_load_request(interval_s)
+        return _Streaming(lambda stub: stub.WatchLoad, request, options, use_default_timeout=False)
+
+    @staticmethod
+    def model_info(
+        model: str | None, options: CallOptions
+    ) -> _Unary[pb.GetModelInfoRequest, pb.GetModelInfoResponse, t.ModelInfo]:
+        request = pb.GetModelInfoRequest(model=model or "")
+        info = _value(t.model_info_from_proto)
+        return _Unary(lambda stub: stub.GetModelInfo, request, options, info)
+
+    @staticmethod
+    def clear_cache(
+        model: str | None, options: CallOptions
+    ) -> _Unary[pb.ClearCacheRequest, pb.ClearCacheResponse, t.CacheCleared]:
+        request = pb.ClearCacheRequest(model=model or "")
+        cleared = _value(t.cache_cleared_from_proto)
+        return _Unary(lambda stub: stub.ClearCache, request, options, cleared)
+
+    @staticmethod
+    def list_models(
+        options: CallOptions,
+    ) -> _Unary[pb.ListModelsRequest, pb.ListModelsResponse, t.ModelList]:
+        models = _value(t.model_list_from_proto)
+        return _Unary(lambda stub: stub.ListModels, pb.ListModelsRequest(), options, models)
+
+    @staticmethod
+    def load_model(
+        model: str, options: CallOptions
+    ) -> _Unary[pb.LoadModelRequest, pb.LoadModelResponse, t.ModelStatus]:
+        request = pb.LoadModelRequest(model=model)
+        status = _value(_model_status)
+        return _Unary(lambda stub: stub.LoadModel, request, options, status)
+
+    @staticmethod
+    def unload_model(
+        model: str, force: bool, options: CallOptions
+    ) -> _Unary[pb.UnloadModelRequest, pb.UnloadModelResponse, t.ModelUnloaded]:
+        request = pb.UnloadModelRequest(model=model, force=force)
+        unloaded = _value(t.model_unloaded_from_proto)
+        return _Unary(lambda stub: stub.UnloadModel, request, options, unloaded)
+
+    @staticmethod
+    def health(
+        channel: grpc.Channel | grpc.aio.Channel, service: str, options: CallOptions
+    ) -> _Unary[Any, Any, str]:
+        """grpc.health.v1 Check on `channel` (grpcio-health-checking has no type hints)."""
+        health_pb2, health_pb2_grpc = _health_modules()
+        request = health_pb2.HealthCheckRequest(service=service)
+
+        def status(response: Any, _: str) -> str:
+            return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+
+        return _Unary(lambda _: health_pb2_grpc.HealthStub(channel).Check, request, options, status)
 
 
 class Client:
@@ -612,55 +769,51 @@ class Client:
             self._channel = grpc.secure_channel(uri, credentials, options=channel_options)
         self._stub = pb_grpc.LlmServiceStub(self._channel)
 
-    def _unary(
-        self,
-        method: grpc.UnaryUnaryMultiCallable[_Req, _Resp],
-        request: _Req,
-        options: CallOptions,
-    ) -> tuple[_Resp, str]:
-        timeout, metadata = self._defaults.call_options(options, request)
+    def _unary(self, call: _Unary[_Req, _Resp, _T]) -> _T:
+        timeout, metadata = self._defaults.call_options(call.options, call.request)
+        method = call.rpc(self._stub)
         try:
-            response, call = method.with_call(request, timeout=timeout, metadata=metadata)
+            response, rpc = method.with_call(call.request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
-        return response, request_id_of(call.initial_metadata())
+        return call.convert(response, request_id_of(rpc.initial_metadata()))
+
+    def _streaming(
+        self,
+        call: _Streaming[_Req, _Resp],
+        wrap: Callable[[grpc.Call, Iterator[_Resp]], _Wrapped],
+    ) -> _Wrapped:
+        timeout, metadata = self._defaults.call_options(
+            call.options, call.request, use_default_timeout=call.use_default_timeout
+        )
+        rpc = call.rpc(self._stub)(call.request, timeout=timeout, metadata=metadata)
+        return wrap(rpc, iter(rpc))
 
     def generate(self, prompt: str, **params: Unpack[GenerationParams]) -> t.GenerateResult:
         """Generate a whole completion of `prompt`."""
-        request = build_request(pb.GenerateRequest(prompt=prompt), params)
-        response, request_id = self._unary(self._stub.Generate, request, params)
-        return t.result_from_proto(response, request_id)
+        return self._unary(_Surface.generate(prompt, params))
 
     def stream(self, prompt: str, **params: Unpack[GenerationParams]) -> Stream:
         """Stream the completion of `prompt` as Delta values, then one Done."""
-        request = build_request(pb.StreamGenerateRequest(prompt=prompt), params)
-        timeout, metadata = self._defaults.call_options(params, request)
-        return _open_stream(self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata))
+        return self._streaming(_Surface.stream(prompt, params), Stream)
 
     def chat(
         self, messages: Iterable[MessageLike], **params: Unpack[GenerationParams]
     ) -> t.GenerateResult:
         """Complete a conversation (rendered with the server's or `chat_template`'s template)."""
-        request = build_request(pb.GenerateRequest(messages=chat_messages(messages)), params)
-        response, request_id = self._unary(self._stub.Generate, request, params)
-        return t.result_from_proto(response, request_id)
+        return self._unary(_Surface.chat(messages, params))
 
     def stream_chat(
         self, messages: Iterable[MessageLike], **params: Unpack[GenerationParams]
     ) -> Stream:
         """Stream the reply to a conversation as Delta values, then one Done."""
-        messages_pb = chat_messages(messages)
-        request = build_request(pb.StreamGenerateRequest(messages=messages_pb), params)
-        timeout, metadata = self._defaults.call_options(params, request)
-        return _open_stream(self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata))
+        return self._streaming(_Surface.stream_chat(messages, params), Stream)
 
     def generate_tokens(
         self, token_ids: Sequence[int], **params: Unpack[TokenGenerationParams]
     ) -> Stream:
         """Stream the completion of a pre-tokenized prompt (used as given: add BOS yourself)."""
-        request = build_request(pb.GenerateTokensRequest(token_ids=token_ids), params)
-        timeout, metadata = self._defaults.call_options(params, request)
-        return _open_stream(self._stub.GenerateTokens(request, timeout=timeout, metadata=metadata))
+        return self._streaming(_Surface.generate_tokens(token_ids, params), Stream)
 
     @overload
     def tokenize(
@@ -695,9 +848,9 @@ class Client:
         **options: Unpack[CallOptions],
     ) -> list[int] | t.TokenizeResult:
         """Token ids of `text`; with return_pieces=True a TokenizeResult with each token's text."""
-        request = tokenize_request(text, add_special, parse_special, return_pieces, model)
-        response, _ = self._unary(self._stub.Tokenize, request, options)
-        return _tokenized(response, return_pieces)
+        return self._unary(
+            _Surface.tokenize(text, add_special, parse_special, return_pieces, model, options)
+        )
 
     def detokenize(
         self,
@@ -708,71 +861,49 @@ class Client:
         **options: Unpack[CallOptions],
     ) -> str:
         """The text of `token_ids`."""
-        request = pb.DetokenizeRequest(
-            model=model or "", token_ids=token_ids, render_special=render_special
-        )
-        response, _ = self._unary(self._stub.Detokenize, request, options)
-        return response.text
+        return self._unary(_Surface.detokenize(token_ids, render_special, model, options))
 
     def stats(self, *, model: str | None = None, **options: Unpack[CallOptions]) -> t.Stats:
         """A model's (the default one's) live scheduler snapshot and cumulative counters;
         ModelNotLoadedError when that model is not loaded."""
-        request = pb.GetStatsRequest(model=model or "")
-        response, _ = self._unary(self._stub.GetStats, request, options)
-        return t.stats_from_proto(response)
+        return self._unary(_Surface.stats(model, options))
 
     def watch_load(self, interval_s: float = 1.0, **options: Unpack[CallOptions]) -> LoadStream:
         """The server's load as LoadReport values: one at once, then one every `interval_s`
         (at least 0.1), until close() or the server drains (its last report has
         serving=False). The client's default timeout does not apply: pass timeout= for one."""
-        request = watch_load_request(interval_s)
-        timeout, metadata = self._defaults.call_options(options, request, use_default_timeout=False)
-        call = self._stub.WatchLoad(request, timeout=timeout, metadata=metadata)
-        return LoadStream(call, iter(call))
+        return self._streaming(_Surface.watch_load(interval_s, options), LoadStream)
 
     def model_info(
         self, *, model: str | None = None, **options: Unpack[CallOptions]
     ) -> t.ModelInfo:
         """Facts about a model (the default one) and its context; loads it if need be."""
-        request = pb.GetModelInfoRequest(model=model or "")
-        response, _ = self._unary(self._stub.GetModelInfo, request, options)
-        return t.model_info_from_proto(response)
+        return self._unary(_Surface.model_info(model, options))
 
     def clear_cache(
         self, *, model: str | None = None, **options: Unpack[CallOptions]
     ) -> t.CacheCleared:
         """Admin: forget cached KV no request is using (PermissionDeniedError for a user)."""
-        request = pb.ClearCacheRequest(model=model or "")
-        response, _ = self._unary(self._stub.ClearCache, request, options)
-        return t.cache_cleared_from_proto(response)
+        return self._unary(_Surface.clear_cache(model, options))
 
     def list_models(self, **options: Unpack[CallOptions]) -> t.ModelList:
         """Admin: every model the server may serve, with its state."""
-        response, _ = self._unary(self._stub.ListModels, pb.ListModelsRequest(), options)
-        return t.model_list_from_proto(response)
+        return self._unary(_Surface.list_models(options))
 
     def load_model(self, model: str, **options: Unpack[CallOptions]) -> t.ModelStatus:
         """Admin: load a model now (waits for it, within the call's timeout)."""
-        request = pb.LoadModelRequest(model=model)
-        response, _ = self._unary(self._stub.LoadModel, request, options)
-        return t.model_status_from_proto(response.model)
+        return self._unary(_Surface.load_model(model, options))
 
     def unload_model(
         self, model: str, *, force: bool = False, **options: Unpack[CallOptions]
     ) -> t.ModelUnloaded:
         """Admin: unload a model. ModelBusyError while it has requests in flight, unless
         force (they then end with UnavailableError, reason MODEL_UNLOADED)."""
-        request = pb.UnloadModelRequest(model=model, force=force)
-        response, _ = self._unary(self._stub.UnloadModel, request, options)
-        return t.model_unloaded_from_proto(response)
+        return self._unary(_Surface.unload_model(model, force, options))
 
     def health(self, service: str = "", **options: Unpack[CallOptions]) -> str:
         """The grpc.health.v1 status of `service` ("" = whole server): "SERVING", "NOT_SERVING"."""
-        health_pb2, health_pb2_grpc = _health_modules()
-        stub = health_pb2_grpc.HealthStub(self._channel)
-        request = health_pb2.HealthCheckRequest(service=service)
-        response, _ = self._unary(stub.Check, request, options)
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+        return self._unary(_Surface.health(self._channel, service, options))
 
     def close(self) -> None:
         """Close the channel if this client created it."""
@@ -814,62 +945,58 @@ class AsyncClient:
             self._channel = grpc.aio.insecure_channel(uri, options=channel_options)
         else:
             self._channel = grpc.aio.secure_channel(uri, credentials, options=channel_options)
-        self._stub = pb_grpc.LlmServiceStub(self._channel)
+        # The sync stub's type: the calls pick their methods by it (the aio ones take the same
+        # messages; the methods are grpc.aio multicallables, cast back where they are called).
+        self._stub = cast("pb_grpc.LlmServiceStub", pb_grpc.LlmServiceStub(self._channel))
 
-    async def _unary(
-        self,
-        method: grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp],
-        request: _Req,
-        options: CallOptions,
-    ) -> tuple[_Resp, str]:
-        timeout, metadata = self._defaults.call_options(options, request)
-        call = method(request, timeout=timeout, metadata=metadata)
+    async def _unary(self, call: _Unary[_Req, _Resp, _T]) -> _T:
+        timeout, metadata = self._defaults.call_options(call.options, call.request)
+        method = cast("grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp]", call.rpc(self._stub))
+        rpc = method(call.request, timeout=timeout, metadata=metadata)
         try:
-            response = await call
-            initial_metadata = await call.initial_metadata()
+            response = await rpc
+            initial_metadata = await rpc.initial_metadata()
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
-        return response, request_id_of(initial_metadata)
+        return call.convert(response, request_id_of(initial_metadata))
+
+    def _streaming(
+        self,
+        call: _Streaming[_Req, _Resp],
+        wrap: Callable[[grpc.aio.Call, AsyncIterator[_Resp]], _Wrapped],
+    ) -> _Wrapped:
+        timeout, metadata = self._defaults.call_options(
+            call.options, call.request, use_default_timeout=call.use_default_timeout
+        )
+        method = cast("grpc.aio.UnaryStreamMultiCallable[_Req, _Resp]", call.rpc(self._stub))
+        rpc = method(call.request, timeout=timeout, metadata=metadata)
+        return wrap(rpc, aiter(rpc))
 
     async def generate(self, prompt: str, **params: Unpack[GenerationParams]) -> t.GenerateResult:
         """Generate a whole completion of `prompt`."""
-        request = build_request(pb.GenerateRequest(prompt=prompt), params)
-        response, request_id = await self._unary(self._stub.Generate, request, params)
-        return t.result_from_proto(response, request_id)
+        return await self._unary(_Surface.generate(prompt, params))
 
     def stream(self, prompt: str, **params: Unpack[GenerationParams]) -> AsyncStream:
         """Stream the completion of `prompt` as Delta values, then one Done."""
-        request = build_request(pb.StreamGenerateRequest(prompt=prompt), params)
-        timeout, metadata = self._defaults.call_options(params, request)
-        call = self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata)
-        return _open_async_stream(call)
+        return self._streaming(_Surface.stream(prompt, params), AsyncStream)
 
     async def chat(
         self, messages: Iterable[MessageLike], **params: Unpack[GenerationParams]
     ) -> t.GenerateResult:
         """Complete a conversation (rendered with the server's or `chat_template`'s template)."""
-        request = build_request(pb.GenerateRequest(messages=chat_messages(messages)), params)
-        response, request_id = await self._unary(self._stub.Generate, request, params)
-        return t.result_from_proto(response, request_id)
+        return await self._unary(_Surface.chat(messages, params))
 
     def stream_chat(
         self, messages: Iterable[MessageLike], **params: Unpack[GenerationParams]
     ) -> AsyncStream:
         """Stream the reply to a conversation as Delta values, then one Done."""
-        messages_pb = chat_messages(messages)
-        request = build_request(pb.StreamGenerateRequest(messages=messages_pb), params)
-        timeout, metadata = self._defaults.call_options(params, request)
-        call = self._stub.StreamGenerate(request, timeout=timeout, metadata=metadata)
-        return _open_async_stream(call)
+        return self._streaming(_Surface.stream_chat(messages, params), AsyncStream)
 
     def generate_tokens(
         self, token_ids: Sequence[int], **params: Unpack[TokenGenerationParams]
     ) -> AsyncStream:
         """Stream the completion of a pre-tokenized prompt (used as given: add BOS yourself)."""
-        request = build_request(pb.GenerateTokensRequest(token_ids=token_ids), params)
-        timeout, metadata = self._defaults.call_options(params, request)
-        call = self._stub.GenerateTokens(request, timeout=timeout, metadata=metadata)
-        return _open_async_stream(call)
+        return self._streaming(_Surface.generate_tokens(token_ids, params), AsyncStream)
 
     @overload
     async def tokenize(
@@ -904,9 +1031,9 @@ class AsyncClient:
         **options: Unpack[CallOptions],
     ) -> list[int] | t.TokenizeResult:
         """Token ids of `text`; with return_pieces=True a TokenizeResult with each token's text."""
-        request = tokenize_request(text, add_special, parse_special, return_pieces, model)
-        response, _ = await self._unary(self._stub.Tokenize, request, options)
-        return _tokenized(response, return_pieces)
+        return await self._unary(
+            _Surface.tokenize(text, add_special, parse_special, return_pieces, model, options)
+        )
 
     async def detokenize(
         self,
@@ -917,18 +1044,12 @@ class AsyncClient:
         **options: Unpack[CallOptions],
     ) -> str:
         """The text of `token_ids`."""
-        request = pb.DetokenizeRequest(
-            model=model or "", token_ids=token_ids, render_special=render_special
-        )
-        response, _ = await self._unary(self._stub.Detokenize, request, options)
-        return response.text
+        return await self._unary(_Surface.detokenize(token_ids, render_special, model, options))
 
     async def stats(self, *, model: str | None = None, **options: Unpack[CallOptions]) -> t.Stats:
         """A model's (the default one's) live scheduler snapshot and cumulative counters;
         ModelNotLoadedError when that model is not loaded."""
-        request = pb.GetStatsRequest(model=model or "")
-        response, _ = await self._unary(self._stub.GetStats, request, options)
-        return t.stats_from_proto(response)
+        return await self._unary(_Surface.stats(model, options))
 
     def watch_load(
         self, interval_s: float = 1.0, **options: Unpack[CallOptions]
@@ -936,54 +1057,38 @@ class AsyncClient:
         """The server's load as LoadReport values: one at once, then one every `interval_s`
         (at least 0.1), until aclose() or the server drains (its last report has
         serving=False). The client's default timeout does not apply: pass timeout= for one."""
-        request = watch_load_request(interval_s)
-        timeout, metadata = self._defaults.call_options(options, request, use_default_timeout=False)
-        call = self._stub.WatchLoad(request, timeout=timeout, metadata=metadata)
-        return AsyncLoadStream(call, aiter(call))
+        return self._streaming(_Surface.watch_load(interval_s, options), AsyncLoadStream)
 
     async def model_info(
         self, *, model: str | None = None, **options: Unpack[CallOptions]
     ) -> t.ModelInfo:
         """Facts about a model (the default one) and its context; loads it if need be."""
-        request = pb.GetModelInfoRequest(model=model or "")
-        response, _ = await self._unary(self._stub.GetModelInfo, request, options)
-        return t.model_info_from_proto(response)
+        return await self._unary(_Surface.model_info(model, options))
 
     async def clear_cache(
         self, *, model: str | None = None, **options: Unpack[CallOptions]
     ) -> t.CacheCleared:
         """Admin: forget cached KV no request is using (PermissionDeniedError for a user)."""
-        request = pb.ClearCacheRequest(model=model or "")
-        response, _ = await self._unary(self._stub.ClearCache, request, options)
-        return t.cache_cleared_from_proto(response)
+        return await self._unary(_Surface.clear_cache(model, options))
 
     async def list_models(self, **options: Unpack[CallOptions]) -> t.ModelList:
         """Admin: every model the server may serve, with its state."""
-        response, _ = await self._unary(self._stub.ListModels, pb.ListModelsRequest(), options)
-        return t.model_list_from_proto(response)
+        return await self._unary(_Surface.list_models(options))
 
     async def load_model(self, model: str, **options: Unpack[CallOptions]) -> t.ModelStatus:
         """Admin: load a model now (waits for it, within the call's timeout)."""
-        request = pb.LoadModelRequest(model=model)
-        response, _ = await self._unary(self._stub.LoadModel, request, options)
-        return t.model_status_from_proto(response.model)
+        return await self._unary(_Surface.load_model(model, options))
 
     async def unload_model(
         self, model: str, *, force: bool = False, **options: Unpack[CallOptions]
     ) -> t.ModelUnloaded:
         """Admin: unload a model. ModelBusyError while it has requests in flight, unless
         force (they then end with UnavailableError, reason MODEL_UNLOADED)."""
-        request = pb.UnloadModelRequest(model=model, force=force)
-        response, _ = await self._unary(self._stub.UnloadModel, request, options)
-        return t.model_unloaded_from_proto(response)
+        return await self._unary(_Surface.unload_model(model, force, options))
 
     async def health(self, service: str = "", **options: Unpack[CallOptions]) -> str:
         """The grpc.health.v1 status of `service` ("" = whole server): "SERVING", "NOT_SERVING"."""
-        health_pb2, health_pb2_grpc = _health_modules()
-        stub = health_pb2_grpc.HealthStub(self._channel)
-        request = health_pb2.HealthCheckRequest(service=service)
-        response, _ = await self._unary(stub.Check, request, options)
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+        return await self._unary(_Surface.health(self._channel, service, options))
 
     async def aclose(self) -> None:
         """Close the channel if this client created it."""

@@ -10,7 +10,7 @@ import io
 import json
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -51,6 +51,13 @@ class CrashOnCall:
             self.gate.wait(5)
             raise ZeroDivisionError("strategy bug")
         return DecodeMaximal().allocate(view)
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll condition() every 5 ms until it holds (TimeoutError after timeout_s)."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.005)
 
 
 def make_loop(
@@ -373,9 +380,10 @@ async def test_a_clear_cache_whose_caller_gave_up_does_not_kill_the_engine() -> 
         running = engine.submit(req("a", 4, 10).spec)
         first = await asyncio.wait_for(anext(aiter(running)), 5)
         # The delta is posted just before the engine thread drains its inbox between two
-        # passes: a clear sent at once can still make that drain (it failed 1 run in 6). 50 ms
-        # later the thread is inside the next 200 ms pass.
-        await asyncio.sleep(0.05)
+        # passes: a clear sent at once can still make that drain (it failed 1 run in 6). Once
+        # the runner has a plan more, the drain is behind it and the thread is in a 200 ms pass.
+        num_plans = len(runner.plans)
+        await until(lambda: len(runner.plans) > num_plans)
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(engine.clear_cache(), 0.01)
         rest = await asyncio.wait_for(read_all(running), 10)
@@ -403,13 +411,15 @@ async def test_an_idle_engine_calls_on_idle_once_per_idle_period() -> None:
 
     engine = make_loop(runner=runner, on_idle=on_idle)
     try:
-        await asyncio.sleep(IDLE_RELEASE_S * 4)
+        await until(lambda: len(calls) >= 1)
+        await asyncio.sleep(IDLE_RELEASE_S * 3)  # time for a (wrong) second call
         assert len(calls) == 1  # idle since the start: once, not every IDLE_RELEASE_S
         events = await asyncio.wait_for(read_all(engine.submit(req("a", 4, 10).spec)), 5)
         ended = time.monotonic()
         assert isinstance(events[-1], Finished)
         assert len(calls) == 1
-        await asyncio.sleep(IDLE_RELEASE_S * 4)
+        await until(lambda: len(calls) >= 2)
+        await asyncio.sleep(IDLE_RELEASE_S * 3)  # time for a (wrong) third call
         assert len(calls) == 2 and calls[1][1] >= ended - IDLE_RELEASE_S
     finally:
         await asyncio.to_thread(engine.close)

@@ -199,7 +199,9 @@ async def test_requests_for_one_unloaded_model_share_one_load(
     assert states(pool)["b"] == "loading"
     assert pool.status("b").waiting == 2
     tasks.append(asyncio.create_task(use()))
-    await asyncio.sleep(0.05)
+    # the third request waits for the load under way (not one of its own, nor after it)
+    await settle(lambda: pool.status("b").waiting == 3)
+    assert states(pool)["b"] == "loading" and factory.loads == ["b"]
     factory.gate.set()
     await asyncio.gather(*tasks)
     assert got == ["b", "b", "b"] and factory.loads == ["b"]

@@ -95,8 +95,3 @@ class NgramIndex:
                     self._ambiguous[n].add(gram)
                 ends[gram] = end
         self._num_indexed = max(self._num_indexed, last + 1)
-
-    @property
-    def num_indexed(self) -> int:
-        """Tokens of the list seen so far (their n-grams are indexed once followed)."""
-        return self._num_indexed

@@ -151,10 +151,6 @@ class TickCostModel:
         tick_ms = min(max(tick_ms, old / MAX_SURPRISE), old * MAX_SURPRISE)
         self._ms[rows] = old + COST_ALPHA * (tick_ms - old)
 
-    @property
-    def is_known(self) -> bool:
-        return bool(self._ms)
-
     def tick_ms(self, rows: int) -> float | None:
         known = self._ms.get(rows)
         if known is not None or not self._ms:
