@@ -81,13 +81,16 @@ cluster: $(STAMP)
 
 # N replicas (default 2) behind the SMG gateway on 127.0.0.1:$(GATEWAY_PORT): the OpenAI API
 # (chat, completions, responses, messages) for any OpenAI SDK, the vLLM engine protocol to the
-# replicas (deploy/gateway.py). SMG and the openai SDK come with the `gateway` group, which
-# `make install` installs (the gateway's e2e tests need it).
+# replicas (deploy/gateway.py), routed on the replicas' own KV events (SMG's cache_aware;
+# GATEWAY_POLICY=round_robin or any SMG policy otherwise). SMG and the openai SDK come with the
+# `gateway` group, which `make install` installs (the gateway's e2e tests need it).
 GATEWAY_PORT ?= 8080
+GATEWAY_POLICY ?= cache_aware
 GATEWAY_REPLICAS := $(if $(filter command line environment,$(origin REPLICAS)),$(REPLICAS),2)
 
 gateway: $(STAMP)
-	$(PY) -m deploy.gateway --replicas $(GATEWAY_REPLICAS) --port $(GATEWAY_PORT) -- $(ARGS)
+	$(PY) -m deploy.gateway --replicas $(GATEWAY_REPLICAS) --port $(GATEWAY_PORT) \
+		--policy $(GATEWAY_POLICY) -- $(ARGS)
 
 run: $(STAMP)
 	$(BIN)/llama-grpc serve --host $(HOST) --port $(PORT) $(ARGS)

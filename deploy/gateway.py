@@ -6,13 +6,17 @@ one-token completion has gone through; Ctrl-C stops everything.
                                               ┌─ gRPC ─► replica 0 (127.0.0.1:p0)  llama-grpc
     any OpenAI SDK ── HTTP ─► SMG 127.0.0.1:8080 ─ gRPC ─► replica 1 (127.0.0.1:p1)  llama-grpc
     (chat, completions,       tokenizes (the workers' exported tokenizer), applies the chat
-     responses, messages)     template, routes round robin; vllm.grpc.engine.VllmEngine
+     responses, messages)     template, routes on the workers' KV events; vllm.grpc.engine
 
 The replicas are deploy.cluster's (llama.cpp threads split across them); the gateway fetches
 each worker's model info and tokenizer (GetTokenizer: llama_grpc_server.tokenizer_export) at
-start.
+start. The default policy is SMG's `cache_aware`: with gRPC workers it subscribes to each
+one's SubscribeKvEvents (nothing to switch on) and sends a request to the replica whose cache
+holds the longest run of its 16-token blocks, the least loaded one on a miss; `--policy`
+takes any other SMG policy (round_robin, power_of_two, ...). SMG's Prometheus metrics
+(smg_kv_event_*, smg_cache_aware_policy_branch_total) are on a free port: `metrics_url`.
 
-    python -m deploy.gateway --replicas 2 [--port 8080] [-- extra llama-grpc serve options]
+    python -m deploy.gateway --replicas 2 [--port 8080] [--policy P] [-- llama-grpc serve options]
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from deploy.cluster import (
     START_TIMEOUT_S,
     Cluster,
     Started,
+    free_port,
     serve_foreground,
     terminate,
     venv_binary,
@@ -37,6 +42,7 @@ from deploy.cluster import (
 )
 
 DEFAULT_PORT = 8080
+DEFAULT_POLICY = "cache_aware"
 SMG_STOP_S = 15.0  # SMG takes several seconds to exit on SIGTERM
 
 
@@ -60,20 +66,35 @@ class Gateway(Started):
 
     replicas: int = 2
     port: int = DEFAULT_PORT
-    policy: str = "round_robin"
+    policy: str = DEFAULT_POLICY
     server_args: Sequence[str] = ()
     threads: int | None = None  # per replica (None: the CPUs split evenly, at least 1)
+    smg_args: Sequence[str] = ()  # more `smg launch` options
     cluster: Cluster = field(init=False)
+    metrics_port: int = field(init=False)
     smg: subprocess.Popen[bytes] | None = None
     model: str = ""  # the model id the gateway serves, once ready
 
     def __post_init__(self) -> None:
         self.cluster = Cluster(self.replicas, server_args=self.server_args, threads=self.threads)
+        self.metrics_port = free_port()  # SMG's default, 29000, is one per machine
 
     @property
     def base_url(self) -> str:
         """The OpenAI API root, for an SDK's base_url."""
         return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def metrics_url(self) -> str:
+        """SMG's Prometheus metrics."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def metrics(self) -> dict[str, float]:
+        """SMG's metrics now: {'name{labels}': value} (comments left out)."""
+        with urllib.request.urlopen(self.metrics_url, timeout=5.0) as reply:
+            text = reply.read().decode()
+        samples = (line.rsplit(" ", 1) for line in text.splitlines() if line[:1] not in "#")
+        return {name: float(value) for name, value in samples}
 
     @property
     def workdir(self) -> Path:
@@ -90,7 +111,8 @@ class Gateway(Started):
         log = (self.workdir / "smg.log").open("ab")
         self.smg = subprocess.Popen(
             [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
-             "--backend", "vllm", "--policy", self.policy, "--worker-urls", *urls],
+             "--backend", "vllm", "--policy", self.policy, "--prometheus-host", "127.0.0.1",
+             "--prometheus-port", str(self.metrics_port), *self.smg_args, "--worker-urls", *urls],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
@@ -122,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="SMG's port on 127.0.0.1")
-    parser.add_argument("--policy", default="round_robin", help="SMG's routing policy")
+    parser.add_argument("--policy", default=DEFAULT_POLICY, help="SMG's routing policy")
     parser.add_argument("server_args", nargs="*", help="after --: llama-grpc serve options")
     args = parser.parse_args(argv)
 
@@ -130,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers = ", ".join(f"grpc://{r.target}" for r in running.cluster.members)
         return (
             f"ready: SMG on {running.base_url} (OpenAI API, model {running.model!r}), workers "
-            f"{workers}; logs in {running.workdir}. Ctrl-C stops everything."
+            f"{workers}, policy {running.policy}; metrics on {running.metrics_url}; logs in "
+            f"{running.workdir}. Ctrl-C stops everything."
         )
 
     gateway = Gateway(args.replicas, args.port, args.policy, args.server_args)

@@ -490,7 +490,8 @@ class Stream(_SyncCall[_EventMessage]):
 
     @property
     def request_id(self) -> str:
-        """The server's `x-request-id` (waits for the response headers)."""
+        """The server's `x-request-id` (waits for the response headers, which come with the
+        first message; a call refused before one has its id in the error instead)."""
         return self._fallback_request_id()
 
 
@@ -529,7 +530,8 @@ class AsyncStream(_AsyncCall[_EventMessage]):
         return self._done
 
     async def request_id(self) -> str:
-        """The server's `x-request-id` (waits for the response headers)."""
+        """The server's `x-request-id` (waits for the response headers, which come with the
+        first message; a call refused before one has its id in the error instead)."""
         return await self._fallback_request_id()
 
 

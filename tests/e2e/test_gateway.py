@@ -1,11 +1,13 @@
 """`make gateway` end to end: the official `openai` SDK through SMG to two real replicas over the
-vLLM engine protocol (deploy/gateway.py). The `gateway` group (smg, openai) comes with the dev
-group; the gateway fetches the workers' exported tokenizer (llama_grpc_server.tokenizer_export)."""
+vLLM engine protocol (deploy/gateway.py), routed by SMG's cache_aware policy on the replicas'
+own KV events (SubscribeKvEvents). The `gateway` group (smg, openai) comes with the dev group;
+the gateway fetches the workers' exported tokenizer (llama_grpc_server.tokenizer_export)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -24,12 +26,37 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "The three primary colors are"
 MESSAGES = [{"role": "user", "content": "Name three primary colors."}]
+BLOCK = 16  # the KV events' block size (core.kv_events.BLOCK_SIZE), SMG's --block-size
+# SMG's warm-up slice sends some requests to a worker with a thin index on purpose (one miss in
+# 4, one hit in 8, the first minute): off, so that every routing decision here follows the cache
+NO_WARM_UP = ["--worker-warmup-secs", "0", "--worker-warmup-thin-ratio", "0",
+              "--worker-warmup-divert-every", "0"]  # fmt: skip
+QUESTIONS = ["What is two plus two?", "Name a color.", "Say hello.", "Count to three.",
+             "Which planet is red?"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[Gateway]:
-    with Gateway(replicas=2, port=free_port(), server_args=["--chat-template", "gemma"]) as gw:
+    with Gateway(
+        replicas=2, port=free_port(), server_args=["--chat-template", "gemma"], smg_args=NO_WARM_UP
+    ) as gw:
+        assert gw.policy == "cache_aware"  # make gateway's default
         yield gw
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def event_branches(gateway: Gateway) -> dict[str, float]:
+    """SMG's cache_aware decisions so far, by branch (event_hit, event_miss, ...)."""
+    prefix = 'smg_cache_aware_policy_branch_total{branch="'
+    return {k[len(prefix) : -2]: v for k, v in gateway.metrics().items() if k.startswith(prefix)}
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -141,16 +168,91 @@ async def test_logprobs_and_n(sdk: Any, gateway: Gateway) -> None:
 
 
 async def test_a_repeated_long_prefix_is_cached(sdk: Any, gateway: Gateway) -> None:
-    """Round robin: of replicas + 1 identical requests, one replica sees the prompt again (the
-    first finds at most the BOS the worker puts in front, shared with every earlier prompt)."""
+    """Of replicas + 1 identical requests, every one after the first goes where the prompt is
+    cached (the first finds at most the BOS the worker puts in front, shared with every earlier
+    prompt); the worker computes at least the last prompt token again."""
     prompt = f"{uuid.uuid4().hex} " + PROMPT * 30
-    cached = []
+    cached, lengths = [], []
     for _ in range(gateway.replicas + 1):
         answer = await sdk.completions.create(
             model=gateway.model, prompt=prompt, max_tokens=2, temperature=0
         )
         cached.append(answer.usage.prompt_tokens_details.cached_tokens)
-    assert cached[0] <= 1 and max(cached) > 100
+        lengths.append(answer.usage.prompt_tokens)
+    assert cached[0] <= 1
+    assert cached[1:] == [lengths[0] - 1] * gateway.replicas
+
+
+def gemma_prompt(system: str, question: str) -> str:
+    """What the gemma template (core.chat.GEMMA) renders for a system message and a question."""
+    return f"<bos><start_of_turn>user\n{system}\n\n{question}<end_of_turn>\n<start_of_turn>model\n"
+
+
+async def test_chats_go_where_their_system_prompt_is_cached(
+    sdk: Any, direct: AsyncClient, gateway: Gateway
+) -> None:
+    """No session header: a chat with a long system prompt, then more with the same system
+    prompt and other questions. cache_aware on the workers' KV events sends each later one to
+    the replica holding the system prompt, so each finds every token it shares with an earlier
+    one cached (round robin would send every other one to the replica without it); SMG's own
+    counters show one event hit per later request."""
+    system = f"{uuid.uuid4().hex} " + " ".join(
+        f"Rule {i}: answer politely and mention the number {i * 7} when it helps."
+        for i in range(20)
+    )
+    before = event_branches(gateway)
+    seen: list[list[int]] = []
+    for i, question in enumerate(QUESTIONS):
+        ids = await direct.tokenize(
+            gemma_prompt(system, question), add_special=False, parse_special=True
+        )
+        answer = await sdk.chat.completions.create(
+            model=gateway.model,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=1,
+            temperature=0,
+        )
+        assert answer.usage.prompt_tokens == len(ids)  # the rendering above is SMG's
+        cached = answer.usage.prompt_tokens_details.cached_tokens
+        if i == 0:
+            assert cached < BLOCK  # the template's first tokens, shared with earlier chats
+        else:
+            expected = max(common_prefix(ids, earlier) for earlier in seen)
+            assert expected >= len(system) // 8  # the whole system prompt, about 300 tokens
+            assert cached == expected, (i, cached, expected)
+        seen.append(ids)
+    after = event_branches(gateway)
+    assert after.get("event_hit", 0) - before.get("event_hit", 0) == len(QUESTIONS) - 1
+    assert sum(after.values()) - sum(before.values()) == len(QUESTIONS)
+
+
+async def test_completions_go_where_their_prefix_is_cached(
+    sdk: Any, direct: AsyncClient, gateway: Gateway
+) -> None:
+    """The same for /v1/completions, whose ids SMG sends without the BOS the worker puts in
+    front: the workers announce every BOS-led sequence without its BOS too, so SMG's blocks of
+    [t1 ..] match (core.kv_events.KvEventPublisher)."""
+    head = f"{uuid.uuid4().hex} The history of the primary colors, told rule by rule. " * 12
+    before = event_branches(gateway)
+    seen: list[list[int]] = []
+    for i, question in enumerate(QUESTIONS):
+        prompt = f"{head}Question: {question} Answer:"
+        ids = await direct.tokenize(prompt)  # with the BOS, as the worker runs it
+        answer = await sdk.completions.create(
+            model=gateway.model, prompt=prompt, max_tokens=1, temperature=0
+        )
+        assert answer.usage.prompt_tokens == len(ids)
+        cached = answer.usage.prompt_tokens_details.cached_tokens
+        if i == 0:
+            assert cached <= 1  # the BOS
+        else:
+            expected = max(common_prefix(ids, earlier) for earlier in seen)
+            assert expected > 10 * BLOCK
+            assert cached == expected, (i, cached, expected)
+        seen.append(ids)
+    after = event_branches(gateway)
+    assert after.get("event_hit", 0) - before.get("event_hit", 0) == len(QUESTIONS) - 1
+    assert sum(after.values()) - sum(before.values()) == len(QUESTIONS)
 
 
 async def test_closing_a_stream_frees_the_slot(sdk: Any, gateway: Gateway) -> None:
@@ -182,7 +284,7 @@ async def test_bad_input_is_a_400_naming_it_and_the_gateway_keeps_serving(
 ) -> None:
     """Through the gateway's door: a constraint the worker refuses (INVALID_ARGUMENT) reaches the
     SDK as a 400 with the worker's words; the same replicas answer the next request."""
-    for _ in range(gateway.replicas):  # round robin: each replica refuses one
+    for _ in range(gateway.replicas):
         with pytest.raises(openai.BadRequestError) as caught:
             await sdk.chat.completions.create(
                 model=gateway.model, messages=MESSAGES, max_tokens=4,
@@ -195,3 +297,27 @@ async def test_bad_input_is_a_400_naming_it_and_the_gateway_keeps_serving(
         model=gateway.model, messages=MESSAGES, max_tokens=3, temperature=0
     )
     assert answer.usage.completion_tokens == 3
+
+
+def test_smg_holds_one_event_stream_per_worker(gateway: Gateway) -> None:
+    """After every test above (run last in this module): SMG subscribed to each worker's
+    SubscribeKvEvents once, has never had to reconnect, resync (but for the first snapshot) or
+    recover a gap, applied batches with blocks from both, and logged no error."""
+    metrics = gateway.metrics()
+    for replica in gateway.cluster.members:
+        worker = f'worker="grpc://{replica.target}"'
+
+        def sample(name: str, labels: str = "", worker: str = worker) -> float:
+            return metrics[f"{name}{{{worker}{labels}}}"]
+
+        assert sample("smg_kv_event_subscriptions_total") == 1
+        for reason in ("intern_failed", "join_error", "panic"):
+            assert sample("smg_kv_event_subscription_failures_total", f',reason="{reason}"') == 0
+        for reason in ("data_loss", "gap_cleared", "out_of_range", "publisher_restart"):
+            assert sample("smg_kv_event_resyncs_total", f',reason="{reason}"') == 0
+        assert sample("smg_kv_event_resyncs_total", ',reason="snapshot"') == 1
+        assert sample("smg_kv_event_missed_batches_total") == 0
+        assert sample("smg_kv_event_batches_total", ',disposition="applied"') > 0
+        assert sample("smg_kv_event_batches_total", ',disposition="load_only"') > 0
+    log = re.sub(r"\x1b\[[0-9;]*m", "", (gateway.workdir / "smg.log").read_text(errors="replace"))
+    assert [line for line in log.splitlines() if " ERROR " in line] == []

@@ -101,3 +101,49 @@ def test_envoy_deployment_wiring() -> None:
     replicas = manifests("llama-grpc.yaml")["Service"]["metadata"]["name"]
     readme = (K8S / "README.md").read_text()
     assert re.search(rf"--k8s {replicas}\.default\.svc\.cluster\.local:50051", readme)
+
+
+def test_smg_gateway_wiring() -> None:
+    """smg.yaml: SMG's own argument parser accepts the container's arguments; it discovers the
+    llama-grpc pods by their labels on their gRPC port, in its own namespace, with a service
+    account whose Role may get/list/watch pods; cache_aware over the vLLM protocol; probes,
+    metrics and the Service on the ports it listens on."""
+    from smg.launch_router import parse_router_args
+
+    got = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(
+        (K8S / "smg.yaml").read_text()) if d}  # fmt: skip
+    kinds = sorted(kind for kind, _ in got)
+    assert kinds == ["Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"]
+    [deployment] = [d for (kind, _), d in got.items() if kind == "Deployment"]
+    pod = deployment["spec"]["template"]
+    [container] = pod["spec"]["containers"]
+    assert container["command"] == ["smg"] and container["args"][0] == "launch"
+    args = parse_router_args(container["args"][1:])
+    assert (args.backend, args.policy, args.service_discovery) == ("vllm", "cache_aware", True)
+    replicas = manifests("llama-grpc.yaml")
+    worker_pod = replicas["Deployment"]["spec"]["template"]
+    assert args.selector.items() <= worker_pod["metadata"]["labels"].items()
+    [worker] = worker_pod["spec"]["containers"]
+    worker_ports = {p["name"]: p["containerPort"] for p in worker["ports"]}
+    assert args.service_discovery_port == worker_ports["grpc"] == int(flag(worker["args"], "port"))
+    [namespace] = [e for e in container["env"] if e["name"] == "POD_NAMESPACE"]
+    assert namespace["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert args.service_discovery_namespace == "$(POD_NAMESPACE)"  # a Role, not a ClusterRole
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (args.host, args.port, args.prometheus_port) == ("0.0.0.0", ports["http"],
+                                                            ports["metrics"])  # fmt: skip
+    assert args.health_check_port == ports["probes"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "probes"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "probes"}
+    account = pod["spec"]["serviceAccountName"]
+    assert ("ServiceAccount", account) in got
+    [binding] = [d for (kind, _), d in got.items() if kind == "RoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    role = got[("Role", binding["roleRef"]["name"])]
+    assert binding["roleRef"]["kind"] == "Role"
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    [service] = [d for (kind, _), d in got.items() if kind == "Service"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]

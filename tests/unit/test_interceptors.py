@@ -187,11 +187,13 @@ async def test_unreasonable_request_id_is_replaced(stub: Any, bad_id: str) -> No
 
 
 async def test_request_id_reaches_error_responses(stub: Any) -> None:
-    """A failed call still carries x-request-id in its initial metadata."""
+    """A call refused before its first message is answered trailers-only (no response headers,
+    so a router may retry it elsewhere) with x-request-id in its trailers."""
     call = stub.Generate(pb.GenerateRequest(prompt=""), metadata=(("x-request-id", "err-1"),))
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await call
-    assert dict(caught.value.initial_metadata())["x-request-id"] == "err-1"
+    assert "x-request-id" not in dict(caught.value.initial_metadata())
+    assert dict(caught.value.trailing_metadata())["x-request-id"] == "err-1"
 
 
 async def test_health_watch_works_through_the_interceptor(channel: grpc.aio.Channel) -> None:

@@ -116,6 +116,43 @@ def test_holders_share_blocks_and_the_last_one_removes_them() -> None:
     assert pub.flush(load, 4.0) is None  # nothing changed: no batch
 
 
+def test_a_sequence_that_starts_with_bos_is_also_announced_without_it() -> None:
+    """A router that sends BOS-less ids (SMG's /v1/completions; the worker puts the BOS in front)
+    folds tokens[1:] into blocks: with `bos` set, every holder starting with it is also held
+    without it, truncated and removed with it, in every tier; other sequences are held once."""
+    bos = 2
+    pub = KvEventPublisher(bos=bos)
+    sub = Subscriber(pub.log)
+    text = list(range(100, 140))  # 40 tokens of text: with the BOS, 41
+    pub.hold(Tier.DEVICE, 0, "s", [bos, *text])
+    pub.hold(Tier.DISK, "file", "s", [bos, *text])
+    pub.hold(Tier.HOST, 7, "s", list(range(300, 340)))  # no BOS: once
+    pub.flush(LoadRecord(), 1.0)
+    sub.catch_up()
+    with_bos = {b.hash: b.tokens for b in chain("s", [bos, *text])}
+    without = {b.hash: b.tokens for b in chain("s", text)}
+    assert list(without.values()) == [tuple(range(100, 116)), tuple(range(116, 132))]
+    assert sub.blocks[Tier.DEVICE] == sub.blocks[Tier.DISK] == with_bos | without
+    assert sub.blocks[Tier.HOST] == {b.hash: b.tokens for b in chain("s", range(300, 340))}
+    pub.truncate(Tier.DEVICE, 0, 20)  # [bos, 100 .. 118]: one block each way
+    pub.flush(LoadRecord(), 2.0)
+    sub.catch_up()
+    assert sub.blocks[Tier.DEVICE] == {
+        b.hash: b.tokens for b in chain("s", [bos, *text[:19]]) + chain("s", text[:19])
+    }
+    pub.truncate(Tier.DEVICE, 0, 16)  # [bos, 100 .. 114]: 15 tokens without it, no block
+    pub.flush(LoadRecord(), 3.0)
+    sub.catch_up()
+    assert sub.blocks[Tier.DEVICE] == {b.hash: b.tokens for b in chain("s", [bos, *text[:15]])}
+    pub.truncate(Tier.DEVICE, 0)
+    pub.hold(Tier.DEVICE, 0, "s", [*text, bos])  # the slot now holds a BOS-less sequence
+    pub.disk_changed("file", "s", None)
+    pub.flush(LoadRecord(), 4.0)
+    sub.catch_up()
+    assert sub.blocks[Tier.DEVICE] == {b.hash: b.tokens for b in chain("s", [*text, bos])}
+    assert sub.blocks[Tier.DISK] == {}
+
+
 def test_the_log_is_bounded_and_a_reader_behind_it_gets_a_snapshot() -> None:
     log = KvEventLog(max_batches=4, max_blocks=1000)
     pub = KvEventPublisher(log)

@@ -264,6 +264,29 @@ async def test_overloaded_is_resource_exhausted_with_retry(stub: Any, engine: Fa
     assert found["RetryInfo"].retry_delay.seconds == 1
 
 
+async def test_a_refused_call_is_trailers_only(stub: Any, engine: FakeEngine) -> None:
+    """Refused before any message (here a full queue), unary or streaming: no response headers
+    before the status (trailers-only), so SMG, Envoy (retry_on: resource-exhausted,unavailable)
+    and grpc's retry policy may send it to another replica; the id is in the trailers. A call
+    that answers gets its headers with its first message."""
+    engine.max_queue = 0
+    unary = stub.Generate(pb.GenerateRequest(prompt="a"), metadata=(("x-request-id", "u-1"),))
+    stream = stub.StreamGenerate(
+        pb.StreamGenerateRequest(prompt="a"), metadata=(("x-request-id", "s-1"),)
+    )
+    for call, request_id in ((unary, "u-1"), (stream, "s-1")):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await collect(call) if call is stream else await call
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await call.initial_metadata() == grpc.aio.Metadata()
+        assert dict(caught.value.trailing_metadata())["x-request-id"] == request_id
+    engine.max_queue = None
+    answered = stub.StreamGenerate(pb.StreamGenerateRequest(prompt="ab"))
+    assert (await answered.read()).WhichOneof("event") == "delta"
+    assert "x-request-id" in dict(await answered.initial_metadata())
+    answered.cancel()
+
+
 async def test_unknown_model_is_not_found(stub: Any) -> None:
     """Naming another model is NOT_FOUND."""
     with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -384,10 +407,12 @@ async def test_not_ready_until_engine_loads() -> None:
         for name in ("", SERVICE_NAME):
             check = await health.Check(health_pb2.HealthCheckRequest(service=name))
             assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        loading = stub.StreamGenerate(pb.StreamGenerateRequest(prompt="a"))
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.Generate(pb.GenerateRequest(prompt="a"))
+            await collect(loading)
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
         assert details(caught.value)["ErrorInfo"].reason == "NOT_READY"
+        assert await loading.initial_metadata() == grpc.aio.Metadata()  # trailers-only
         release.set()
         assert await running.wait_loaded()
         check = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))

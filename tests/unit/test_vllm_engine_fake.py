@@ -373,6 +373,24 @@ async def test_a_duplicate_in_flight_request_id_is_refused(vllm: Any, engine: Fa
     assert done.finish_reason == "stop"
 
 
+async def test_a_refused_generate_is_trailers_only(vllm: Any, engine: FakeEngine) -> None:
+    """A Generate refused before its first message (a full queue, streamed or not) has no
+    response headers before its status, so SMG may retry it on another worker; one that
+    streams gets its headers with its first chunk (and is never retried after it)."""
+    engine.max_queue = 0
+    for stream in (False, True):
+        call = vllm.Generate(generate(f"full-{stream}", ids=[BOS_ID, 5, 6], stream=stream))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await collect(call)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await call.initial_metadata() == grpc.aio.Metadata()
+    engine.max_queue = None
+    call = vllm.Generate(generate("ok", ids=[BOS_ID, 5, 6], stream=True))
+    assert (await call.read()).WhichOneof("response") == "chunk"
+    assert "x-request-id" in dict(await call.initial_metadata())
+    call.cancel()
+
+
 async def test_abort_ends_the_stream_with_abort(vllm: Any, engine: FakeEngine) -> None:
     """Abort mid-stream: the engine request is cancelled and the call ends with a complete
     whose finish_reason is "abort", carrying what was generated; aborting again, or an

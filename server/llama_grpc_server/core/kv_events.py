@@ -47,6 +47,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import overload
 
 BLOCK_SIZE = 16
 MAX_BATCHES = 1024
@@ -426,22 +427,72 @@ class KvEventLog:
 DiskChange = tuple[Hashable, str, Sequence[int] | None]  # (file, scope, tokens); None: removed
 
 
-class KvEventPublisher:
-    """The tiers' holdings, and the flush that turns their changes into the log's batches."""
+@dataclass(frozen=True, slots=True)
+class _Unprefixed:
+    """The holder key of a sequence's view without its leading BOS (KvEventPublisher)."""
 
-    def __init__(self, log: KvEventLog | None = None) -> None:
+    key: Hashable
+
+
+class _Tail(Sequence[int]):
+    """tokens[1:] without the copy (sync_events holds every slot's tokens every tick)."""
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self._tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens) - 1
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[int]: ...
+    def __getitem__(self, index: int | slice) -> int | Sequence[int]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            return self._tokens[start + 1 : stop + 1 : step]
+        return self._tokens[range(1, len(self._tokens))[index]]
+
+
+class KvEventPublisher:
+    """The tiers' holdings, and the flush that turns their changes into the log's batches.
+
+    `bos`: the model's BOS when it adds one. A router sends the ids it tokenized, and SMG
+    tokenizes /v1/completions prompts without special tokens while the worker runs them with
+    the BOS in front (rpc/vllm_requests.with_bos): the gateway folds [t1 .. t16] into its first
+    block where the cache holds [BOS, t1 .. t15]. So every holder whose tokens start with `bos`
+    is also held without it (a second chain, tokens[1:], under its own key): each chain says
+    truthfully which ids, sent as they are, find this prefix cached. Chat prompts (the template
+    writes the BOS) match the first chain, completions the second. It doubles the blocks of such
+    sequences in the stream and in a router's index."""
+
+    def __init__(self, log: KvEventLog | None = None, *, bos: int | None = None) -> None:
         self.log = log if log is not None else KvEventLog()
         self.tiers = {tier: TierHoldings(tier) for tier in Tier}
+        self.bos = bos
         self._disk_changes: deque[DiskChange] = deque()  # appended by any thread
         self._cleared = True  # the first batch tells a subscriber the engine is new
 
     def hold(
         self, tier: Tier, key: Hashable, scope: str, tokens: Sequence[int], n: int = -1
     ) -> None:
-        self.tiers[tier].hold(key, scope, tokens, n)
+        holdings = self.tiers[tier]
+        holdings.hold(key, scope, tokens, n)
+        if self.bos is None:
+            return
+        n = len(tokens) if n < 0 else n
+        if n and tokens[0] == self.bos:
+            holdings.hold(_Unprefixed(key), scope, _Tail(tokens), n - 1)
+        else:
+            holdings.truncate(_Unprefixed(key), 0)
 
     def truncate(self, tier: Tier, key: Hashable, n_tokens: int = 0) -> None:
-        self.tiers[tier].truncate(key, n_tokens)
+        holdings = self.tiers[tier]
+        holdings.truncate(key, n_tokens)
+        if self.bos is not None:
+            holdings.truncate(_Unprefixed(key), max(n_tokens - 1, 0))
 
     def disk_changed(self, key: Hashable, scope: str, tokens: Sequence[int] | None) -> None:
         """The disk tier indexed (tokens) or forgot (None) a file: from any thread."""
@@ -455,12 +506,11 @@ class KvEventPublisher:
     def flush(self, load: LoadRecord, timestamp: float) -> EventBatch | None:
         """Append one batch with every change since the last flush; a load record alone when
         nothing changed but the load did."""
-        disk = self.tiers[Tier.DISK]
         while self._disk_changes:
             key, scope, tokens = self._disk_changes.popleft()
-            disk.truncate(key, 0)
+            self.truncate(Tier.DISK, key, 0)
             if tokens is not None:
-                disk.hold(key, scope, tokens)
+                self.hold(Tier.DISK, key, scope, tokens)
         events: list[KvEvent] = []
         everything = self._cleared
         if everything:

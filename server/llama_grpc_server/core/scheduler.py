@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from llama_grpc_server import errors
 from llama_grpc_server.core import context_fit, prefix_cache, stats
 from llama_grpc_server.core.api import CacheCleared, StatsSnapshot
-from llama_grpc_server.core.kv_events import KvEventLog, LoadRecord
+from llama_grpc_server.core.kv_events import KvEventLog, KvEventPublisher, LoadRecord
 from llama_grpc_server.core.kv_manager import DiskTier, KvCacheManager, Loaded
 from llama_grpc_server.core.outputs import Outputs
 from llama_grpc_server.core.plan import (
@@ -85,6 +85,9 @@ class SchedulerLimits:
     # Speculative decoding for requests that do not choose (core.speculative).
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     pad_odd_ticks: bool = True  # _pad
+    # the model's BOS when it adds one: KV events also announce each sequence without it, as a
+    # router that leaves it out of its ids chunks them (core.kv_events.KvEventPublisher)
+    kv_events_bos: int | None = None
 
 
 class Scheduler:
@@ -118,6 +121,7 @@ class Scheduler:
             ram_min_tokens=limits.ram_min_tokens,
             disk=disk,
             session_idle_ns=int(limits.session_idle_s * 1e9),
+            events=KvEventPublisher(bos=limits.kv_events_bos),
         )
         self.outputs = Outputs(pieces, eog_ids, limits.n_ctx)
         self._clock_ns = clock_ns

@@ -91,6 +91,7 @@ def build_engine(
         )
     ram_mb = ram_tier_mb(sched.prompt_cache_ram_mb)
     log.info("ram_tier", mb=ram_mb, configured=sched.prompt_cache_ram_mb)
+    info = model.info(name)
     scheduler = Scheduler(
         SchedulerLimits(
             n_parallel=sched.n_parallel,
@@ -104,6 +105,7 @@ def build_engine(
             session_live_s=sched.session_live_s,
             tenants=sched.tenant_limits,
             pad_odd_ticks=sched.pad_odd_ticks,
+            kv_events_bos=info.bos_token_id if info.add_bos else None,
             speculative=SpeculativeConfig(
                 SpeculativeMode(sched.speculative),
                 sched.draft_max,
@@ -129,7 +131,7 @@ def build_engine(
     return EngineLoop(
         scheduler,
         runner,
-        model.info(name),
+        info,
         tokenizer=model,
         kv_cells_total=model.n_ctx,
         on_tick=on_tick,

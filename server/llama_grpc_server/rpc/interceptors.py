@@ -197,12 +197,17 @@ class _Rpc:
         self._reset()
 
     async def send_request_id(self) -> None:
-        """Response headers go out before the first message, so clients see the id at once."""
+        """The response headers, with the id: sent with the first message (or the unary
+        response), never before. A call refused before any (a full queue, a draining server, a
+        model still loading) is then answered trailers-only (the id in its trailers, see
+        rpc.status.abort): the status arrives without response headers, which is what lets a
+        router (SMG, Envoy's retry_on, grpc's own retry policy) try another replica."""
         await self.context.send_initial_metadata(((REQUEST_ID_KEY, self.request_id),))
 
-    def on_message(self, message: Any) -> None:
+    async def on_message(self, message: Any) -> None:
         if self.num_messages == 0:
             self.first_message_ns = time.perf_counter_ns()
+            await self.send_request_id()
         self.num_messages += 1
         if self.request is not None:
             log.info("rpc_message", method=self.method, index=self.num_messages - 1,
@@ -258,10 +263,9 @@ async def _refuse_undecodable(request: Any, rpc: _Rpc) -> None:
 def _wrap_unary_response(behavior: Behavior, start: RpcFactory) -> Behavior:
     async def unary_response(request: Any, context: Context) -> Any:
         async with start(context, False, request) as rpc:
-            await rpc.send_request_id()
             await _refuse_undecodable(request, rpc)
             response = await behavior(request, context)
-            rpc.on_message(response)
+            await rpc.on_message(response)
             return response
 
     return unary_response
@@ -272,7 +276,7 @@ def _wrap_written_stream(behavior: Behavior, start: RpcFactory) -> Behavior:
 
     async def written_stream(request: Any, context: Context) -> None:
         async with start(context, True, request) as rpc:
-            await rpc.send_request_id()
+            await rpc.send_request_id()  # context.write sends its messages: headers first
             await _refuse_undecodable(request, rpc)
             await behavior(request, context)
 
@@ -282,11 +286,10 @@ def _wrap_written_stream(behavior: Behavior, start: RpcFactory) -> Behavior:
 def _wrap_yielded_stream(behavior: Behavior, start: RpcFactory) -> Behavior:
     async def yielded_stream(request: Any, context: Context) -> AsyncIterator[Any]:
         async with start(context, True, request) as rpc:
-            await rpc.send_request_id()
             await _refuse_undecodable(request, rpc)
             async with aclosing(behavior(request, context)) as messages:
                 async for message in messages:
-                    rpc.on_message(message)
+                    await rpc.on_message(message)
                     yield message
 
     return yielded_stream

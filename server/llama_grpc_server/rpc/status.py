@@ -85,10 +85,13 @@ def build_status(error: errors.ServiceError, request_id: str = "") -> status_pb2
 async def abort(
     context: grpc.aio.ServicerContext[Any, Any], error: errors.ServiceError, request_id: str = ""
 ) -> NoReturn:
-    """End the RPC with the error's status and details (works mid-stream too)."""
+    """End the RPC with the error's status and details (works mid-stream too); x-request-id in
+    the trailers, since a call refused before its first message has no response headers."""
     status = rpc_status.to_status(build_status(error, request_id))
+    sendable = request_id.isascii() and request_id.isprintable() and bool(request_id)
+    trailers = (*status.trailing_metadata, *((("x-request-id", request_id),) if sendable else ()))
     # Same as context.abort_with_status(status), which grpc-stubs does not declare.
-    await context.abort(status.code, status.details, status.trailing_metadata)
+    await context.abort(status.code, status.details, trailers)
     raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
 
 
