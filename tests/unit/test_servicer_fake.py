@@ -519,13 +519,18 @@ async def test_reload_applies_new_tenant_limits_to_the_running_engine(tmp_path: 
         assert await running.wait_loaded()
         stub: Any = pb_grpc.LlmServiceStub(channel)
 
-        async def three() -> list[Any]:
+        async def three(admitted: int) -> list[Any]:
+            """Three streams, once `admitted` of them run or wait in the engine (a refused
+            call is trailers-only: it has no headers to wait for)."""
             calls = [
                 stub.StreamGenerate(pb.StreamGenerateRequest(prompt="x" * 60), metadata=metadata)
                 for _ in range(3)
             ]
-            for call in calls:
-                await call.wait_for_connection()
+            for _ in range(500):
+                stats = await stub.GetStats(pb.GetStatsRequest(), metadata=metadata)
+                if stats.active_slots + stats.queue_depth == admitted:
+                    break
+                await asyncio.sleep(0.01)
             return calls
 
         async def outcome(call: Any) -> grpc.StatusCode:
@@ -536,7 +541,7 @@ async def test_reload_applies_new_tenant_limits_to_the_running_engine(tmp_path: 
             call.cancel()
             return grpc.StatusCode.OK
 
-        before = await three()
+        before = await three(3)
         assert [await outcome(c) for c in before] == [grpc.StatusCode.OK] * 3
         for _ in range(500):  # the cancelled streams leave their slots
             stats = await stub.GetStats(pb.GetStatsRequest(), metadata=metadata)
@@ -545,7 +550,7 @@ async def test_reload_applies_new_tenant_limits_to_the_running_engine(tmp_path: 
             await asyncio.sleep(0.01)
         tokens_file(path, "[tenants.a]\nmax_concurrent = 1\nmax_queued = 1\n")
         assert running.reload("test")
-        after = await three()
+        after = await three(2)
         codes = [await outcome(c) for c in after]
         assert sorted(codes, key=str) == sorted(
             [grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED], key=str
