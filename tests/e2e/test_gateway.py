@@ -320,4 +320,6 @@ def test_smg_holds_one_event_stream_per_worker(gateway: Gateway) -> None:
         assert sample("smg_kv_event_batches_total", ',disposition="applied"') > 0
         assert sample("smg_kv_event_batches_total", ',disposition="load_only"') > 0
     log = re.sub(r"\x1b\[[0-9;]*m", "", (gateway.workdir / "smg.log").read_text(errors="replace"))
-    assert [line for line in log.splitlines() if " ERROR " in line] == []
+    # SMG logs each 400 it answers (the bad-input test's refusals) as an error; nothing else
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    assert [line for line in errors if "status=400 Bad Request" not in line] == []
