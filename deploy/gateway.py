@@ -44,6 +44,16 @@ from deploy.cluster import (
 DEFAULT_PORT = 8080
 DEFAULT_POLICY = "cache_aware"
 SMG_STOP_S = 15.0  # SMG takes several seconds to exit on SIGTERM
+# SMG probes each worker's HealthCheck every 60 s and needs 3 failures by default: a dead or
+# draining replica would stay listed healthy for minutes (a transport failure excludes it from
+# routing sooner, --worker-stall-secs, but /workers and a rejoin lag behind). One probe a
+# second, one failure to leave and one success to come back, like Envoy's checks in
+# deploy/cluster.py: within DRAIN_DELAY_S (2 s) of a SIGTERM SMG stops routing to the replica.
+# Retries need nothing: SMG retries a failed attempt up to 5 times (--retry-max-retries) with
+# backoff from 50 ms, on another worker, unless a token has reached the client.
+HEALTH_INTERVAL_S = 1
+HEALTH_ARGS = ("--health-check-interval-secs", str(HEALTH_INTERVAL_S),
+               "--health-failure-threshold", "1", "--health-success-threshold", "1")  # fmt: skip
 
 
 def smg_binary() -> str:
@@ -112,7 +122,8 @@ class Gateway(Started):
         self.smg = subprocess.Popen(
             [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
              "--backend", "vllm", "--policy", self.policy, "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(self.metrics_port), *self.smg_args, "--worker-urls", *urls],
+             "--prometheus-port", str(self.metrics_port), *HEALTH_ARGS, *self.smg_args,
+             "--worker-urls", *urls],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
