@@ -202,8 +202,13 @@ bench-security: $(BENCH_STAMP)
 	$(PY) bench/security_overhead.py $(ARGS)
 bench-models: $(BENCH_STAMP)
 	$(PY) bench/models.py $(ARGS)
+# Envoy ring hash / round robin vs SMG cache_aware (KV events) / round robin vs one replica, on
+# the multi-session chat and the shared-system-prompt workloads. A smoke run (results under its
+# own name, not to be committed): ARGS="--reps 1 --sessions 3 --turns 2 --prompts 2 --users 4
+# --concurrency 2 --max-tokens 4 --name cluster_smoke"
 bench-cluster: $(BENCH_STAMP)
 	$(PY) bench/cluster.py $(ARGS)
+	$(PY) bench/summary.py
 # One replica direct (v1) against the same replica through SMG (issue 31): tok/s, added TTFT, the
 # gateway's CPU per token; not part of `make bench`. A smoke run (results under its own name):
 # ARGS="--reps 1 --batches 1,8 --gen-tokens 16 --name gateway_smoke"

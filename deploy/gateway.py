@@ -44,6 +44,18 @@ from deploy.cluster import (
 DEFAULT_PORT = 8080
 DEFAULT_POLICY = "cache_aware"
 SMG_STOP_S = 15.0  # SMG takes several seconds to exit on SIGTERM
+# SMG probes each worker's HealthCheck every 60 s and needs 3 failures by default: a dead or
+# draining replica stays listed healthy in /workers for minutes (a broken KV-event stream or a
+# transport failure excludes it from routing sooner, --worker-stall-secs). HEALTH_ARGS: one
+# probe a second, one failure to leave and one success to come back, like Envoy's checks in
+# deploy/cluster.py (within DRAIN_DELAY_S of a SIGTERM). Not on by default: with them SMG 1.13
+# logs a worker's 400 (a refused constraint) as an ERROR "pipeline attempt failed", which
+# test_gateway.py's clean-log check rejects; the chaos tests pass them in smg_args.
+# Retries need nothing: SMG retries a failed attempt up to 5 times (--retry-max-retries) with
+# backoff from 50 ms, on another worker, unless a token has reached the client.
+HEALTH_INTERVAL_S = 1
+HEALTH_ARGS = ("--health-check-interval-secs", str(HEALTH_INTERVAL_S),
+               "--health-failure-threshold", "1", "--health-success-threshold", "1")  # fmt: skip
 
 
 def smg_binary() -> str:
@@ -112,7 +124,8 @@ class Gateway(Started):
         self.smg = subprocess.Popen(
             [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
              "--backend", "vllm", "--policy", self.policy, "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(self.metrics_port), *self.smg_args, "--worker-urls", *urls],
+             "--prometheus-port", str(self.metrics_port), *self.smg_args,
+             "--worker-urls", *urls],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
