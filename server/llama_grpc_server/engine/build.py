@@ -104,6 +104,8 @@ def build_engine(
             session_live_s=sched.session_live_s,
             tenants=sched.tenant_limits,
             pad_odd_ticks=sched.pad_odd_ticks,
+            stream_buffer_tokens=sched.stream_buffer_tokens,
+            stalled_reader_s=sched.stalled_reader_s,
             speculative=SpeculativeConfig(
                 SpeculativeMode(sched.speculative),
                 sched.draft_max,
