@@ -141,6 +141,7 @@ class SlotStats:
     request_id: str  # empty when idle or when the request is another tenant's
     cached_tokens: int
     tenant: str = ""  # the request's tenant (empty: idle, no authentication, another tenant)
+    buffered_tokens: int = 0  # generated for the request, not yet read by its caller
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +211,11 @@ class Stats:
     disk_cache_write_failures: int = 0  # disk-tier writes that failed (full, read-only volume)
     # Disk-tier reads that brought nothing back (the request computed its prompt instead).
     disk_cache_read_failures: int = 0
+    # Back-pressure: requests paused for their slow caller now; requests ended for a caller
+    # that read nothing for --stalled-reader-s; times a request was paused.
+    paused_streams: int = 0
+    stalled_readers: int = 0
+    stream_pauses: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -279,6 +279,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("session_idle_s", float, "scheduler.session_idle_s",
            "disk tier: save an idle slot's cache after this many seconds without use "
            "(0 = only on eviction and shutdown)", at_least(0), "S"),
+    Option("stream_buffer_tokens", int, "scheduler.stream_buffer_tokens",
+           "back-pressure: a request stops decoding while its caller has this many generated "
+           "tokens unread, and resumes when it reads (0 = unbounded)", at_least(0), "N"),
+    Option("stalled_reader_s", float, "scheduler.stalled_reader_s",
+           "back-pressure: end a request with RESOURCE_EXHAUSTED (STALLED_READER) when its "
+           "caller reads nothing this long with the buffer full (0 = never)", at_least(0), "S"),
     Option("response_cache_mb", int, "scheduler.response_cache_mb",
            "exact response cache: MiB of whole results of greedy or seeded requests, replayed "
            "for identical ones without the engine (0 = off)", at_least(0)),

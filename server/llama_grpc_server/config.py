@@ -107,6 +107,11 @@ class SchedulerSettings:
     # (loop.EngineLoop._tick): "on", "off", or "auto" = on when the model's layers are offloaded
     # to a GPU (a CPU build or --n-gpu-layers 0: off).
     overlap_decode: str = "auto"
+    # Back-pressure (core.scheduler._behind): a request stops decoding while its caller has
+    # this many generated tokens unread (0 = unbounded), and is ended with RESOURCE_EXHAUSTED
+    # (STALLED_READER) when the caller then reads nothing for stalled_reader_s (0 = never).
+    stream_buffer_tokens: int = 256
+    stalled_reader_s: float = 60.0
     max_stop_strings: int = 16
     max_stop_length: int = 256
     default_sampling: SamplingParams = field(default_factory=SamplingParams)

@@ -117,6 +117,16 @@ class KvCacheFull(ServiceError):
     reason = "KV_CACHE_FULL"
 
 
+class StalledReader(ServiceError):
+    """The caller read none of its stream's output for --stalled-reader-s while the output
+    buffer was full: the request was ended to free its slot. RESOURCE_EXHAUSTED (gRPC's code
+    for flow-control limits), not DEADLINE_EXCEEDED: the caller's own deadline had not passed,
+    and that count must stay the callers' deadlines."""
+
+    code = "RESOURCE_EXHAUSTED"
+    reason = "STALLED_READER"
+
+
 class DeadlineExceeded(ServiceError):
     """The request's deadline passed before it could be served."""
 

@@ -40,6 +40,7 @@ from llama_grpc_server.core.request import (
     Failed,
     Finished,
     GenerationRequest,
+    ReaderProgress,
     Request,
     TokenDelta,
 )
@@ -85,10 +86,13 @@ class EngineStream:
 
     Deltas that piled up while the consumer was busy (a client reading slower than the engine
     generates holds back each send) come out merged into one: a delta is never held back to
-    wait for another, so a consumer that keeps up gets one delta per token."""
+    wait for another, so a consumer that keeps up gets one delta per token. What it takes is
+    counted in request.reader: with --stream-buffer-tokens unread the scheduler stops decoding
+    the request, and the read that follows wakes the engine."""
 
     def __init__(self, engine: EngineLoop, request: Request, loop: asyncio.AbstractEventLoop):
         self.request = request
+        self.reader = request.reader = ReaderProgress()
         self.loop = loop
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self._engine = engine
@@ -107,6 +111,10 @@ class EngineStream:
                 event = self._merge_queued(event)
             if isinstance(event, Finished | Failed):
                 self._is_done = True
+            elif event.token_ids:
+                self.reader.num_read += len(event.token_ids)
+                if self.reader.is_paused:  # the engine skips the request until this read
+                    self._engine.wake()
             yield event
 
     def _merge_queued(self, first: TokenDelta) -> TokenDelta:
@@ -184,7 +192,7 @@ class EngineLoop:
         # Written by the engine thread only (one reference assignment), read by stats().
         self._published = scheduler.snapshot(kv_cells_total)
         # The disk tier's I/O thread wakes this one when a read comes back (Scheduler.wakeup).
-        scheduler.wakeup = self._notify
+        scheduler.wakeup = self.wake
         self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
         self._thread.start()
 
@@ -223,8 +231,9 @@ class EngineLoop:
             self._wake.notify()
         return stream
 
-    def _notify(self) -> None:
-        """Wake the engine thread (from another thread) to look at the scheduler again."""
+    def wake(self) -> None:
+        """Wake the engine thread (from another thread) to look at the scheduler again: a disk
+        read came back, a slow reader read."""
         with self._wake:
             self._wake.notify()
 
@@ -394,15 +403,7 @@ class EngineLoop:
     def _drain_inbox(self) -> bool:
         """Apply submissions and cancellations; sleep while there is nothing to do."""
         with self._wake:
-            while not self._inbox and not self._scheduler.has_work and not self._is_stopping:
-                timeout = self._scheduler.idle_wait_s()
-                release = self._on_idle is not None and not self._released
-                if release:
-                    timeout = IDLE_RELEASE_S if timeout is None else min(timeout, IDLE_RELEASE_S)
-                if not self._wake.wait(timeout) and release and self._on_idle is not None:
-                    self._on_idle()  # idle for a while: a no-op for the requests, none wait
-                    self._released = True
-                self._scheduler.persist_idle()  # an idle session due for the disk tier
+            self._sleep_while_idle()
             if self._admission_window_s > 0 and not self._scheduler.has_work:
                 self._gather_burst()
             inbox, self._inbox = self._inbox, []
@@ -434,6 +435,21 @@ class EngineLoop:
             request_id, tenant, deadline_exceeded = item
             return self._scheduler.cancel(request_id, tenant, deadline_exceeded=deadline_exceeded)
         return []
+
+    def _sleep_while_idle(self) -> None:
+        """With _wake held: sleep until something arrives, a read or a reader wakes it, or a
+        timer of the scheduler is due (never a busy wait)."""
+        if not self._inbox and not self._scheduler.has_work and not self._is_stopping:
+            self._publish()  # the state it sleeps in (a request paused for its reader)
+        while not self._inbox and not self._scheduler.has_work and not self._is_stopping:
+            timeout = self._scheduler.idle_wait_s()
+            release = self._on_idle is not None and not self._released
+            if release:
+                timeout = IDLE_RELEASE_S if timeout is None else min(timeout, IDLE_RELEASE_S)
+            if not self._wake.wait(timeout) and release and self._on_idle is not None:
+                self._on_idle()  # idle for a while: a no-op for the requests, none wait
+                self._released = True
+            self._scheduler.persist_idle()  # an idle session due for the disk tier
 
     def _clear_cache(self, done: concurrent.futures.Future[CacheCleared]) -> None:
         # The caller may have given up (a deadline cancels the future through wrap_future): then

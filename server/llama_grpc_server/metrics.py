@@ -252,6 +252,10 @@ def _snapshot_series(s: StatsSnapshot) -> Iterator[Series]:
             "Speculative decoding: accepted / verified draft tokens since start (0 before any).",
             s.spec_acceptance_rate,
         ),
+        "paused_streams": (
+            "Requests not decoding because their caller has the whole stream buffer unread.",
+            s.paused_streams,
+        ),
         "engine_up": (
             "1 while the engine thread serves; 0 once it has failed (see GetStats).",
             0 if s.engine_state == "failed" else 1,
@@ -301,6 +305,11 @@ def _snapshot_series(s: StatsSnapshot) -> Iterator[Series]:
             "Disk-tier writes that failed (a full, read-only or failing volume).",
             disk.write_failures,
         ),
+        "stalled_readers": (
+            "Requests ended because their caller read nothing for --stalled-reader-s.",
+            s.stalled_readers,
+        ),
+        "stream_pauses": ("Times a request was paused for its slow reader.", s.stream_pauses),
         "disk_cache_read_failures": (
             "Disk-tier reads that brought nothing back (the request computed its prompt).",
             disk.read_failures,

@@ -281,6 +281,7 @@ class FakeEngine:
 
     script: the output tokens of a request (then EOS), computed at submit.
     token_delay_s: sleep per forward pass (a "decode" time).
+    stream_buffer_tokens / stalled_reader_s: the scheduler's back-pressure (0: off).
     fail_with / fail_after: end a stream with Failed(fail_with) after `fail_after` deltas.
     submit_error: raised by submit() itself (as PromptTooLong or ShuttingDown would be).
     max_queue: submit() raises Overloaded while this many requests are unfinished.
@@ -292,8 +293,12 @@ class FakeEngine:
         script: Script = reversed_prompt,
         *,
         token_delay_s: float = 0.0,
+        stream_buffer_tokens: int = 0,
+        stalled_reader_s: float = 0.0,
     ) -> None:
         self.info = info if info is not None else fake_model_info()
+        self.stream_buffer_tokens = stream_buffer_tokens
+        self.stalled_reader_s = stalled_reader_s
         self.script = script
         self.fail_with: errors.ServiceError | None = None
         self.fail_after = 0
@@ -319,7 +324,13 @@ class FakeEngine:
     @property
     def loop(self) -> EngineLoop:
         if self._loop is None:
-            limits = SchedulerLimits(self.info.n_parallel, self.info.n_ctx, self.info.n_batch)
+            limits = SchedulerLimits(
+                self.info.n_parallel,
+                self.info.n_ctx,
+                self.info.n_batch,
+                stream_buffer_tokens=self.stream_buffer_tokens,
+                stalled_reader_s=self.stalled_reader_s,
+            )
             scheduler = Scheduler(limits, pieces=PIECES, eog_ids=frozenset(self.info.eog_token_ids))
             self._loop = EngineLoop(
                 scheduler,

@@ -18,6 +18,7 @@ import pytest_asyncio
 
 from llama_grpc import AsyncClient, DeadlineExceededError, Delta, Stats, UnavailableError
 from llama_grpc_server import errors
+from llama_grpc_server.config import SchedulerSettings
 
 from .conftest import settings
 from .fault_support import (
@@ -296,7 +297,8 @@ SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0
 async def test_client_that_stops_reading_does_not_stall_others() -> None:
     """One stream is read for 3 tokens and then left open unread until HTTP/2 flow control
     stops the server's writes to it; three streams started after that finish with their solo
-    output while it stays stalled; cancelling it frees its slot."""
+    output while it stays stalled; it stops decoding with --stream-buffer-tokens unread (the
+    default, 256); cancelling it frees its slot."""
     async with probed_server(settings(n_parallel=4, n_ctx=4096)) as s:
         prompts = OTHERS[:3]
         refs = await references(s.client, prompts, OTHER_TOKENS)
@@ -307,7 +309,8 @@ async def test_client_that_stops_reading_does_not_stall_others() -> None:
             )
             for _ in range(3):
                 assert isinstance(await anext(stalled), Delta)
-            # 200 unread tokens are ~8 KB of messages: the 1 KiB window is long full by then
+            # 200 unread tokens are ~8 KB of messages: the 1 KiB window is long full by then (and
+            # the server decodes on until 256 are unread in its own buffer)
             backlog = await poll(s.client, lambda st: kv_tokens(st, stalled_id) >= 230, 2400)
             assert kv_tokens(backlog, stalled_id) >= 230, "it is decoded though nobody reads"
             outs = await gather_bounded(
@@ -319,8 +322,11 @@ async def test_client_that_stops_reading_does_not_stall_others() -> None:
             for out, ref in zip(outs, refs, strict=True):
                 assert out.error is None and out.done is not None, out
                 ref.check(out.token_ids)
-            stats = await s.client.stats()
+            stats = await poll(s.client, lambda st: st.paused_streams == 1, 2400)
             assert stalled_id in busy_request_ids(stats), "still holding its slot, unread"
+            (slot,) = [slot for slot in stats.slots if slot.request_id == stalled_id]
+            assert slot.buffered_tokens == SchedulerSettings().stream_buffer_tokens == 256
+            assert stats.paused_streams == 1
             before = stats.requests_cancelled
             await stalled.aclose()
             stats = await poll(s.client, lambda st: stalled_id not in busy_request_ids(st))

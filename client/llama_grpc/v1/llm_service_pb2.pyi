@@ -1516,6 +1516,7 @@ class SlotStats(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    BUFFERED_TOKENS_FIELD_NUMBER: _builtins.int
     slot_id: _builtins.int
     state: _builtins.str
     """"idle", "prefilling" or "generating"."""
@@ -1527,6 +1528,10 @@ class SlotStats(_message.Message):
     """The running request's tenant; empty when idle, without authentication, and for a user of
     another tenant.
     """
+    buffered_tokens: _builtins.int
+    """Tokens generated for the running request's stream that its caller has not read yet (at
+    most --stream-buffer-tokens: at the bound the request stops decoding until it reads).
+    """
     def __init__(
         self,
         *,
@@ -1535,10 +1540,11 @@ class SlotStats(_message.Message):
         request_id: _builtins.str = ...,
         cached_tokens: _builtins.int = ...,
         tenant: _builtins.str = ...,
+        buffered_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "request_id", b"request_id", "slot_id", b"slot_id", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffered_tokens", b"buffered_tokens", "cached_tokens", b"cached_tokens", "request_id", b"request_id", "slot_id", b"slot_id", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1603,6 +1609,9 @@ class GetStatsResponse(_message.Message):
     REQUESTS_DEADLINE_EXCEEDED_FIELD_NUMBER: _builtins.int
     DISK_CACHE_WRITE_FAILURES_FIELD_NUMBER: _builtins.int
     DISK_CACHE_READ_FAILURES_FIELD_NUMBER: _builtins.int
+    PAUSED_STREAMS_FIELD_NUMBER: _builtins.int
+    STALLED_READERS_FIELD_NUMBER: _builtins.int
+    STREAM_PAUSES_FIELD_NUMBER: _builtins.int
     n_parallel: _builtins.int
     active_slots: _builtins.int
     idle_slots: _builtins.int
@@ -1693,6 +1702,14 @@ class GetStatsResponse(_message.Message):
     """Disk-tier reads (on its I/O thread) that brought nothing back: the file was gone,
     unreadable or corrupt, or too many reads were queued; the request computed its prompt.
     """
+    paused_streams: _builtins.int
+    """Back-pressure (--stream-buffer-tokens): requests holding a slot without decoding because
+    their caller has not read the whole buffer yet (now); requests ended with
+    RESOURCE_EXHAUSTED (reason STALLED_READER) because their caller read nothing for
+    --stalled-reader-s; times a request was paused for its reader (both since start).
+    """
+    stalled_readers: _builtins.int
+    stream_pauses: _builtins.int
     @_builtins.property
     def slots(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotStats]: ...
     def __init__(
@@ -1751,10 +1768,13 @@ class GetStatsResponse(_message.Message):
         requests_deadline_exceeded: _builtins.int = ...,
         disk_cache_write_failures: _builtins.int = ...,
         disk_cache_read_failures: _builtins.int = ...,
+        paused_streams: _builtins.int = ...,
+        stalled_readers: _builtins.int = ...,
+        stream_pauses: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "decode_cpu_seconds", b"decode_cpu_seconds", "decode_seconds", b"decode_seconds", "disk_cache_bytes", b"disk_cache_bytes", "disk_cache_entries", b"disk_cache_entries", "disk_cache_evictions", b"disk_cache_evictions", "disk_cache_hits", b"disk_cache_hits", "disk_cache_misses", b"disk_cache_misses", "disk_cache_read_failures", b"disk_cache_read_failures", "disk_cache_read_seconds", b"disk_cache_read_seconds", "disk_cache_verify_failures", b"disk_cache_verify_failures", "disk_cache_write_failures", b"disk_cache_write_failures", "disk_cache_writes", b"disk_cache_writes", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "model_name", b"model_name", "n_parallel", b"n_parallel", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_deadline_exceeded", b"requests_deadline_exceeded", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "response_cache_bytes", b"response_cache_bytes", "response_cache_entries", b"response_cache_entries", "response_cache_evictions", b"response_cache_evictions", "response_cache_hits", b"response_cache_hits", "response_cache_misses", b"response_cache_misses", "slots", b"slots", "spec_acceptance_rate", b"spec_acceptance_rate", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_ticks", b"spec_ticks", "ticks", b"ticks", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "decode_cpu_seconds", b"decode_cpu_seconds", "decode_seconds", b"decode_seconds", "disk_cache_bytes", b"disk_cache_bytes", "disk_cache_entries", b"disk_cache_entries", "disk_cache_evictions", b"disk_cache_evictions", "disk_cache_hits", b"disk_cache_hits", "disk_cache_misses", b"disk_cache_misses", "disk_cache_read_failures", b"disk_cache_read_failures", "disk_cache_read_seconds", b"disk_cache_read_seconds", "disk_cache_verify_failures", b"disk_cache_verify_failures", "disk_cache_write_failures", b"disk_cache_write_failures", "disk_cache_writes", b"disk_cache_writes", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "model_name", b"model_name", "n_parallel", b"n_parallel", "paused_streams", b"paused_streams", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_deadline_exceeded", b"requests_deadline_exceeded", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "response_cache_bytes", b"response_cache_bytes", "response_cache_entries", b"response_cache_entries", "response_cache_evictions", b"response_cache_evictions", "response_cache_hits", b"response_cache_hits", "response_cache_misses", b"response_cache_misses", "slots", b"slots", "spec_acceptance_rate", b"spec_acceptance_rate", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_ticks", b"spec_ticks", "stalled_readers", b"stalled_readers", "stream_pauses", b"stream_pauses", "ticks", b"ticks", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

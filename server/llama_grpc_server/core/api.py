@@ -43,6 +43,7 @@ class SlotSnapshot:
     request_id: str
     cached_tokens: int
     tenant: str = ""  # of the request in the slot: the rpc layer hides other tenants' ids
+    buffered_tokens: int = 0  # sent to the request's stream, not yet read by its caller
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,12 @@ class StatsSnapshot:
     # Requests whose caller's deadline passed (in the queue, in a slot, or the RPC ended by it):
     # neither failed nor cancelled.
     requests_deadline_exceeded: int = 0
+    # Back-pressure (--stream-buffer-tokens): requests not decoding now because their caller
+    # has the whole buffer unread; since start, requests ended for reading nothing for
+    # --stalled-reader-s, and times a request was paused.
+    paused_streams: int = 0
+    stalled_readers: int = 0
+    stream_pauses: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -254,6 +254,17 @@ class Failed:
 Event = TokenDelta | Finished | Failed
 
 
+@dataclass(slots=True)
+class ReaderProgress:
+    """How far the consumer of a request's stream has read. Shared by two threads, each
+    writing its own field: the consumer counts the tokens it took (num_read); the scheduler
+    sets is_paused before it compares that count with what it sent, so a consumer that reads
+    after the comparison sees the flag and wakes the engine (loop.EngineStream)."""
+
+    num_read: int = 0
+    is_paused: bool = False
+
+
 def _ms(start_ns: int, end_ns: int) -> float:
     return max(0.0, (end_ns - start_ns) / 1e6)
 
@@ -289,6 +300,11 @@ class Request:
     disk_tried: bool = False
     disk_ticket: int = 0
     disk_loaded: tuple[list[int], bytes] | None = None
+    # Back-pressure: the consumer's progress (None: nobody reads, e.g. scheduler tests), the
+    # tokens sent in deltas, and since when the scheduler skips the request for a slow reader.
+    reader: ReaderProgress | None = None
+    num_sent: int = 0
+    paused_since_ns: int = 0
     num_draft_tokens: int = 0  # speculative decoding: tokens drafted for it
     num_accepted_draft: int = 0  # ... and accepted
     # spec.key, computed once: the scheduler and the loop compare it for every token of a tick

@@ -88,6 +88,11 @@ class SchedulerLimits:
     # the model's BOS when it adds one: KV events also announce each sequence without it, as a
     # router that leaves it out of its ids chunks them (core.kv_events.KvEventPublisher)
     kv_events_bos: int | None = None
+    # Back-pressure (_behind): a request whose reader has this many tokens unread is not
+    # planned until it reads (0 = unbounded); one that reads nothing for stalled_reader_s
+    # meanwhile is ended with StalledReader (0 = never).
+    stream_buffer_tokens: int = 0
+    stalled_reader_s: float = 0.0
 
 
 class Scheduler:
@@ -132,6 +137,7 @@ class Scheduler:
         self._is_admission_paused = False
         self._started_ns = clock_ns()
         self._session_live_ns = int(limits.session_live_s * 1e9)
+        self._stall_ns = int(limits.stalled_reader_s * 1e9)
         # Requests waiting for the disk tier's I/O thread (RESTORING), by key: they hold no
         # slot. Its answers arrive on that thread: _disk_done (with _disk_lock), then wakeup()
         # (the EngineLoop sets it to wake the engine thread).
@@ -229,14 +235,49 @@ class Scheduler:
         return min((w for w in waits if w is not None), default=None)
 
     def _timer_s(self) -> float | None:
-        """Seconds until the earliest deadline of a request that is waiting for something other
-        than the engine (a disk read), or None."""
-        deadlines = [
-            r.spec.deadline for r in self.restoring.values() if r.spec.deadline is not None
-        ]
-        if not deadlines:
+        """Seconds until the earliest deadline, time limit or reader stall of a request that
+        waits for something other than the engine (a disk read, a slow reader), or None."""
+        waiting = [*self.restoring.values(), *self._paused()]
+        if not waiting:
             return None
-        return max(0.0, min(deadlines) - self._monotonic())
+        now, now_ns = self._monotonic(), self._clock_ns()
+        waits = [r.spec.deadline - now for r in waiting if r.spec.deadline is not None]
+        for request in waiting:
+            limit_ms = request.spec.stopping.time_limit_ms
+            if limit_ms is not None:
+                waits.append((request.arrival_ns + limit_ms * 1_000_000 - now_ns) / 1e9)
+            if request.paused_since_ns and self._stall_ns:
+                waits.append((request.paused_since_ns + self._stall_ns - now_ns) / 1e9)
+        return max(0.0, min(waits)) if waits else None
+
+    # -- back-pressure ----------------------------------------------------------------------------
+
+    def _behind(self, request: Request) -> bool:
+        """Whether the request's reader has stream_buffer_tokens or more unread: then it is not
+        planned (its KV stays; KV pressure may preempt it like any request) until the reader
+        takes them, which wakes the engine (ReaderProgress.is_paused)."""
+        reader, limit = request.reader, self.limits.stream_buffer_tokens
+        if reader is None or limit <= 0:
+            return False
+        reader.is_paused = True  # first: a read after the comparison below sees it
+        if request.num_sent - reader.num_read < limit:
+            reader.is_paused = False
+            request.paused_since_ns = 0
+            return False
+        if not request.paused_since_ns:
+            request.paused_since_ns = self._clock_ns()
+            self.counters.reader_pauses += 1
+        return True
+
+    def _paused(self) -> list[Request]:
+        return [s.request for s in self.slots if s.request is not None and self._behind(s.request)]
+
+    def _stalled(self, request: Request, now_ns: int) -> bool:
+        return bool(
+            self._stall_ns
+            and self._behind(request)
+            and now_ns - request.paused_since_ns >= self._stall_ns
+        )
 
     def persist_idle(self, *, everything: bool = False) -> bool:
         """Queue the disk-tier saves that are due (all of them at shutdown); True if any (the
@@ -257,8 +298,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        """Whether a tick would do something now (a request waiting for the disk is not work
-        until its answer arrives or its deadline passes)."""
+        """Whether a tick would do something now (a request waiting for the disk or for its
+        reader is not work until the answer arrives, the reader reads or a timer is due)."""
         timer = self._timer_s()
         return bool(
             self.queue
@@ -266,7 +307,7 @@ class Scheduler:
             or self._samplers_to_close
             or self._disk_done
             or (timer is not None and timer <= 0.0)
-            or any(s.request is not None for s in self.slots)
+            or any(s.request is not None and not self._behind(s.request) for s in self.slots)
         )
 
     # -- schedule ---------------------------------------------------------------------------------
@@ -304,6 +345,15 @@ class Scheduler:
                 out += self._end_failed(request, errors.DeadlineExceeded("deadline exceeded"))
             elif request.time_limit_passed(now_ns):
                 out += self._finish(request, FinishReason.TIME_LIMIT)
+            elif self._stalled(request, now_ns):
+                self.counters.reader_stalls += 1
+                unread = request.num_sent - (request.reader.num_read if request.reader else 0)
+                stalled = errors.StalledReader(
+                    f"the caller read nothing for {self.limits.stalled_reader_s:g} s with "
+                    f"{unread} tokens waiting (--stalled-reader-s)",
+                    metadata={"unread_tokens": str(unread)},
+                )
+                out += self._end_failed(request, stalled)
         for restoring in [r for r in self.restoring.values() if r.deadline_passed(now)]:
             del self.restoring[restoring.key]  # its read's answer, when it comes, is dropped
             error = errors.DeadlineExceeded(
@@ -423,7 +473,9 @@ class Scheduler:
 
     def _chunks(self) -> list[Chunk]:
         active = [
-            s.request for s in self.slots if s.request is not None and not s.request.is_blocked
+            r
+            for s in self.slots
+            if (r := s.request) is not None and not r.is_blocked and not self._behind(r)
         ]
         if not active:
             return []
@@ -490,14 +542,28 @@ class Scheduler:
             n_ctx=self.limits.n_ctx,
             has_prefill=num_decode < len(chunks),
         )
+        drafts = self._within_buffers(drafts)
         return [
             dataclasses.replace(
                 c, tokens=c.tokens + drafts[c.slot_id], num_draft=len(drafts[c.slot_id])
             )
-            if c.slot_id in drafts
+            if drafts.get(c.slot_id)
             else c
             for c in chunks
         ]
+
+    def _within_buffers(self, drafts: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+        """Drafts cut so that a request accepting all of them still has no more than
+        stream_buffer_tokens unread."""
+        limit = self.limits.stream_buffer_tokens
+        if limit <= 0:
+            return drafts
+        for slot_id, draft in drafts.items():
+            request = self.slots[slot_id].request
+            if request is not None and request.reader is not None:
+                room = limit - (request.num_sent - request.reader.num_read) - 1
+                drafts[slot_id] = draft[: max(0, room)]
+        return drafts
 
     def _pad(self, chunks: list[Chunk]) -> list[Chunk]:
         """Up to MAX_PAD_ROWS rows more where the measured costs say they make a decode-only
@@ -633,6 +699,7 @@ class Scheduler:
         out: Emitted = []
         if verdict.delta is not None:
             self.counters.generated_tokens += 1
+            request.num_sent += len(verdict.delta.token_ids)
             out.append((request, verdict.delta))
         reason = verdict.reason
         if reason is None and request.time_limit_passed(now_ns):

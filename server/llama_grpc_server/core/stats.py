@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from llama_grpc_server.core.api import DiskTierStats, SlotSnapshot, StatsSnapshot
 from llama_grpc_server.core.prefix_cache import RamTier
+from llama_grpc_server.core.request import Request
 from llama_grpc_server.core.slot import Slot
 
 
@@ -35,6 +36,8 @@ class Counters:
     spec_accepted_tokens: int = 0  # ... the sampler agreed with (and the request took)
     spec_ticks: int = 0  # forward passes with at least one draft
     pad_rows: int = 0  # pads added to odd decode ticks (core.scheduler._pad; not in GetStats)
+    reader_pauses: int = 0  # times a request stopped decoding for its slow reader
+    reader_stalls: int = 0  # requests ended because their reader read nothing (StalledReader)
 
 
 def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact
@@ -55,6 +58,7 @@ def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact
             s.request.request_id if s.request is not None else "",
             s.num_kv_tokens,
             s.request.spec.tenant if s.request is not None else "",
+            _unread(s.request),
         )
         for s in slots
     )
@@ -99,7 +103,17 @@ def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact
         ),
         spec_ticks=c.spec_ticks,
         requests_deadline_exceeded=c.deadline_exceeded,
+        paused_streams=sum(1 for s in slots if s.request is not None and s.request.paused_since_ns),
+        stalled_readers=c.reader_stalls,
+        stream_pauses=c.reader_pauses,
     )
+
+
+def _unread(request: Request | None) -> int:
+    """Tokens sent to a request's stream that its reader has not taken yet."""
+    if request is None or request.reader is None:
+        return 0
+    return max(0, request.num_sent - request.reader.num_read)
 
 
 # Summed over engines by combined_load: the load figures a router reads (WatchLoad).

@@ -106,6 +106,8 @@ def build_engine(
             tenants=sched.tenant_limits,
             pad_odd_ticks=sched.pad_odd_ticks,
             kv_events_bos=info.bos_token_id if info.add_bos else None,
+            stream_buffer_tokens=sched.stream_buffer_tokens,
+            stalled_reader_s=sched.stalled_reader_s,
             speculative=SpeculativeConfig(
                 SpeculativeMode(sched.speculative),
                 sched.draft_max,
