@@ -208,6 +208,8 @@ class Stats:
     # Requests whose deadline passed (not counted as failed or cancelled).
     requests_deadline_exceeded: int = 0
     disk_cache_write_failures: int = 0  # disk-tier writes that failed (full, read-only volume)
+    # 1 once the engine's watchdog found a tick past its bound (--watchdog-s): the server exits.
+    watchdog_trips: int = 0
 
 
 @dataclass(frozen=True, slots=True)

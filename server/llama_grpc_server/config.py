@@ -107,6 +107,10 @@ class SchedulerSettings:
     # (loop.EngineLoop._tick): "on", "off", or "auto" = on when the model's layers are offloaded
     # to a GPU (a CPU build or --n-gpu-layers 0: off).
     overlap_decode: str = "auto"
+    # A tick running longer than this (seconds) means the engine hung (watchdog.py): health
+    # NOT_SERVING, every caller UNAVAILABLE, exit. "auto": derived from the warm-up's measured
+    # prefill cost and n_batch (watchdog.auto_bound_s); 0 = off.
+    watchdog_s: float | Literal["auto"] = AUTO
     max_stop_strings: int = 16
     max_stop_length: int = 256
     default_sampling: SamplingParams = field(default_factory=SamplingParams)

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
 
 from llama_grpc_server import errors
 from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot
@@ -202,6 +204,25 @@ class FakeRunner:
                 self.kv[op.seq_id] = [int(t) for t in op.data.decode().split(",")]
                 restored[op.seq_id] = True
         return reset
+
+
+class HangingRunner(FakeRunner):
+    """A FakeRunner whose forward pass number `hang_at` (1-based) blocks until `release` is set:
+    a llama_decode that never returns, for the watchdog. `hanging` is set once it blocks."""
+
+    def __init__(self, hang_at: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.hang_at = hang_at
+        self.num_passes = 0
+        self.hanging = threading.Event()
+        self.release = threading.Event()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.num_passes += 1
+        if self.num_passes == self.hang_at:
+            self.hanging.set()
+            self.release.wait()
+        return super().execute(plan)
 
 
 class FakeVocabulary:

@@ -96,6 +96,8 @@ class StatsSnapshot:
     # Requests whose caller's deadline passed (in the queue, in a slot, or the RPC ended by it):
     # neither failed nor cancelled.
     requests_deadline_exceeded: int = 0
+    # Ticks the watchdog found running past its bound (--watchdog-s): 1 once the engine hung.
+    watchdog_trips: int = 0
 
 
 @dataclass(frozen=True, slots=True)
