@@ -304,6 +304,8 @@ class FakeEngine:
     fail_with / fail_after: end a stream with Failed(fail_with) after `fail_after` deltas.
     submit_error: raised by submit() itself (as PromptTooLong or ShuttingDown would be).
     max_queue: submit() raises Overloaded while this many requests are unfinished.
+    runner, watchdog_s: the runner (e.g. a HangingRunner) and the watchdog's bound (0 = none),
+    read when the engine loop starts (the first use).
     """
 
     def __init__(
@@ -325,6 +327,7 @@ class FakeEngine:
         self.is_closed = False
         self.runner = FakeRunner(N_VOCAB, eos_id=EOS_ID)
         self.runner.delay_s = token_delay_s
+        self.watchdog_s = 0.0
         self._cancel_seen: asyncio.Event | None = None
         self._loop: EngineLoop | None = None  # started on first use
 
@@ -347,6 +350,7 @@ class FakeEngine:
                 self.info,
                 tokenizer=FakeVocabulary(),
                 kv_cells_total=self.info.n_ctx,
+                watchdog_s=lambda: self.watchdog_s,
             )
         return self._loop
 
