@@ -216,6 +216,8 @@ class Stats:
     paused_streams: int = 0
     stalled_readers: int = 0
     stream_pauses: int = 0
+    # 1 once the engine's watchdog found a tick past its bound (--watchdog-s): the server exits.
+    watchdog_trips: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -255,6 +255,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("keep_alive_on_engine_error", bool, "server.keep_alive_on_engine_error",
            "if the engine thread dies, keep the process up (health NOT_SERVING) instead of "
            "exiting with code 70 after --grace-s"),
+    Option("watchdog_s", float, "scheduler.watchdog_s",
+           "a tick running longer than this means the engine hung: health NOT_SERVING, every "
+           "caller UNAVAILABLE (reason ENGINE_HUNG), the engine thread's stack logged, exit 71 "
+           "after --grace-s (auto = 10x a whole --n-batch of prompt tokens at the warm-up's "
+           "measured cost, at least 30; 0 = off)", or_auto(at_least(0)), "S|auto", auto=True),
     Option("cache_prompt", bool, "scheduler.cache_prompt", "reuse KV of a cached prefix"),
     Option("pad_odd_ticks", bool, "scheduler.pad_odd_ticks",
            "add a row, never sampled, to a decode pass of an odd number of rows when the "
@@ -715,6 +720,7 @@ def run(settings: Settings) -> int:
     from llama_grpc_server.metrics import Metrics
     from llama_grpc_server.models import ModelSpec, model_specs, settings_for
     from llama_grpc_server.rpc.server import serve
+    from llama_grpc_server.watchdog import EXIT_ENGINE_HUNG
 
     debug_logs = settings.server.log_level == "debug"
     metrics = Metrics() if settings.server.metrics_port else None
@@ -733,9 +739,16 @@ def run(settings: Settings) -> int:
         )
 
     default = model_specs(settings)[0]
-    return asyncio.run(
+    code = asyncio.run(
         serve(settings, lambda: build(default), model_factory=build, metrics=metrics)
     )
+    if code == EXIT_ENGINE_HUNG:
+        # A thread is stuck inside llama.cpp: the interpreter's shutdown could wait for it or
+        # free the model under it. Nothing is left to clean up that the exit does not.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,6 +112,10 @@ class SchedulerSettings:
     # (STALLED_READER) when the caller then reads nothing for stalled_reader_s (0 = never).
     stream_buffer_tokens: int = 256
     stalled_reader_s: float = 60.0
+    # A tick running longer than this (seconds) means the engine hung (watchdog.py): health
+    # NOT_SERVING, every caller UNAVAILABLE, exit. "auto": derived from the warm-up's measured
+    # prefill cost and n_batch (watchdog.auto_bound_s); 0 = off.
+    watchdog_s: float | Literal["auto"] = AUTO
     max_stop_strings: int = 16
     max_stop_length: int = 256
     default_sampling: SamplingParams = field(default_factory=SamplingParams)

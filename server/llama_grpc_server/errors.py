@@ -162,6 +162,14 @@ class EngineUnavailable(ServiceError):
     reason = "ENGINE_FAILED"
 
 
+class EngineHung(ServiceError):
+    """A tick of the engine ran past the watchdog's bound (--watchdog-s): the engine is stuck
+    and the server exits to be replaced; another replica can serve the request."""
+
+    code = "UNAVAILABLE"
+    reason = "ENGINE_HUNG"
+
+
 class Cancelled(ServiceError):
     """The caller went away."""
 

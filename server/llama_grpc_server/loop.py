@@ -6,7 +6,12 @@ busy-waits.
 If the thread dies (anything raised by a strategy, the runner, llama.cpp or a plan check), every
 request in flight or queued ends with INTERNAL naming the cause, later submissions get
 UNAVAILABLE, stats() reports engine_state "failed" with the cause, and the failure listeners
-(the server: health NOT_SERVING, exit) are told once."""
+(the server: health NOT_SERVING, exit) are told once.
+
+If a tick runs past the watchdog's bound (watchdog.py: a llama_decode or any step that never
+returns), the watchdog's thread does the same with UNAVAILABLE (reason ENGINE_HUNG) after logging
+the engine thread's stack; the stuck thread is left alone (close() does not wait for it) and the
+server exits so that it is replaced."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import contextlib
 import ctypes
 import dataclasses
 import enum
+import sys
 import threading
 import time
 import traceback
@@ -46,6 +52,7 @@ from llama_grpc_server.core.request import (
 )
 from llama_grpc_server.core.scheduler import Emitted, Scheduler
 from llama_grpc_server.core.tenants import TenantLimits
+from llama_grpc_server.watchdog import TickWatchdog
 
 log = structlog.get_logger("llama_grpc.engine")
 
@@ -161,6 +168,7 @@ class EngineLoop:
         on_idle: Callable[[], None] | None = None,
         admission_window_s: float = 0.0,
         overlap_decode: bool = False,
+        watchdog_s: Callable[[], float] | None = None,
     ) -> None:
         self._scheduler = scheduler
         self._admission_window_s = admission_window_s
@@ -181,7 +189,12 @@ class EngineLoop:
         self._released = False
         self._inbox: list[tuple[str, Any]] = []
         self._num_rejected_at_submit = 0
-        self._num_failed_by_death = 0  # requests _fail ended (the engine thread writes it once)
+        self._num_failed_by_death = 0  # requests _end_engine ended (written once)
+        # The tick watchdog's bound, asked for on the engine thread once the warm-up has
+        # measured the costs it derives from (<= 0: no watchdog); the watchdog, once started.
+        self._watchdog_s = watchdog_s
+        self._watchdog: TickWatchdog | None = None
+        self._is_hung = False  # the watchdog tripped: the engine thread is stuck in a tick
         self._wake = threading.Condition()  # guards inbox, streams, state, error, listeners
         self._streams: dict[str, EngineStream] = {}  # by request key: (tenant, request id)
         self._is_stopping = False
@@ -239,6 +252,8 @@ class EngineLoop:
 
     def _check_accepting(self) -> None:
         """Raise unless the engine thread is alive and accepting work (call with _wake held)."""
+        if self._is_hung:
+            raise errors.EngineHung(f"the engine has hung: {self._error}")
         if self._state is EngineState.FAILED or (
             not self._thread.is_alive() and not self._is_stopping
         ):
@@ -319,6 +334,7 @@ class EngineLoop:
             uptime_s=time.monotonic() - self._started,
             engine_state=self._state.value,
             engine_error=self._error,
+            watchdog_trips=int(self._is_hung),
         )
 
     @property
@@ -331,6 +347,12 @@ class EngineLoop:
             if self._state is not EngineState.FAILED:
                 self._state = EngineState.STOPPED
             self._wake.notify()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        if self._is_hung:
+            # The engine thread is stuck inside a tick: joining would wait for ever and freeing
+            # the model under it could crash the process, which is about to exit anyway.
+            return
         self._thread.join(timeout=30)
         if self._on_close is not None and not self._thread.is_alive():
             self._on_close()
@@ -346,28 +368,67 @@ class EngineLoop:
             if self._on_start is not None:  # before any request: they wait in the inbox
                 self._on_start()
             set_native_thread_name(ENGINE_THREAD_NAME)
+            self._start_watchdog()
             with self._wake:
                 if self._state is EngineState.STARTING:
                     self._state = EngineState.RUNNING
             self._publish()  # the first KV event batch: a clear, then the disk tier's files
-            while self._drain_inbox():
-                if self._released:
-                    self._tick_after_release()
-                else:
-                    self._tick()
+            while not self._is_hung and self._drain_inbox():
+                self._watched_tick()
+            if self._is_hung:
+                return  # a tick came back after the watchdog tripped: the engine is gone
             self._flush_held()
             self._deliver(self._scheduler.fail_all(errors.ShuttingDown("engine stopped")))
             if self._scheduler.persist_idle(everything=True):
                 self._tick()  # the disk tier's saves of every idle cache (a plan of KV ops)
         except BaseException as exc:  # the thread must not die silently, whatever it was
             self._fail(exc)
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.stop()
+
+    def _start_watchdog(self) -> None:
+        bound_s = self._watchdog_s() if self._watchdog_s is not None else 0.0
+        if bound_s > 0:
+            self._watchdog = TickWatchdog(bound_s, self._on_hung)
+            log.info("watchdog", watchdog_s=round(bound_s, 1))
+
+    def _watched_tick(self) -> None:
+        """One tick, timed by the watchdog."""
+        watchdog = self._watchdog
+        if watchdog is not None:
+            watchdog.tick_started()
+        try:
+            if self._released:
+                self._tick_after_release()
+            else:
+                self._tick()
+        finally:
+            if watchdog is not None:
+                watchdog.tick_ended()
+
+    def _on_hung(self, seconds: float, bound_s: float) -> None:
+        """On the watchdog's thread: the running tick has passed its bound. Log where the
+        engine thread is stuck, then end the engine as _fail does, callers hearing UNAVAILABLE."""
+        cause = f"a tick has run for {seconds:.1f} s, past the watchdog's {bound_s:g} s"
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        # Only the code locations, never frame locals: they hold requests (prompt text).
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)"
+        log.error("engine_hung", error=cause, watchdog_s=bound_s, stack=stack)
+        self._is_hung = True  # before the listeners: they read watchdog_trips
+        self._end_engine(cause, errors.EngineHung(f"the engine has hung: {cause}"))
 
     def _fail(self, exc: BaseException) -> None:
-        """The engine is dead: end every request it owed an answer, refuse new ones, tell the
-        listeners. Reads nothing from the scheduler, whose state may be what broke."""
+        """The engine thread died: log why and end the engine (_end_engine)."""
         cause = describe(exc)
         # The traceback without frame locals: they hold requests (prompt text).
         log.error("engine_failed", error=cause, traceback="".join(traceback.format_exception(exc)))
+        self._end_engine(cause, errors.EngineFailed(f"the engine failed: {cause}"))
+
+    def _end_engine(self, cause: str, error: errors.ServiceError) -> None:
+        """The engine is dead or stuck: end every request it owed an answer with `error`,
+        refuse new ones, tell the listeners. Reads nothing from the scheduler, whose state may
+        be what broke (or which the stuck engine thread still holds)."""
         with self._wake:
             self._state = EngineState.FAILED
             self._error = cause
@@ -380,10 +441,15 @@ class EngineLoop:
                 listener(cause)
             except Exception:
                 log.exception("engine_failure_listener_failed")
+        refused = (
+            error
+            if error.code == "UNAVAILABLE"
+            else errors.EngineUnavailable(f"the engine has failed: {cause}")
+        )
         for kind, item in inbox:
             if kind == "clear_cache" and not item.done():
-                item.set_exception(errors.EngineUnavailable(f"the engine has failed: {cause}"))
-        failed = Failed(errors.EngineFailed(f"the engine failed: {cause}"))
+                item.set_exception(refused)
+        failed = Failed(error)
         self._num_failed_by_death = len(streams)  # counted in stats().requests_failed
         by_loop: Deliveries = defaultdict(list)
         for stream in streams:

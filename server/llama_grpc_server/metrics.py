@@ -285,6 +285,10 @@ def _snapshot_series(s: StatsSnapshot) -> Iterator[Series]:
         ),
         "requests_rejected": ("Requests refused by the scheduler.", s.requests_rejected),
         "engine_ticks": ("Forward passes that succeeded.", s.ticks),
+        "engine_watchdog_trips": (
+            "Ticks the watchdog found running past --watchdog-s (the engine hung; it exits).",
+            s.watchdog_trips,
+        ),
         "ram_cache_hits": ("RAM-tier restores.", s.ram_cache_hits),
         "ram_cache_misses": ("RAM-tier lookups without a restore.", s.ram_cache_misses),
         "ram_cache_evictions": ("RAM-tier entries evicted.", s.ram_cache_evictions),

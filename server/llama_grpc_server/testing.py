@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
 
 from llama_grpc_server import errors
 from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot
@@ -205,6 +207,25 @@ class FakeRunner:
         return reset
 
 
+class HangingRunner(FakeRunner):
+    """A FakeRunner whose forward pass number `hang_at` (1-based) blocks until `release` is set:
+    a llama_decode that never returns, for the watchdog. `hanging` is set once it blocks."""
+
+    def __init__(self, hang_at: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.hang_at = hang_at
+        self.num_passes = 0
+        self.hanging = threading.Event()
+        self.release = threading.Event()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.num_passes += 1
+        if self.num_passes == self.hang_at:
+            self.hanging.set()
+            self.release.wait()
+        return super().execute(plan)
+
+
 class FakeVocabulary:
     """The byte-level vocabulary with stand-in grammar and chat-template checks."""
 
@@ -285,6 +306,8 @@ class FakeEngine:
     fail_with / fail_after: end a stream with Failed(fail_with) after `fail_after` deltas.
     submit_error: raised by submit() itself (as PromptTooLong or ShuttingDown would be).
     max_queue: submit() raises Overloaded while this many requests are unfinished.
+    runner, watchdog_s: the runner (e.g. a HangingRunner) and the watchdog's bound (0 = none),
+    read when the engine loop starts (the first use).
     """
 
     def __init__(
@@ -310,6 +333,7 @@ class FakeEngine:
         self.is_closed = False
         self.runner = FakeRunner(N_VOCAB, eos_id=EOS_ID)
         self.runner.delay_s = token_delay_s
+        self.watchdog_s = 0.0
         self._cancel_seen: asyncio.Event | None = None
         self._loop: EngineLoop | None = None  # started on first use
 
@@ -338,6 +362,7 @@ class FakeEngine:
                 self.info,
                 tokenizer=FakeVocabulary(),
                 kv_cells_total=self.info.n_ctx,
+                watchdog_s=lambda: self.watchdog_s,
             )
         return self._loop
 

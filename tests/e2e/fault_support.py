@@ -264,11 +264,12 @@ class ServerProcess:
 
 @contextlib.asynccontextmanager
 async def server_process(
-    *args: str, env: dict[str, str] | None = None
+    *args: str, env: dict[str, str] | None = None, module: str = "llama_grpc_server"
 ) -> AsyncIterator[ServerProcess]:
-    """Start the server on a free port; yield once it logs "ready"; kill it if still running."""
+    """Start the server (`python -m module`, which takes the serve options) on a free port;
+    yield once it logs "ready"; kill it if still running."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "llama_grpc_server", "--port", "0", "--log-format", "json", *args,
+        sys.executable, "-m", module, "--port", "0", "--log-format", "json", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
     )  # fmt: skip
     assert proc.stdout is not None

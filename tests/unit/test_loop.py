@@ -68,6 +68,7 @@ def make_loop(
     on_idle: Any = None,
     *,
     overlap_decode: bool = False,
+    watchdog_s: float = 0.0,
 ) -> EngineLoop:
     scheduler = Scheduler(
         SchedulerLimits(n_parallel, 512, 64, 16, 8),
@@ -84,6 +85,7 @@ def make_loop(
         admission_window_s=admission_window_s,
         on_idle=on_idle,
         overlap_decode=overlap_decode,
+        watchdog_s=lambda: watchdog_s,
     )
 
 

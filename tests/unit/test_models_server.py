@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -22,8 +23,9 @@ from llama_grpc import (
 from llama_grpc import cli as client_cli
 from llama_grpc_server.config import PoolSettings, ServerSettings, Settings
 from llama_grpc_server.models import ModelSpec
-from llama_grpc_server.rpc.server import RunningServer, start_server
-from llama_grpc_server.testing import FakeEngine, fake_model_info
+from llama_grpc_server.rpc.server import RunningServer, serve, start_server
+from llama_grpc_server.testing import EOS_ID, N_VOCAB, FakeEngine, HangingRunner, fake_model_info
+from llama_grpc_server.watchdog import EXIT_ENGINE_HUNG
 
 SETTINGS = Settings(
     model=dataclasses.replace(Settings().model, model_path="/models/a.gguf", model_name="a"),
@@ -115,3 +117,41 @@ async def test_cli_list_models_prints_json(
     printed = json.loads(out[out.index("{\n") : out.index("\n}\n") + 2])
     assert [m["name"] for m in printed["models"]] == ["a", "b"]
     assert printed["max_loaded_models"] == 2
+
+
+async def test_another_models_hang_exits_the_server_even_with_keep_alive() -> None:
+    """Model b's first forward pass never returns: its caller gets UNAVAILABLE ENGINE_HUNG,
+    health turns NOT_SERVING and serve() returns 71 after the grace period, although
+    --keep-alive-on-engine-error would keep a merely dead engine's server up."""
+    runner = HangingRunner(hang_at=1, n_vocab=N_VOCAB, eos_id=EOS_ID)
+
+    def factory(spec: ModelSpec) -> FakeEngine:
+        engine = fake(spec)
+        if spec.name == "b":
+            engine.runner, engine.watchdog_s = runner, 0.3
+        return engine
+
+    with socket.socket() as s:  # serve() does not tell its port: pick a free one
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    server = dataclasses.replace(SETTINGS.server, port=port, keep_alive_on_engine_error=True)
+    settings = dataclasses.replace(SETTINGS, server=server)
+    default = ModelSpec("a", "/models/a.gguf")
+    ready = asyncio.Event()
+
+    async def serving() -> int:
+        return await serve(settings, lambda: fake(default), model_factory=factory, ready=ready)
+
+    try:
+        exit_code = asyncio.ensure_future(serving())
+        await asyncio.wait_for(ready.wait(), 10)
+        async with AsyncClient(f"127.0.0.1:{port}", timeout=30) as client:
+            assert (await client.generate("ab")).text == "ba"
+            with pytest.raises(UnavailableError) as caught:
+                await client.generate("ab", model="b")
+            assert caught.value.reason == "ENGINE_HUNG"
+            assert "past the watchdog's 0.3 s" in str(caught.value)
+            assert await client.health() == "NOT_SERVING"
+        assert await asyncio.wait_for(exit_code, 10) == EXIT_ENGINE_HUNG
+    finally:
+        runner.release.set()

@@ -120,6 +120,7 @@ def test_snapshot_series_equal_the_engine_stats() -> None:
         "llama_grpc:prefix_cache_hits_total": stats.cached_prompt_tokens,
         "llama_grpc:num_preemptions_total": stats.preemptions,
         "llama_grpc:engine_ticks_total": stats.ticks,
+        "llama_grpc:engine_watchdog_trips_total": stats.watchdog_trips,
         "llama_grpc:num_requests_running": stats.active_slots,
         "llama_grpc:num_requests_waiting": stats.queue_depth,
         "llama_grpc:response_cache_entries": stats.response_cache_entries,

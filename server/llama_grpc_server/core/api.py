@@ -104,6 +104,8 @@ class StatsSnapshot:
     paused_streams: int = 0
     stalled_readers: int = 0
     stream_pauses: int = 0
+    # Ticks the watchdog found running past its bound (--watchdog-s): 1 once the engine hung.
+    watchdog_trips: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from llama_grpc_server.engine.runner import Runner
 from llama_grpc_server.kv_disk import KvDiskStore
 from llama_grpc_server.loop import DoneHook, EngineLoop, TickHook
 from llama_grpc_server.model_files import DEFAULT_MODEL_NAME, default_model_path, file_sha256
+from llama_grpc_server.watchdog import bound_s
 
 log = structlog.get_logger("llama_grpc.engine")
 
@@ -34,18 +35,32 @@ def resolve_model(settings: Settings) -> tuple[str, str]:
 
 def warm_up(
     model: LlamaModel, runner: Runner, costs: TickCostModel | None = None, max_rows: int = 0
-) -> None:
-    """One real decode so the first request does not pay for lazy allocations; then, given the
-    speculation cost model, calibrate it for ticks of up to max_rows rows."""
+) -> float:
+    """One real decode so the first request does not pay for lazy allocations, then timed
+    prefills of CALIBRATION_TEXT: the fastest one's milliseconds per prompt token are returned
+    (the watchdog's bound derives from them). Given the speculation cost model, calibrate it
+    for ticks of up to max_rows rows."""
     tokens = tuple(model.tokenize("Hello", add_special=True, parse_special=False))
     plan = StepPlan(tick=0, chunks=(Chunk(0, "", 0, tokens, False),))
     runner.execute(plan)
     model.seq_remove(0, 0, -1)
+    text = model.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
+    context = tuple(text[: model.n_batch])
+    passes_ms = []
+    for _ in range(PREFILL_TIMINGS):
+        passes_ms.append(runner.time_decode((Chunk(0, "", 0, context, False),)))
+        model.seq_remove(0, 0, -1)
+    prefill_token_ms = min(passes_ms) / len(context)
     if costs is not None:
         costs.calibrate(calibrate(model, runner, max_rows))
         log.info("speculation_calibrated", tick_ms={n: round(ms, 2) for n, ms in costs.snapshot()})
+    return prefill_token_ms
 
 
+# The first prefill after the warm-up decode pays for a larger compute graph, and other work on
+# the machine stretches any pass: measured on the shared 2-core box (load ~3.7), 58 tokens took
+# 2465, 1990, 628 and 711 ms in a row. The fastest of PREFILL_TIMINGS is kept.
+PREFILL_TIMINGS = 2
 CALIBRATION_TEXT = "The quick brown fox jumps over the lazy dog while the cat watches. " * 4
 
 
@@ -130,6 +145,8 @@ def build_engine(
         runner.close()
         model.close()
 
+    measured: list[float] = []  # the warm-up's ms per prompt token (on the engine thread)
+
     return EngineLoop(
         scheduler,
         runner,
@@ -146,12 +163,16 @@ def build_engine(
         # A server that speculates by default calibrates its cost model for one stream's
         # longest draft and one row more (~2.5 s for 18 rows); otherwise a request asking for
         # AUTO starts from the prior shape scaled by the measured ticks.
-        on_start=lambda: warm_up(
-            model,
-            runner,
-            scheduler.spec.costs if sched.speculative != "off" else None,
-            min(sched.draft_max + 2, model.n_batch),
+        on_start=lambda: measured.append(
+            warm_up(
+                model,
+                runner,
+                scheduler.spec.costs if sched.speculative != "off" else None,
+                min(sched.draft_max + 2, model.n_batch),
+            )
         ),
+        # asked for after on_start, on the engine thread: the warm-up has measured by then
+        watchdog_s=lambda: bound_s(sched.watchdog_s, model.n_batch, measured[-1]),
         # An idle engine's docked OpenMP helpers throttle a busy engine's barriers the same way
         # (engine/openmp.py): they are released after IDLE_RELEASE_S without work.
         on_idle=openmp.idle_release(),

@@ -8,8 +8,10 @@ NOT_SERVING, RPCs answer NOT_READY). Other models (--model NAME=PATH, --models-d
 demand through the model pool (models.py). SIGTERM/SIGINT drain gracefully. If the default
 model's engine thread dies, health turns NOT_SERVING at once and serve() exits with
 EXIT_ENGINE_FAILED after the grace period (so an orchestrator restarts the process), unless
-keep_alive_on_engine_error; another model's failed engine is unloaded by the pool. Never imports
-llama_cpp: engines come from factories."""
+keep_alive_on_engine_error; another model's failed engine is unloaded by the pool. An engine,
+any model's, whose watchdog tripped (a tick stuck past --watchdog-s) makes serve() exit with
+EXIT_ENGINE_HUNG after the grace period whatever keep_alive_on_engine_error says: its thread
+cannot be stopped or freed. Never imports llama_cpp: engines come from factories."""
 
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ from llama_grpc_server.rpc.interceptors import RequestInterceptor, RpcRecorder
 from llama_grpc_server.rpc.servicer import SERVICE_NAME, LlmServicer
 from llama_grpc_server.rpc.vllm_engine import VLLM_SERVICE_NAME, TokenizerZip, VllmEngineServicer
 from llama_grpc_server.tracing import Tracing
+from llama_grpc_server.watchdog import EXIT_ENGINE_HUNG
 
 EngineFactory = Callable[[], EngineApi]
 P = ParamSpec("P")
@@ -113,19 +116,25 @@ def _try_command(server: ServerSettings, port: int) -> str:
 
 @dataclass(eq=False)
 class EngineWatch:
-    """Set on the event loop when the engine reports its death; `cause` says why."""
+    """Set on the event loop when the engine reports its death; `cause` says why, `is_hung`
+    whether its watchdog tripped (then any model's engine counts: see attach)."""
 
     failed: asyncio.Event = field(default_factory=asyncio.Event)
     cause: str = ""
+    is_hung: bool = False
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
-    def attach(self, engine: EngineApi, health_servicer: Any) -> None:
+    def attach(self, engine: EngineApi, health_servicer: Any, *, only_hang: bool = False) -> None:
+        """Watch `engine`; with only_hang (another model's engine) only a hang counts: a dead
+        one is the pool's to unload, a stuck thread nobody can stop but a new process."""
         loop = asyncio.get_running_loop()
 
         def on_loop(cause: str) -> None:
-            if self.failed.is_set():
+            is_hung = engine.stats().watchdog_trips > 0
+            if self.failed.is_set() or (only_hang and not is_hung):
                 return
             self.cause = cause
+            self.is_hung = is_hung
             self.failed.set()
             log.error("engine_failed_not_serving", error=cause)
             task = loop.create_task(_set_health(health_servicer, NOT_SERVING))
@@ -421,8 +430,8 @@ async def _started(
     watch = EngineWatch()
 
     def on_loaded(spec: ModelSpec, engine: EngineApi) -> None:
-        if spec.name == pool.default_name:  # after SERVING: a dead engine turns it back off
-            watch.attach(engine, health_servicer)
+        # after SERVING: a dead default engine, or any hung one, turns it back off
+        watch.attach(engine, health_servicer, only_hang=spec.name != pool.default_name)
 
     pool = _model_pool(settings, engine_factory, model_factory, on_loaded)
     loading = asyncio.create_task(
@@ -515,17 +524,18 @@ async def _until_stopped(running: RunningServer, stop: asyncio.Event, settings: 
     finally:
         failed.cancel()
         stopped.cancel()
-    if not running.engine_watch.failed.is_set():
+    watch = running.engine_watch
+    if not watch.failed.is_set():
         return 0
-    if settings.server.keep_alive_on_engine_error:
+    if settings.server.keep_alive_on_engine_error and not watch.is_hung:
         log.error("engine_failed_keep_alive", error=running.engine_watch.cause)
         await stop.wait()
     else:
         grace = settings.server.grace_s
-        log.error("engine_failed_exiting", error=running.engine_watch.cause, grace_s=grace)
+        log.error("engine_failed_exiting", error=watch.cause, grace_s=grace, hung=watch.is_hung)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), grace)
-    return EXIT_ENGINE_FAILED
+    return EXIT_ENGINE_HUNG if watch.is_hung else EXIT_ENGINE_FAILED
 
 
 async def _announce_drain(running: RunningServer, delay_s: float) -> None:

@@ -1,0 +1,40 @@
+"""A real server process whose real runner (engine.runner.Runner over the embedded model)
+hangs or slows down on demand: `python -m hanging_runner [serve options]` with this directory on
+PYTHONPATH. HANG_AT_PASS=N: forward pass N (the warm-up's is the first) blocks for ever, a
+llama_decode that never returns; SLOW_PASS_S=S: every pass after the warm-up takes S seconds
+more, slow but legitimate."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+from llama_grpc_server.cli import main
+from llama_grpc_server.core.plan import StepPlan, StepResult
+from llama_grpc_server.engine.runner import Runner
+
+
+def install() -> None:
+    execute = Runner.execute
+    hang_at = int(os.environ.get("HANG_AT_PASS", "0"))
+    slow_s = float(os.environ.get("SLOW_PASS_S", "0"))
+    never = threading.Event()
+    passes = 0
+
+    def faulty_execute(self: Runner, plan: StepPlan) -> StepResult:
+        nonlocal passes
+        passes += 1
+        if passes == hang_at:
+            never.wait()  # for ever, asleep: the watchdog must notice
+        if slow_s > 0 and passes > 1:
+            time.sleep(slow_s)
+        return execute(self, plan)
+
+    Runner.execute = faulty_execute  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    install()
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""The engine watchdog in a real server process: the embedded Gemma 3 270M and the real runner
+with a fault injected (hanging_runner.py). A forward pass that never returns ends every stream
+in flight or queued with UNAVAILABLE (ENGINE_HUNG) naming the bound, turns health NOT_SERVING,
+counts the trip in GetStats and /metrics, logs the engine thread's stack and exits 71 after
+--grace-s. Passes slowed to half the bound, many bounds in all, trip nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from llama_grpc import AsyncClient, Done, UnavailableError
+
+from .fault_support import ServerProcess, poll, server_process
+from .test_engine_crash import json_lines
+
+HERE = Path(__file__).parent
+WATCHDOG_S = "3"
+# One llama.cpp thread: on the shared 2-core box a 2-thread pass beside other work was seen to
+# take seconds (OpenMP barrier spinning), which would trip a bound this short legitimately.
+THREADS = ("--threads", "1")
+SLOW_WATCHDOG_S = 4.0
+SLOW_PASS_S = 1.5  # added to every pass: slow, but well within SLOW_WATCHDOG_S
+EXIT_ENGINE_HUNG = 71
+SECRET = "walrus-indigo-secret-marker"
+
+
+def fault_env(**faults: str) -> dict[str, str]:
+    path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, **faults}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int, name: str) -> float:
+    """One series' value from /metrics (the default model's label)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+    assert len(values) == 1, (name, values)
+    return values[0]
+
+
+async def stream_until_end(client: AsyncClient, i: int) -> tuple[int, BaseException | Done]:
+    """The tokens a long stream got, and how it ended."""
+    prompt = f"Request {i} {SECRET}: tell a long story about the sea."
+    got = 0
+    try:
+        async for event in client.stream(prompt, max_tokens=400, ignore_eos=True):
+            if isinstance(event, Done):
+                return got, event
+            got += len(event.token_ids)
+    except Exception as exc:
+        return got, exc
+    raise AssertionError("the stream ended without Done or an error")
+
+
+async def test_hung_forward_pass_fails_every_caller_and_exits_71() -> None:
+    """Two streams decode and two wait in the queue when forward pass 8 never returns."""
+    metrics_port = free_port()
+    async with server_process(
+        "--n-ctx", "2048", "--n-parallel", "2", "--temperature", "0", "--watchdog-s", WATCHDOG_S,
+        "--grace-s", "5", "--metrics-port", str(metrics_port), *THREADS,
+        env=fault_env(HANG_AT_PASS="8"), module="hanging_runner",
+    ) as proc:  # fmt: skip
+        async with AsyncClient(f"127.0.0.1:{proc.port}", timeout=60) as client:
+            results = await asyncio.wait_for(
+                asyncio.gather(*(stream_until_end(client, i) for i in range(4))), 60
+            )
+            assert sorted(got > 0 for got, _ in results) == [False, False, True, True]
+            for _, result in results:
+                assert isinstance(result, UnavailableError), result
+                assert result.reason == "ENGINE_HUNG"
+                assert f"past the watchdog's {WATCHDOG_S} s" in str(result)
+            await check_hung(client, metrics_port)
+        assert await proc.wait(30) == EXIT_ENGINE_HUNG
+    check_hang_logs(proc)
+
+
+async def check_hung(client: AsyncClient, metrics_port: int) -> None:
+    """Within the grace period: health, stats, metrics and a new call all say so."""
+    for _ in range(100):  # health follows at once; a bounded poll
+        if await client.health() == "NOT_SERVING":
+            break
+        await asyncio.sleep(0.05)
+    assert await client.health() == "NOT_SERVING"
+    stats = await poll(client, lambda s: s.watchdog_trips == 1)
+    assert (stats.engine_state, stats.watchdog_trips, stats.requests_failed) == ("failed", 1, 4)
+    assert stats.engine_error.startswith("a tick has run for ")
+    with pytest.raises(UnavailableError) as caught:
+        await client.generate("Hello", max_tokens=2)
+    assert caught.value.reason == "ENGINE_HUNG"
+    assert (
+        await asyncio.to_thread(scrape, metrics_port, "llama_grpc:engine_watchdog_trips_total") == 1
+    )
+    assert await asyncio.to_thread(scrape, metrics_port, "llama_grpc:engine_up") == 0
+
+
+def check_hang_logs(proc: ServerProcess) -> None:
+    """One engine_hung line with the engine thread's stack (where it is stuck), no prompt."""
+    hangs = [e for e in json_lines(proc) if e.get("event") == "engine_hung"]
+    assert len(hangs) == 1 and hangs[0]["level"] == "error", hangs
+    stack = str(hangs[0]["stack"])
+    assert "hanging_runner.py" in stack and "never.wait()" in stack and "in _tick" in stack
+    assert hangs[0]["watchdog_s"] == float(WATCHDOG_S)
+    assert SECRET not in "".join(proc.lines), "prompt text reached the logs"
+
+
+async def test_slow_legitimate_passes_do_not_trip_the_watchdog() -> None:
+    """Every pass takes SLOW_PASS_S more than it needs, over three bounds in all: the streams
+    finish, nothing trips, health stays SERVING, SIGTERM exits 0."""
+    async with server_process(
+        "--n-ctx", "2048", "--n-parallel", "2", "--temperature", "0",
+        "--watchdog-s", str(SLOW_WATCHDOG_S), *THREADS,
+        env=fault_env(SLOW_PASS_S=str(SLOW_PASS_S)), module="hanging_runner",
+    ) as proc:  # fmt: skip
+        async with AsyncClient(f"127.0.0.1:{proc.port}", timeout=120) as client:
+            results = await asyncio.gather(
+                *(client.generate(f"Count to {i}:", max_tokens=10, ignore_eos=True) for i in (3, 5))
+            )
+            assert [r.finish_reason for r in results] == ["max_tokens", "max_tokens"]
+            assert [len(r.token_ids) for r in results] == [10, 10]
+            stats = await client.stats()
+            assert stats.ticks * SLOW_PASS_S > 3 * SLOW_WATCHDOG_S
+            assert (stats.engine_state, stats.watchdog_trips, stats.requests_finished) == (
+                "running", 0, 2,
+            )  # fmt: skip
+            assert await client.health() == "SERVING"
+        proc.proc.send_signal(signal.SIGTERM)
+        assert await proc.wait(30) == 0
+    assert not [e for e in json_lines(proc) if e.get("event") == "engine_hung"]
