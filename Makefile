@@ -241,8 +241,10 @@ bench-telemetry: $(BENCH_STAMP)
 	$(PY) bench/telemetry_overhead.py
 bench-logprobs: $(BENCH_STAMP)
 	$(PY) bench/logprobs_cost.py $(ARGS)
-# Soak: 64 streams with cancels and deadlines against a `llama-grpc serve` subprocess, 10 minutes
-# by default (ARGS="--minutes 3" for less); not part of `make bench`. Fails if a check is missed.
+# Soak: 64 streams with cancels and deadlines against a `llama-grpc serve` subprocess, with
+# injected stalls (slow readers, a slow disk, an engine hang in a second replica at minute 3),
+# 10 minutes by default (ARGS="--minutes 3" for less); not part of `make bench`. Fails if a check
+# is missed.
 bench-soak: $(BENCH_STAMP)
 	$(PY) bench/soak.py $(ARGS)
 	$(PY) bench/summary.py

@@ -630,21 +630,34 @@ def soak(data: dict[str, Any]) -> list[str]:
         f"{w['modes']}. Each minute ends with a pause (in-flight calls get {st['drain_s']:.0f} s, "
         "then are cancelled) and idle readings of the server process.",
         "",
+    ]
+    if "slow_disk" in w:  # the injected stalls (issue 34)
+        lines += [
+            f"Injected stalls: slow readers (--stream-buffer-tokens {st['stream_buffer_tokens']}, "
+            f"--stalled-reader-s {st['stalled_reader_s']:g}); a slow disk: {w['slow_disk']} "
+            f"(disk tier on, RAM tier off); engine hang: {w['hang_replica']}.",
+            "",
+        ]
+    lines += [
         "| minute | OK | cancelled (own / at pause) | deadline (own) | queue full, retried | "
-        "unexpected | tok/s | idle RSS MiB | fds | idle KV cells (cached prefix) | load 1 min |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "slow readers OK / stalled ended (server) | unexpected | tok/s | idle RSS MiB | fds | "
+        "idle KV cells (cached prefix) | disk restores / writes / read s | load 1 min |",
+        "|" + " ---: |" * 13,
     ]
     expected = set(w["expected_statuses"])
     for r in data["minutes"]:
         s_ = r["statuses"]
         bad = sum(n for k, n in s_.items() if k not in expected)
         kv = r["idle"]["kv"]
+        d = r.get("disk", {})
+        disk = f"{d['hits']} / {d['writes']} / {d['read_seconds']:.1f}" if d else "–"
         lines.append(
             f"| {r['minute']} | {s_.get('OK', 0)} | {s_.get('CANCELLED', 0)} / "
             f"{s_.get('CANCELLED_AT_PAUSE', 0)} | {s_.get('DEADLINE_EXCEEDED', 0)} | "
-            f"{s_.get('RESOURCE_EXHAUSTED', 0)} | {bad} | {r['tok_s']:.1f} | "
+            f"{s_.get('RESOURCE_EXHAUSTED', 0)} | {s_.get('OK_SLOW_READER', 0)} / "
+            f"{r['server'].get('stalled_readers', 0)} | {bad} | {r['tok_s']:.1f} | "
             f"{r['idle']['rss_bytes'] / 2**20:.1f} | {r['idle']['fds']} | "
-            f"{kv['kv_cells_used']} ({kv['baseline_cached_prefix']}) | "
+            f"{kv['kv_cells_used']} ({kv['baseline_cached_prefix']}) | {disk} | "
             f"{r['load_average'][0]:.2f} |"
         )
     c = v["checks"]
@@ -663,8 +676,47 @@ def soak(data: dict[str, Any]) -> list[str]:
         f"{ok(c['idle_kv_is_cached_prefix_baseline'])}; then a {probe['prompt_tokens']}-token "
         f"prompt (n_ctx − {st['probe_margin']}) ran to completion: "
         f"{ok(c['full_context_probe_ok'])} ({probe['seconds']:.0f} s).",
-        "",
     ]
+    lines += soak_stalls(data)
+    return [*lines, ""]
+
+
+def soak_stalls(data: dict[str, Any]) -> list[str]:
+    """The soak's checks of its injected stalls (absent from results before issue 34)."""
+    v = data["verdict"]
+    c = v["checks"]
+    if "slow_disk_read_from" not in c:
+        return []
+    fds = next(k for k in c if k.startswith("fds_end_within_"))
+    disk = v["disk_total"]
+    tok_s = ", ".join(f"{t:.0f}" for t in v["tok_s_per_minute"])
+    lines = [
+        f"- Open fds flat ({fds.split('_')[3]} at most apart): {ok(c[fds])}.",
+        f"- Tokens/s never below half the median minute's (slow disk, hang replica): "
+        f"{ok(c['tok_s_never_below_half_median'])} ({tok_s}; lowest "
+        f"{v['tok_s_min_over_median']:.2f} × median).",
+        f"- Slow readers got their exact output: {ok(c['slow_readers_served_exactly'])} "
+        f"({v['statuses_total'].get('OK_SLOW_READER', 0)}; the server paused streams "
+        f"{v['stream_pauses_server']} times); stalled readers ended (RESOURCE_EXHAUSTED, "
+        f"STALLED_READER): {ok(c['stalled_readers_ended'])} ({v['stalled_readers_server']} by the "
+        f"server's count, {v['statuses_total'].get('STALLED_READER', 0)} of them read to that "
+        "status before a pause cancelled them).",
+        f"- The slow disk was read from: {ok(c['slow_disk_read_from'])} ({disk['hits']} restores, "
+        f"{disk['read_seconds']:.1f} s reading, {disk['writes']} writes, {disk['evictions']} "
+        f"evictions, {disk['read_failures']} read / {disk['write_failures']} write failures, "
+        f"{disk['verify_failures']} verify failures).",
+    ]
+    hang = data.get("hang_replica")
+    if hang is not None:
+        streams = hang.get("streams", [])
+        ends = ", ".join(f"{s['code']} {s['reason']} in {s['seconds']:.1f} s" for s in streams)
+        watch = hang.get("watch", {})
+        lines.append(
+            f"- Hang replica caught: {ok(c['hang_replica_caught_exit_71'])} ({ends or 'no stream'}"
+            f" (bound {hang['stream_bound_s']:.0f} s); NOT_SERVING after "
+            f"{watch.get('not_serving_after_s', float('nan')):.1f} s, watchdog trips "
+            f"{watch.get('watchdog_trips')}; exit code {hang.get('exit_code')})."
+        )
     return lines
 
 
