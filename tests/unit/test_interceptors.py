@@ -16,12 +16,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
 from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc_server import errors
 from llama_grpc_server.auth import ANONYMOUS, AuthTable, Principal, Role
 from llama_grpc_server.config import ServerSettings, Settings
 from llama_grpc_server.core.request import GenerationRequest
 from llama_grpc_server.rpc import interceptors
 from llama_grpc_server.rpc.access import AccessControl
 from llama_grpc_server.rpc.server import RunningServer, start_server
+from llama_grpc_server.rpc.status import abort
 from llama_grpc_server.testing import FakeEngine, reversed_prompt
 
 SETTINGS = Settings(server=ServerSettings(host="127.0.0.1", port=0, grace_s=0.2))
@@ -155,6 +157,8 @@ async def test_recorder_sees_start_and_end(stub: Any, recorder: ListRecorder) ->
     await stub.Generate(pb.GenerateRequest(prompt="ab"))
     with pytest.raises(grpc.aio.AioRpcError):
         await stub.Generate(pb.GenerateRequest(prompt="ab", model="other"))
+    # the status can reach the client before the server's handler has recorded its end
+    await eventually(lambda: len(recorder.handled) == 2)
     assert recorder.started == [GENERATE, GENERATE]
     assert [(m, c) for m, c, _ in recorder.handled] == [(GENERATE, "OK"), (GENERATE, "NOT_FOUND")]
     assert all(seconds > 0 for _, _, seconds in recorder.handled)
@@ -222,9 +226,12 @@ async def test_unknown_method_stays_unimplemented(channel: grpc.aio.Channel) -> 
 class StubContext:
     """code() and time_remaining() as a finished call would report them."""
 
-    def __init__(self, code: grpc.StatusCode | None, remaining: float | None = None) -> None:
+    def __init__(
+        self, code: grpc.StatusCode | None, remaining: float | None = None, done: bool = False
+    ) -> None:
         self._code = code
         self._remaining = remaining
+        self._done = done
 
     def code(self) -> grpc.StatusCode | None:
         return self._code
@@ -232,30 +239,68 @@ class StubContext:
     def time_remaining(self) -> float | None:
         return self._remaining
 
+    def done(self) -> bool:
+        return self._done
+
 
 @pytest.mark.parametrize(
-    ("code", "remaining", "error", "expected"),
+    ("code", "remaining", "done", "error", "expected"),
     [
-        (None, None, None, "OK"),
-        (grpc.StatusCode.NOT_FOUND, None, None, "NOT_FOUND"),
-        (grpc.StatusCode.INTERNAL, None, grpc.aio.AbortError(), "INTERNAL"),
-        (None, None, asyncio.CancelledError(), "CANCELLED"),
-        (None, 5.0, GeneratorExit(), "CANCELLED"),
-        (None, 0.0, asyncio.CancelledError(), "DEADLINE_EXCEEDED"),
-        (None, 0.009, asyncio.CancelledError(), "DEADLINE_EXCEEDED"),  # the client's came first
-        (None, 0.2, asyncio.CancelledError(), "CANCELLED"),
-        (None, None, ValueError("bug"), "UNKNOWN"),
+        (None, None, False, None, "OK"),
+        (grpc.StatusCode.NOT_FOUND, None, False, None, "NOT_FOUND"),
+        (grpc.StatusCode.INTERNAL, None, False, grpc.aio.AbortError(), "INTERNAL"),
+        (None, None, False, asyncio.CancelledError(), "CANCELLED"),
+        (None, 5.0, False, GeneratorExit(), "CANCELLED"),
+        (None, 0.0, False, asyncio.CancelledError(), "DEADLINE_EXCEEDED"),
+        (None, 0.009, False, asyncio.CancelledError(), "DEADLINE_EXCEEDED"),  # client's first
+        (None, 0.2, False, asyncio.CancelledError(), "CANCELLED"),
+        (None, None, False, ValueError("bug"), "UNKNOWN"),
+        # grpc ended the call before the handler's error (an abort that could not be sent)
+        (None, 0.0, True, RuntimeError("execute_batch"), "DEADLINE_EXCEEDED"),
+        (None, 3.0, True, RuntimeError("execute_batch"), "CANCELLED"),
     ],
 )
-def test_status_name(
+def test_status_name(  # one parameter per column
     code: grpc.StatusCode | None,
     remaining: float | None,
+    done: bool,
     error: BaseException | None,
     expected: str,
 ) -> None:
     """The logged code follows the handler's outcome."""
-    context = cast(Any, StubContext(code, remaining))
+    context = cast(Any, StubContext(code, remaining, done))
     assert interceptors.status_name(context, error) == expected
+
+
+async def test_abort_after_grpc_ended_the_call_is_its_deadline(recorder: ListRecorder) -> None:
+    """A real server whose handler aborts with DEADLINE_EXCEEDED after grpc's own deadline
+    ended the call (the loop was busy when the timer fired, as when the engine's deadline and
+    grpc's coincide): the abort cannot be sent (grpc raises ExecuteBatchError), the client gets
+    DEADLINE_EXCEEDED, and that, not UNKNOWN, is what the server records."""
+
+    async def late(request: bytes, context: Any) -> AsyncIterator[bytes]:
+        yield b"first"
+        time.sleep(0.4)  # blocks the loop past the 0.2 s deadline on purpose
+        await abort(context, errors.DeadlineExceeded("deadline exceeded"), "late-1")
+
+    server = grpc.aio.server(interceptors=[interceptors.RequestInterceptor(recorder)])
+    identity = bytes  # (de)serializer: the bytes as they are
+    handler = grpc.unary_stream_rpc_method_handler(late, identity, identity)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.S", {"M": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_stream("/t.S/M")(b"", timeout=0.2)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await drain(call)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await eventually(lambda: bool(recorder.handled))
+        assert [(method, code) for method, code, _ in recorder.handled] == [
+            ("/t.S/M", "DEADLINE_EXCEEDED")
+        ]
+    finally:
+        await server.stop(None)
 
 
 # -- the wrappers driven directly, in the test's own task -----------------------------------------
@@ -281,6 +326,9 @@ class FakeContext:
 
     def time_remaining(self) -> float | None:
         return self._remaining
+
+    def done(self) -> bool:
+        return False
 
     def peer(self) -> str:
         return "ipv4:127.0.0.1:5555"
