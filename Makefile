@@ -14,7 +14,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 .PHONY: install wheelhouse llama-cmake-args FORCE run serve test test-unit test-model test-e2e check prometheus lint format types \
 	proto proto-check \
 	proto-lint proto-breaking check-min-deps model cluster gateway bench bench-single bench-concurrency bench-strategies bench-prefix \
-	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-gateway bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-soak \
+	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-gateway bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-soak bench-backpressure \
 	bench-gpu-bundle bench-gpu-cpu clean
 
 install: $(STAMP)
@@ -247,6 +247,11 @@ bench-logprobs: $(BENCH_STAMP)
 # is missed.
 bench-soak: $(BENCH_STAMP)
 	$(PY) bench/soak.py $(ARGS)
+	$(PY) bench/summary.py
+# Back-pressure: three readers alone, beside a client that stopped reading (paused at
+# --stream-buffer-tokens), and beside one on a server without back-pressure; ~5 minutes.
+bench-backpressure: $(BENCH_STAMP)
+	$(PY) bench/backpressure.py $(ARGS)
 	$(PY) bench/summary.py
 bench-peers: $(BENCH_STAMP)
 	PYTHON=$(PYTHON) bench/setup_peers.sh

@@ -795,6 +795,33 @@ def pad_odd(data: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def backpressure(data: dict[str, Any]) -> list[str]:
+    """Three readers alone, beside a paused reader, and beside one that decodes unbounded."""
+    lines = header(data, "Back-pressure: three readers beside a client that stopped reading", None)
+    lines += [
+        "| condition | readers' tok/s | / alone (paired median; reps) | passes/token "
+        "| server CPU ms/token | stopped stream: tokens generated / unread | RSS MiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, got in data["conditions"].items():
+        ratio = ""
+        if name != "alone":
+            reps = ", ".join(f"{x:.2f}" for x in data[f"{name}_over_alone_per_rep"])
+            ratio = f"{data[f'{name}_over_alone']:.3f} ({reps})"
+        stopped = ""
+        if "stopped_generated_tokens" in got:
+            stopped = (
+                f"{got['stopped_generated_tokens']['median']:.0f} / "
+                f"{got['stopped_unread_tokens']['median']:.0f}"
+            )
+        lines.append(
+            f"| {name} | {_range(got['tok_s'], 1)} | {ratio} | "
+            f"{got['passes_per_token']['median']:.3f} | {got['cpu_ms_per_token']['median']:.1f} | "
+            f"{stopped} | {got['rss_mib']['max']:.0f} |"
+        )
+    return [*lines, ""]
+
+
 def _paired(row: dict[str, Any]) -> float:
     """AUTO/off as the median of the per-rep paired ratios."""
     return float(statistics.median(row["speedup_per_rep"]))
@@ -890,6 +917,7 @@ def main() -> int:
         ("speculative", speculative),
         ("peers", peers),
         ("soak", soak),
+        ("backpressure", backpressure),
     )
     body: list[str] = []
     for name, render in sections:
