@@ -54,7 +54,7 @@ from common import (
     write_json,
 )
 from deploy.cluster import START_TIMEOUT_S, Cluster, Replica, free_port, terminate, wait_for
-from deploy.gateway import SMG_STOP_S, Gateway
+from deploy.gateway import CPU_LIVENESS_ARGS, NO_WARM_UP, SMG_STOP_S, Gateway
 from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
@@ -71,10 +71,6 @@ SETUPS: tuple[str, ...] = (
     "single",
 )
 SMG_POLICIES = {"smg_cache_aware": "cache_aware", "smg_round_robin": "round_robin"}
-# SMG's warm-up slice sends some misses to a worker with a thin index on purpose for a minute
-# after it joins: off, so that the policy itself is measured from the first repetition
-NO_WARM_UP = ("--worker-warmup-secs", "0", "--worker-warmup-thin-ratio", "0",
-              "--worker-warmup-divert-every", "0")  # fmt: skip
 SYSTEM_TOKENS = 1500
 SERVER_ARGS = ("--n-ctx", "8192", "--n-parallel", "8")
 # One replica gets both threads and a slot per session, so it keeps every session's cache too.
@@ -356,7 +352,7 @@ def main() -> int:
             "reps": args.reps,
             "server_args": list(SERVER_ARGS),
             "single_args": list(SINGLE_ARGS),
-            "smg_args": list(NO_WARM_UP),
+            "smg_args": [*CPU_LIVENESS_ARGS, *NO_WARM_UP],
         },
         "machine": facts,
         "rows": rows_of(runs["chat"]),

@@ -54,6 +54,22 @@ SMG_STOP_S = 15.0  # SMG takes several seconds to exit on SIGTERM
 # Retries need nothing: SMG retries a failed attempt up to 5 times (--retry-max-retries) with
 # backoff from 50 ms, on another worker, unless a token has reached the client.
 HEALTH_INTERVAL_S = 1
+# SMG vetoes a worker as "wedged" when the streams it has in flight there show no token for
+# --worker-wedge-secs (3 s by default) while they pile up (four deep) or its waiting queue grows;
+# it stretches that bound by the prefill in hand at a rate learnt from a prior of 10,000
+# tokens/s, a GPU's. A 2-core CPU replica prefills a few hundred to ~1,000 tokens/s: six streams
+# sharing a 1,100-token system prompt waited 7.5 s for their first tokens and SMG vetoed the one
+# replica that held the prefix for 4 s mid-run (load 3, /tmp probe of 2026-11-26), so a cache-aware
+# gateway steered traffic away from the cache it routes on; with 30 s, no veto. A really hung
+# llama-grpc engine is caught by its own watchdog (--watchdog-s), which ends the process: SMG
+# sees that at once as a transport failure (--worker-stall-secs), so the longer bound costs no
+# detection of a hang. Always passed (before smg_args, which may override it).
+CPU_LIVENESS_ARGS = ("--worker-wedge-secs", "30")
+# SMG's warm-up slice sends some requests to a worker with a thin index on purpose (one miss in
+# 4, one hit in 8, the first minute): tests and benchmarks turn it off so that every routing
+# decision follows the cache.
+NO_WARM_UP = ("--worker-warmup-secs", "0", "--worker-warmup-thin-ratio", "0",
+              "--worker-warmup-divert-every", "0")  # fmt: skip
 HEALTH_ARGS = ("--health-check-interval-secs", str(HEALTH_INTERVAL_S),
                "--health-failure-threshold", "1", "--health-success-threshold", "1")  # fmt: skip
 
@@ -124,7 +140,7 @@ class Gateway(Started):
         self.smg = subprocess.Popen(
             [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
              "--backend", "vllm", "--policy", self.policy, "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(self.metrics_port), *self.smg_args,
+             "--prometheus-port", str(self.metrics_port), *CPU_LIVENESS_ARGS, *self.smg_args,
              "--worker-urls", *urls],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip

@@ -16,7 +16,7 @@ import openai
 import pytest
 import pytest_asyncio
 from deploy.cluster import free_port
-from deploy.gateway import Gateway
+from deploy.gateway import NO_WARM_UP, Gateway
 
 from llama_grpc import AsyncClient, Delta
 
@@ -27,10 +27,6 @@ pytestmark = pytest.mark.slow
 PROMPT = "The three primary colors are"
 MESSAGES = [{"role": "user", "content": "Name three primary colors."}]
 BLOCK = 16  # the KV events' block size (core.kv_events.BLOCK_SIZE), SMG's --block-size
-# SMG's warm-up slice sends some requests to a worker with a thin index on purpose (one miss in
-# 4, one hit in 8, the first minute): off, so that every routing decision here follows the cache
-NO_WARM_UP = ["--worker-warmup-secs", "0", "--worker-warmup-thin-ratio", "0",
-              "--worker-warmup-divert-every", "0"]  # fmt: skip
 QUESTIONS = ["What is two plus two?", "Name a color.", "Say hello.", "Count to three.",
              "Which planet is red?"]  # fmt: skip
 

@@ -23,7 +23,7 @@ import openai
 import pytest
 import pytest_asyncio
 from deploy.cluster import START_TIMEOUT_S, Replica, free_port
-from deploy.gateway import HEALTH_ARGS, HEALTH_INTERVAL_S, Gateway, _http
+from deploy.gateway import HEALTH_ARGS, HEALTH_INTERVAL_S, NO_WARM_UP, Gateway, _http
 from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
@@ -33,8 +33,6 @@ from tests.unit.test_vllm_engine_fake import kv_until, stored_blocks
 
 pytestmark = pytest.mark.slow
 
-NO_WARM_UP = ["--worker-warmup-secs", "0", "--worker-warmup-thin-ratio", "0",
-              "--worker-warmup-divert-every", "0"]  # fmt: skip
 CALL_TIMEOUT_S = 120.0
 STREAM_TOKENS = 96  # long enough to be in flight when the replica dies, even on a quiet box
 PLAIN_TOKENS = 64

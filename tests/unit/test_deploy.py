@@ -12,6 +12,7 @@ import pytest
 import yaml
 from deploy.cluster import envoy_binary
 from deploy.envoy import render
+from deploy.gateway import CPU_LIVENESS_ARGS
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 
@@ -120,6 +121,8 @@ def test_smg_gateway_wiring() -> None:
     assert container["command"] == ["smg"] and container["args"][0] == "launch"
     args = parse_router_args(container["args"][1:])
     assert (args.backend, args.policy, args.service_discovery) == ("vllm", "cache_aware", True)
+    # the same wedge bound for CPU workers as `make gateway` (deploy/gateway.py says why)
+    assert ["--worker-wedge-secs", str(args.worker_wedge_secs)] == list(CPU_LIVENESS_ARGS)
     replicas = manifests("llama-grpc.yaml")
     worker_pod = replicas["Deployment"]["spec"]["template"]
     assert args.selector.items() <= worker_pod["metadata"]["labels"].items()
