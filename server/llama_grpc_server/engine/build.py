@@ -19,7 +19,7 @@ from llama_grpc_server.engine.llama import LlamaModel, system_info
 from llama_grpc_server.engine.runner import Runner
 from llama_grpc_server.kv_disk import KvDiskStore
 from llama_grpc_server.loop import DoneHook, EngineLoop, TickHook
-from llama_grpc_server.model_files import DEFAULT_MODEL_NAME, default_model_path, file_sha256
+from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_path, file_sha256
 from llama_grpc_server.watchdog import bound_s
 
 log = structlog.get_logger("llama_grpc.engine")

@@ -1,5 +1,6 @@
-"""Frozen settings. cli.py builds them from argv, LLAMA_GRPC_* env and an optional TOML file.
-The defaults here are the only ones: cli.py reads each option's default off the field it sets."""
+"""Frozen settings. config/loading.py builds them from argv, LLAMA_GRPC_* env and an optional
+TOML file. The defaults here are the only ones: config/options.py reads each option's default
+off the field it sets."""
 
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ class ServerSettings:
     # Accept bearer tokens on a plaintext listener that is not loopback (auth.py): else refused
     allow_insecure_tokens: bool = False
     reflection: bool = True
-    otlp_endpoint: str = ""  # OTLP/HTTP traces URL ("" = tracing off); see tracing.py
+    otlp_endpoint: str = ""  # OTLP/HTTP traces URL ("" = tracing off); see observability/tracing.py
 
 
 @dataclass(frozen=True, slots=True)
