@@ -8,12 +8,16 @@ import asyncio
 import os
 import sys
 
+import structlog
+
 from llama_grpc_server.config.loading import ConfigError, HelpRequested, load_settings
 from llama_grpc_server.config.options import PROG
 from llama_grpc_server.config.settings import Settings
 from llama_grpc_server.core.api import EngineApi
 from llama_grpc_server.observability import telemetry
 from llama_grpc_server.observability.telemetry import configure_logging
+
+log = structlog.get_logger("llama_grpc.config")
 
 
 def run(settings: Settings) -> int:
@@ -57,8 +61,9 @@ def run(settings: Settings) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`llama-grpc serve [options]`; returns the process exit code (2 for a bad option)."""
+    notes: list[str] = []
     try:
-        settings = load_settings(sys.argv[1:] if argv is None else argv, os.environ)
+        settings = load_settings(sys.argv[1:] if argv is None else argv, os.environ, notes)
     except HelpRequested as help_:
         print(help_.text, end="")
         return 0
@@ -66,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.server.log_format, settings.server.log_level)
+    for note in notes:
+        log.warning("deprecated_option", detail=note)
     try:
         return run(settings)
     except KeyboardInterrupt:

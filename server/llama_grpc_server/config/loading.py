@@ -24,6 +24,7 @@ from llama_grpc_server.config.options import (
     OPTIONS,
     PATH_OPTIONS,
     PROG,
+    RENAMED,
     Option,
     Value,
 )
@@ -97,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    for old in RENAMED:  # still read, not shown
+        parser.add_argument(
+            f"--{_dashed(old)}",
+            dest=old,
+            action=argparse.BooleanOptionalAction,
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
     parser.add_argument("--config", metavar="PATH", default=None, help="TOML config file")
     for opt in OPTIONS:
         default = "" if opt.default in (None, "") else f" (default: {opt.default})"
@@ -110,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["metavar"] = opt.metavar or opt.kind.__name__.upper()
         parser.add_argument(opt.flag, help=opt.help + default, **kwargs)
     return parser
+
+
+def _dashed(name: str) -> str:
+    return name.replace("_", "-")
 
 
 def _from_text(opt: Option, text: str) -> Value:
@@ -166,10 +179,17 @@ _TOML_NAMES = {dict: "a table", list: "an array", str: "a string", bool: "a bool
 
 def _lookup(key: str) -> tuple[Option, bool] | None:
     """The option a TOML key or lower-cased env suffix names; True for a no_<bool> negation."""
+    key = _current(key)
     if key in BY_NAME:
         return BY_NAME[key], False
     negated = BY_NAME.get(key.removeprefix("no_")) if key.startswith("no_") else None
     return (negated, True) if negated is not None and negated.kind is bool else None
+
+
+def _current(key: str) -> str:
+    """A key (or no_key) with a renamed option's old name given its current name."""
+    negation = "no_" if key.startswith("no_") else ""
+    return negation + RENAMED.get(key.removeprefix(negation), key.removeprefix(negation))
 
 
 def _read_layer(
@@ -177,11 +197,15 @@ def _read_layer(
     spell: Callable[[str], str],
     label: Callable[[str], str],
     convert: Callable[[Option, Any], Value],
+    notes: list[str],
 ) -> dict[str, Resolved]:
     """Env vars (keyed by lower-cased suffix) or TOML keys -> typed values. spell(key) is the
-    name as the user writes it, label(key) the source for messages."""
+    name as the user writes it, label(key) the source for messages; a renamed option's old name
+    adds a deprecation line to `notes`."""
     out: dict[str, Resolved] = {}
     for key, raw in items.items():
+        if _current(key) != key and _lookup(key) is not None:
+            notes.append(f"{label(key)} is deprecated: use {spell(_current(key))}")
         found = _lookup(key)
         if found is None:
             close = difflib.get_close_matches(key, BY_NAME, n=1)
@@ -197,27 +221,28 @@ def _read_layer(
     return out
 
 
-def _env_layer(environ: Mapping[str, str]) -> dict[str, Resolved]:
+def _env_layer(environ: Mapping[str, str], notes: list[str]) -> dict[str, Resolved]:
     items = {
         name.removeprefix(ENV_PREFIX).lower(): text
         for name, text in environ.items()
         if name.startswith(ENV_PREFIX) and name not in CLIENT_ENV and text != ""
     }
-    return _read_layer(items, _env_name, lambda key: f"env {_env_name(key)}", _from_text)
+    return _read_layer(items, _env_name, lambda key: f"env {_env_name(key)}", _from_text, notes)
 
 
 def _env_name(key: str) -> str:
     return ENV_PREFIX + key.upper()
 
 
-def _file_layer(path: Path, via: str) -> dict[str, Resolved]:
+def _file_layer(path: Path, via: str, notes: list[str]) -> dict[str, Resolved]:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"config file {path} ({via}): {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path} ({via}): invalid TOML: {exc}") from None
-    layer = _read_layer(data, str, lambda key: f"config file {path}, key {key}", _from_toml)
+    label = f"config file {path}, key "
+    layer = _read_layer(data, str, lambda key: label + key, _from_toml, notes)
     for name in PATH_OPTIONS:
         given = layer.get(name)
         if given is None or not given.value:
@@ -244,8 +269,17 @@ def _beside(base: Path, entry: str) -> str:
     return entry
 
 
-def _flag_layer(args: argparse.Namespace) -> dict[str, Resolved]:
+def _flag_layer(args: argparse.Namespace, notes: list[str]) -> dict[str, Resolved]:
     out: dict[str, Resolved] = {}
+    for old, new in RENAMED.items():
+        if old in vars(args):
+            given = getattr(args, old)
+            prefix = "--" if given else "--no-"
+            notes.append(
+                f"{prefix}{_dashed(old)} is deprecated: use {prefix}{_dashed(new)} (command line)"
+            )
+            if new not in vars(args):  # the current name wins when both are given
+                setattr(args, new, given)
     for opt in OPTIONS:
         if opt.name not in vars(args):
             continue
@@ -417,9 +451,13 @@ def _stem(path: str) -> str:
     return Path(path).stem if path else DEFAULT_MODEL_NAME
 
 
-def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
+def load_settings(
+    argv: Sequence[str], environ: Mapping[str, str], notes: list[str] | None = None
+) -> Settings:
     """Settings from defaults < config file < env < flags. Reads the config file and checks the
-    model file exists; changes nothing. Raises ConfigError, or HelpRequested for -h/--help."""
+    model file exists; changes nothing. Raises ConfigError, or HelpRequested for -h/--help.
+    A deprecated option name adds a line to `notes` (main logs them once logging is set up)."""
+    notes = [] if notes is None else notes
     parser = build_parser()
     args = parser.parse_args(list(argv))
     if args.help:
@@ -427,9 +465,9 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     values = {opt.name: Resolved(opt.default, "default") for opt in OPTIONS}
     config = _config_path(args, environ)
     if config is not None:
-        values.update(_file_layer(*config))
-    values.update(_env_layer(environ))
-    values.update(_flag_layer(args))
+        values.update(_file_layer(*config, notes))
+    values.update(_env_layer(environ, notes))
+    values.update(_flag_layer(args, notes))
     _fit_defaults(values)
     _check(values)
     settings = _build(values)

@@ -32,7 +32,7 @@ CONFIG_ENV = "LLAMA_GRPC_CONFIG"
 # Not serve options: the config file and the client's target. (LLAMA_GRPC_MODELS_DIR is both
 # `llama-grpc models`' directory and serve's --models-dir.)
 CLIENT_ENV = frozenset({CONFIG_ENV, "LLAMA_GRPC_TARGET"})
-LOG_FORMATS = ("json", "console")
+LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SPECULATIVE_MODES = tuple(mode.value for mode in SpeculativeMode)
 OVERLAP_MODES = ("auto", "on", "off")
@@ -199,8 +199,9 @@ OPTIONS: tuple[Option, ...] = (
            "decode_maximal | prefill_priority | balanced | module:attr", _loads_strategy, "NAME"),
     Option("metrics_port", int, "server.metrics_port", "Prometheus port (0 = off)",
            between(0, 65535)),
-    Option("log_format", str, "server.log_format", " | ".join(LOG_FORMATS),
-           one_of(*LOG_FORMATS), "FORMAT"),
+    Option("log_format", str, "server.log_format",
+           "auto (human-readable lines when the log stream, stderr, is a terminal, else JSON "
+           "lines) | json | console", one_of(*LOG_FORMATS), "FORMAT"),
     Option("log_level", str, "server.log_level", " | ".join(LOG_LEVELS),
            one_of(*LOG_LEVELS), "LEVEL"),
     Option("log_payloads", bool, "server.log_payloads",
@@ -236,9 +237,10 @@ OPTIONS: tuple[Option, ...] = (
            "after --grace-s (auto = 10x a whole --n-batch of prompt tokens at the warm-up's "
            "measured cost, at least 30; 0 = off)", or_auto(at_least(0)), "S|auto", auto=True),
     Option("cache_prompt", bool, "scheduler.cache_prompt", "reuse KV of a cached prefix"),
-    Option("pad_odd_ticks", bool, "scheduler.pad_odd_ticks",
-           "add a row, never sampled, to a decode pass of an odd number of rows when the "
-           "measured costs say it is cheaper (on CPUs where llama.cpp's output matmul is)"),
+    Option("pad_decode_batches", bool, "scheduler.pad_decode_batches",
+           "pad a decode-only pass with up to 3 rows that are never sampled when the measured "
+           "costs say the larger batch is cheaper (llama.cpp's CPU output matmul makes some row "
+           "counts dearer than larger ones; was --pad-odd-ticks)"),
     Option("overlap_decode", str, "scheduler.overlap_decode",
            "deliver each tick's tokens while the next forward pass runs on the GPU: on | off | "
            "auto (on when layers are offloaded to a GPU)", one_of(*OVERLAP_MODES), "MODE"),
@@ -292,6 +294,9 @@ OPTIONS: tuple[Option, ...] = (
            between(-1, 2**32 - 1)),
 )  # fmt: skip
 BY_NAME: dict[str, Option] = {opt.name: opt for opt in OPTIONS}
+# Old names of renamed options (flag, env var and config key), still read: each use gives one
+# deprecation line (config/loading.py) so that existing deployments keep starting.
+RENAMED: dict[str, str] = {"pad_odd_ticks": "pad_decode_batches"}
 PATH_OPTIONS = (
     "model",
     "models_dir",
