@@ -6,7 +6,6 @@ import dataclasses
 import io
 import json
 import logging
-import re
 import subprocess
 import sys
 import types
@@ -27,7 +26,7 @@ from llama_grpc_server.config import (
     ram_tier_mb,
 )
 from llama_grpc_server.config.loading import ConfigError, HelpRequested, load_settings
-from llama_grpc_server.config.options import OPTIONS, RENAMED
+from llama_grpc_server.config.options import OPTIONS
 from llama_grpc_server.core.request import SamplingParams
 from llama_grpc_server.observability.telemetry import log_format_for
 
@@ -592,25 +591,6 @@ def test_tokens_on_a_plaintext_loopback_listener_start(tmp_path: Path, host: str
 
 def test_plaintext_without_tokens_may_listen_anywhere() -> None:
     assert settings("--host", "0.0.0.0").server.host == "0.0.0.0"
-
-
-def test_the_readme_options_table_lists_every_option() -> None:
-    """Each option has a row in README.md's options table (its --flag, or the --no- form of a
-    switch), and the table names no flag that does not exist."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    listed: set[str] = set()
-    for line in readme.splitlines():
-        if line.startswith("| `--"):
-            listed |= set(re.findall(r"`(--[a-z0-9-]+)", line.split("|")[1]))
-    for old, new in RENAMED.items():  # an old name still read stands for its option
-        for prefix in ("--", "--no-"):
-            if prefix + old.replace("_", "-") in listed:
-                listed |= {prefix + new.replace("_", "-")}
-                listed.discard(prefix + old.replace("_", "-"))
-    flags = {opt.flag for opt in OPTIONS}
-    switches = {"--no-" + opt.flag[2:] for opt in OPTIONS if opt.kind is bool}
-    assert flags - listed == set()
-    assert listed - flags - switches == set()
 
 
 @pytest.mark.parametrize(
