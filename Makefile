@@ -11,7 +11,7 @@ PORT ?= 50051
 ARGS ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install wheelhouse llama-cmake-args FORCE run serve test test-unit test-model test-e2e check prometheus lint format types \
+.PHONY: install wheelhouse llama-cmake-args FORCE run serve test test-unit test-model test-e2e check docs prometheus lint format types \
 	proto proto-check \
 	proto-lint proto-breaking check-min-deps model cluster gateway bench bench-single bench-concurrency bench-strategies bench-prefix \
 	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-gateway bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-soak bench-backpressure \
@@ -58,7 +58,7 @@ $(STAMP): pyproject.toml $(LLAMA_BUILD)
 	$(PY) -m pip install -q --find-links $(WHEELHOUSE) -e '.[server]' --group dev --group gateway
 	$(PY) -m pip install -q --no-deps --force-reinstall \
 		$(WHEELHOUSE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl
-	$(PY) -m llama_grpc_server.model_files --assemble
+	$(PY) -m llama_grpc_server.models.files --assemble
 	touch $(STAMP)
 
 # where this machine's llama-cpp-python wheel is, and the llama.cpp build arguments it was built
@@ -72,7 +72,7 @@ llama-cmake-args:
 FORCE:
 
 model: $(STAMP)
-	$(PY) -m llama_grpc_server.model_files --assemble
+	$(PY) -m llama_grpc_server.models.files --assemble
 
 # N replicas on free loopback ports behind Envoy on 127.0.0.1:$(PORT) (deploy/cluster.py).
 REPLICAS ?= 3
@@ -121,6 +121,11 @@ types: $(STAMP)
 	$(BIN)/mypy
 
 check: proto-check proto-breaking lint types check-min-deps test
+
+# docs/options.md from the option table (server/llama_grpc_server/config/options.py); a unit test
+# fails when the committed page differs
+docs: $(STAMP)
+	$(PY) tools/options_doc.py
 
 # Debian's prometheus (2.42), which tests/e2e/test_prometheus.py runs to scrape a server: CI
 # (.ci/run, as root) installs it before `make check`. Nothing to do when it is on PATH; without

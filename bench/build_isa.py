@@ -40,7 +40,7 @@ def child(samples: int) -> dict[str, Any]:
     import llama_cpp
     from raw_limit import RawLoop
 
-    from llama_grpc_server.model_files import default_model_path
+    from llama_grpc_server.models.files import default_model_path
 
     raw = RawLoop(str(default_model_path()), 4096, 1, 2)
     prompt = raw.model.tokenize(PROMPT, add_special=True, parse_special=False)

@@ -266,7 +266,7 @@ def analyse_shared(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 def main_shared(args: argparse.Namespace) -> int:
     from peers import LlamaServerBackend, llama_server, llama_server_binary, peer_facts
 
-    from llama_grpc_server.model_files import default_model_path
+    from llama_grpc_server.models.files import default_model_path
 
     facts = machine_facts(args.threads)
     binary = llama_server_binary()

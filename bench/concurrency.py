@@ -40,7 +40,7 @@ from common import (
 from raw_limit import RawLoop
 
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
-from llama_grpc_server.model_files import default_model_path
+from llama_grpc_server.models.files import default_model_path
 
 PROMPT_TOKENS = 41
 GEN_TOKENS = 64

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish_facts, machine_facts, progress, write_json
 from raw_limit import RawLoop
 
-from llama_grpc_server.model_files import default_model_path
+from llama_grpc_server.models.files import default_model_path
 
 EXTRA = (0, 1, 2, 4, 8, 16)
 PROMPT = "Write a long story about a harbour town and its people. " * 4

@@ -47,7 +47,7 @@ from raw_limit import RawLoop
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
-from llama_grpc_server.model_files import default_model_path
+from llama_grpc_server.models.files import default_model_path
 
 MODES = ("raw", "bare", "llama_grpc")
 

@@ -51,7 +51,8 @@ TEXT = (
 
 def serve_child(mode: str, argv: list[str]) -> int:
     """The server process: `full` subscribes a handler to every event before cli.main()."""
-    from llama_grpc_server import cli, telemetry
+    from llama_grpc_server import cli
+    from llama_grpc_server.observability import telemetry
 
     if mode == "full":
         totals: dict[str, float] = {}
@@ -208,8 +209,8 @@ def hook_cost_us(batch: int, iterations: int = 20_000) -> dict[str, float]:
         Timings,
         Usage,
     )
-    from llama_grpc_server.metrics import Metrics
-    from llama_grpc_server.telemetry import EVENT_NAMES, Bus, Telemetry
+    from llama_grpc_server.observability.metrics import Metrics
+    from llama_grpc_server.observability.telemetry import EVENT_NAMES, Bus, Telemetry
     from llama_grpc_server.testing import FakeEngine
 
     chunks = tuple(Chunk(i, f"r{i}", 50, (7,), True) for i in range(batch))

@@ -9,7 +9,7 @@ one-token completion has gone through; Ctrl-C stops everything.
      responses, messages)     template, routes on the workers' KV events; vllm.grpc.engine
 
 The replicas are deploy.cluster's (llama.cpp threads split across them); the gateway fetches
-each worker's model info and tokenizer (GetTokenizer: llama_grpc_server.tokenizer_export) at
+each worker's model info and tokenizer (GetTokenizer: llama_grpc_server.models.tokenizer_export) at
 start. The default policy is SMG's `cache_aware`: with gRPC workers it subscribes to each
 one's SubscribeKvEvents (nothing to switch on) and sends a request to the replica whose cache
 holds the longest run of its 16-token blocks, the least loaded one on a miss; `--policy`

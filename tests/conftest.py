@@ -52,7 +52,7 @@ def second_model_file() -> Path:
     machine (1.6 s on the 2-core dev box), cached under ~/.cache/llama-grpc/test-models/ by
     the source's sha256; the write is atomic. The tests' fixture and the benchmarks use it."""
     from llama_grpc_server.engine.quantize import quantize
-    from llama_grpc_server.model_files import default_model_path, file_sha256
+    from llama_grpc_server.models.files import default_model_path, file_sha256
 
     source = default_model_path()
     path = built_models_dir() / f"embedded-{file_sha256(source)[:16]}-{SECOND_MODEL_TYPE}.gguf"

@@ -2,7 +2,7 @@
 list and check local `models`.
 
 Reads LLAMA_GRPC_TARGET and LLAMA_GRPC_TOKEN; `serve` and `models` are handed to
-llama_grpc_server.cli and llama_grpc_server.models_cli, imported only when asked.
+llama_grpc_server.cli and llama_grpc_server.models.cli, imported only when asked.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ TARGET_ENV = "LLAMA_GRPC_TARGET"
 TOKEN_ENV = "LLAMA_GRPC_TOKEN"
 SERVE_HINT = "llama-grpc serve needs the server extra: pip install 'llama-grpc[server]'"
 # Commands run by the server package, given the rest of the command line: name -> module.
-SERVER_COMMANDS = {"serve": "llama_grpc_server.cli", "models": "llama_grpc_server.models_cli"}
+SERVER_COMMANDS = {"serve": "llama_grpc_server.cli", "models": "llama_grpc_server.models.cli"}
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130

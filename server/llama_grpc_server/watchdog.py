@@ -23,7 +23,7 @@ AUTO_FACTOR = 10.0
 # While no tick runs the watchdog looks every bound / IDLE_CHECKS; once it has seen a tick
 # start it sleeps exactly until that tick's bound.
 IDLE_CHECKS = 4
-EXIT_ENGINE_HUNG = 71  # the process's exit code once an engine's watchdog tripped (rpc.server)
+EXIT_ENGINE_HUNG = 71  # the process's exit code once an engine's watchdog tripped (rpc.lifecycle)
 
 TripHandler = Callable[[float, float], None]  # (the tick's seconds so far, the bound)
 

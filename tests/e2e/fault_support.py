@@ -23,7 +23,8 @@ from llama_grpc_server.core.request import Event, Failed, Request
 from llama_grpc_server.core.scheduler import Scheduler
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.loop import EngineLoop
-from llama_grpc_server.rpc.server import RunningServer, start_server
+from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.server import start_server
 
 # llama.py measured logits moving by up to ~1.0 with the batch/cache layout: a top-2 logprob gap
 # of 2.0 cannot close, so greedy tokens before the first narrower gap are layout-independent.

@@ -22,9 +22,9 @@ import yaml
 
 from llama_grpc import AsyncClient
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.metrics import Metrics
+from llama_grpc_server.observability.metrics import Metrics
+from llama_grpc_server.observability.telemetry import Bus, Telemetry
 from llama_grpc_server.rpc.server import start_server
-from llama_grpc_server.telemetry import Bus, Telemetry
 
 from ..conftest import free_port, scrape
 from .conftest import settings

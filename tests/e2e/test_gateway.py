@@ -1,7 +1,7 @@
 """`make gateway` end to end: the official `openai` SDK through SMG to two real replicas over the
 vLLM engine protocol (deploy/gateway.py), routed by SMG's cache_aware policy on the replicas'
 own KV events (SubscribeKvEvents). The `gateway` group (smg, openai) comes with the dev group;
-the gateway fetches the workers' exported tokenizer (llama_grpc_server.tokenizer_export)."""
+the gateway fetches the workers' exported tokenizer (llama_grpc_server.models.tokenizer_export)."""
 
 from __future__ import annotations
 

@@ -30,9 +30,10 @@ from llama_grpc import (
 from llama_grpc_server.config import PoolSettings, Settings
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.loop import EngineLoop
-from llama_grpc_server.model_files import DEFAULT_MODEL_NAME, default_model_path
-from llama_grpc_server.models import ModelSpec, model_specs, settings_for
-from llama_grpc_server.rpc.server import RunningServer, start_server
+from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_path
+from llama_grpc_server.models.pool import ModelSpec, model_specs, settings_for
+from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.server import start_server
 
 from ..conftest import free_port, scrape, value
 from .conftest import settings

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from llama_grpc import AsyncClient, InvalidArgumentError
-from llama_grpc_server.rpc.server import RunningServer
+from llama_grpc_server.rpc.lifecycle import RunningServer
 
 from ..greedy import assert_text_greedy_equal
 

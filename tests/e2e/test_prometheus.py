@@ -31,9 +31,10 @@ from llama_grpc import (
     InternalError,
 )
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.metrics import Metrics
-from llama_grpc_server.rpc.server import RunningServer, start_server
-from llama_grpc_server.telemetry import Bus, Telemetry
+from llama_grpc_server.observability.metrics import Metrics
+from llama_grpc_server.observability.telemetry import Bus, Telemetry
+from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.server import start_server
 
 from ..conftest import free_port
 from .conftest import settings

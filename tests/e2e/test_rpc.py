@@ -19,7 +19,7 @@ from llama_grpc import (
     ModelNotFoundError,
     RequestIdInFlightError,
 )
-from llama_grpc_server.rpc.server import RunningServer
+from llama_grpc_server.rpc.lifecycle import RunningServer
 
 PROMPT = "The three primary colors are"
 

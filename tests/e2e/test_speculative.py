@@ -18,10 +18,11 @@ import pytest_asyncio
 from llama_grpc import AsyncClient, Delta, Done
 from llama_grpc.errors import InvalidArgumentError
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.metrics import Metrics
-from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
-from llama_grpc_server.rpc.server import RunningServer, start_server
-from llama_grpc_server.telemetry import Bus, Telemetry, TelemetryEvent, TickEvent
+from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
+from llama_grpc_server.observability.metrics import Metrics
+from llama_grpc_server.observability.telemetry import Bus, Telemetry, TelemetryEvent, TickEvent
+from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.server import start_server
 
 from ..conftest import free_port, scrape, value
 from .conftest import settings

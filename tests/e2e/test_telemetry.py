@@ -16,10 +16,9 @@ import structlog
 
 from llama_grpc import AsyncClient, Delta
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.metrics import Metrics
-from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
-from llama_grpc_server.rpc.server import RunningServer, start_server
-from llama_grpc_server.telemetry import (
+from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
+from llama_grpc_server.observability.metrics import Metrics
+from llama_grpc_server.observability.telemetry import (
     Bus,
     RequestEvent,
     Telemetry,
@@ -27,6 +26,8 @@ from llama_grpc_server.telemetry import (
     TickEvent,
     configure_logging,
 )
+from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.server import start_server
 
 from ..conftest import Samples, free_port, scrape, value
 from .conftest import settings

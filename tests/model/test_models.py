@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from llama_grpc_server import models_cli
 from llama_grpc_server.config import ModelSettings, num_cpus
 from llama_grpc_server.core.plan import Chunk, StepPlan
 from llama_grpc_server.engine import cpu_share, offload
 from llama_grpc_server.engine.llama import LlamaModel
 from llama_grpc_server.engine.runner import Runner
-from llama_grpc_server.gguf_header import read_header
-from llama_grpc_server.model_files import default_model_path, file_sha256
+from llama_grpc_server.models import cli as models_cli
+from llama_grpc_server.models.files import default_model_path, file_sha256
+from llama_grpc_server.models.gguf_header import read_header
 
 
 def test_embedded_model_header() -> None:

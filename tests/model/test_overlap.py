@@ -36,7 +36,7 @@ async def two_bursts(overlap: str) -> list[list[Outcome]]:
     no pass is padded (pads follow measured costs too), so the outputs must be equal bit for
     bit, not only up to a near-tie (tests/greedy.py)."""
     engine = await asyncio.to_thread(
-        make_engine, n_parallel=len(PROMPTS), overlap_decode=overlap, pad_odd_ticks=False
+        make_engine, n_parallel=len(PROMPTS), overlap_decode=overlap, pad_decode_batches=False
     )
     try:
         assert engine._overlap_decode is (overlap == "on")

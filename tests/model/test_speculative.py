@@ -282,7 +282,7 @@ async def test_pads_in_odd_decode_ticks_keep_the_output_and_leave_no_kv() -> Non
             for p in GROUNDED[:3]
         ]
 
-    plain = make_engine(n_parallel=3, pad_odd_ticks=False)
+    plain = make_engine(n_parallel=3, pad_decode_batches=False)
     try:
         unpadded = await run_all(plain, three(plain))
         assert plain._scheduler.counters.pad_rows == 0  # type: ignore[attr-defined]

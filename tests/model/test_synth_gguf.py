@@ -18,7 +18,7 @@ from llama_grpc_server.core.request import (
     StoppingParams,
 )
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.gguf_header import read_header
+from llama_grpc_server.models.gguf_header import read_header
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from llama_grpc_server import models_cli, tokenizer_export
 from llama_grpc_server.config import ModelSettings
 from llama_grpc_server.engine.llama import LlamaModel
-from llama_grpc_server.model_files import DEFAULT_MODEL_NAME, default_model_path
+from llama_grpc_server.models import cli as models_cli
+from llama_grpc_server.models import tokenizer_export
+from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_path
 
 PROSE = (
     "The quick brown fox jumps over the lazy dog. It's 2024, and naïve café owners "

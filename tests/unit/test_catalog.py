@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from llama_grpc_server import catalog
-from llama_grpc_server.catalog import CatalogError, ModelEntry
-from llama_grpc_server.gguf_header import GGUFError
-from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
+from llama_grpc_server.models import catalog
+from llama_grpc_server.models.catalog import CatalogError, ModelEntry
+from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
+from llama_grpc_server.models.gguf_header import GGUFError
 
 from .gguf_files import write_model
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
-import re
 import subprocess
 import sys
 import types
@@ -16,7 +16,6 @@ import pytest
 import structlog
 
 from llama_grpc_server import cli
-from llama_grpc_server.cli import OPTIONS, ConfigError, HelpRequested, load_settings
 from llama_grpc_server.config import (
     ModelSettings,
     PoolSettings,
@@ -26,7 +25,10 @@ from llama_grpc_server.config import (
     available_memory_bytes,
     ram_tier_mb,
 )
+from llama_grpc_server.config.loading import ConfigError, HelpRequested, load_settings
+from llama_grpc_server.config.options import OPTIONS
 from llama_grpc_server.core.request import SamplingParams
+from llama_grpc_server.observability.telemetry import log_format_for
 
 
 def settings(*argv: str, env: dict[str, str] | None = None) -> Settings:
@@ -591,15 +593,93 @@ def test_plaintext_without_tokens_may_listen_anywhere() -> None:
     assert settings("--host", "0.0.0.0").server.host == "0.0.0.0"
 
 
-def test_the_readme_options_table_lists_every_option() -> None:
-    """Each option has a row in README.md's options table (its --flag, or the --no- form of a
-    switch), and the table names no flag that does not exist."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    listed: set[str] = set()
-    for line in readme.splitlines():
-        if line.startswith("| `--"):
-            listed |= set(re.findall(r"`(--[a-z0-9-]+)", line.split("|")[1]))
-    flags = {opt.flag for opt in OPTIONS}
-    switches = {"--no-" + opt.flag[2:] for opt in OPTIONS if opt.kind is bool}
-    assert flags - listed == set()
-    assert listed - flags - switches == set()
+@pytest.mark.parametrize(
+    ("argv", "env", "toml", "outcome"),
+    [
+        (["--no-pad-odd-ticks"], {}, "", (False, "--no-pad-odd-ticks is deprecated: use "
+         "--no-pad-decode-batches (command line)")),
+        (["--pad-odd-ticks"], {"LLAMA_GRPC_PAD_DECODE_BATCHES": "0"}, "", (True,
+         "--pad-odd-ticks is deprecated: use --pad-decode-batches (command line)")),
+        ([], {"LLAMA_GRPC_PAD_ODD_TICKS": "false"}, "", (False, "env LLAMA_GRPC_PAD_ODD_TICKS is "
+         "deprecated: use LLAMA_GRPC_PAD_DECODE_BATCHES")),
+        ([], {"LLAMA_GRPC_NO_PAD_ODD_TICKS": "1"}, "", (False, "env LLAMA_GRPC_NO_PAD_ODD_TICKS "
+         "is deprecated: use LLAMA_GRPC_NO_PAD_DECODE_BATCHES")),
+        ([], {}, "pad_odd_ticks = false", (False, "key pad_odd_ticks is deprecated: use "
+         "pad_decode_batches")),
+        # the current name wins over the old one given on the same command line
+        (["--no-pad-odd-ticks", "--pad-decode-batches"], {}, "", (True, "--no-pad-odd-ticks")),
+    ],
+)  # fmt: skip
+def test_pad_odd_ticks_still_read_with_one_deprecation_note(
+    tmp_path: Path, argv: list[str], env: dict[str, str], toml: str, outcome: tuple[bool, str]
+) -> None:
+    """--pad-odd-ticks, LLAMA_GRPC_[NO_]PAD_ODD_TICKS and the pad_odd_ticks key set
+    pad_decode_batches, each adding one line that names the current spelling."""
+    if toml:
+        argv = [*argv, "--config", str(write_toml(tmp_path, toml))]
+    expected, note = outcome
+    notes: list[str] = []
+    got = load_settings(argv, env, notes)
+    assert got.scheduler.pad_decode_batches is expected
+    assert len(notes) == 1 and note in notes[0]
+
+
+def test_current_pad_name_gives_no_note_and_old_is_not_in_help() -> None:
+    notes: list[str] = []
+    assert (
+        load_settings(["--no-pad-decode-batches"], {}, notes).scheduler.pad_decode_batches is False
+    )
+    assert notes == []
+    with pytest.raises(HelpRequested) as caught:
+        settings("--help")
+    assert "--pad-decode-batches" in caught.value.text
+    assert "--no-pad-odd-ticks" not in caught.value.text
+
+
+def test_main_logs_the_deprecation_once(
+    clean_env: pytest.MonkeyPatch, restore_logging: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """main() logs one warning line per deprecated name, after logging is configured."""
+    clean_env.setattr(cli, "run", lambda s: 0)
+    assert cli.main(["--no-pad-odd-ticks", "--log-format", "json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [(d["event"], d["level"]) for d in lines] == [("deprecated_option", "warning")]
+    assert "--no-pad-decode-batches" in lines[0]["detail"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("log_format", "is_terminal", "expected"),
+    [
+        ("auto", True, "console"),
+        ("auto", False, "json"),
+        ("json", True, "json"),
+        ("console", False, "console"),
+    ],
+)
+def test_log_format_auto_is_console_only_at_a_terminal(
+    log_format: str, is_terminal: bool, expected: str
+) -> None:
+    """--log-format auto (the default): human-readable lines when the log stream is a terminal,
+    JSON lines otherwise; json and console are taken as given."""
+    stream = _Terminal() if is_terminal else io.StringIO()
+    assert log_format_for(log_format, stream) == expected
+    assert settings().server.log_format == "auto"
+
+
+@pytest.mark.parametrize("is_terminal", [True, False])
+def test_configure_logging_auto_renders_by_terminal(
+    restore_logging: None, is_terminal: bool
+) -> None:
+    stream = _Terminal() if is_terminal else io.StringIO()
+    cli.configure_logging("auto", "info", stream=stream, cache_loggers=False)
+    structlog.get_logger("test").info("shown", n=1)
+    line = stream.getvalue().strip()
+    if is_terminal:
+        assert "shown" in line and not line.startswith("{")
+    else:
+        assert json.loads(line)["event"] == "shown"

@@ -20,9 +20,11 @@ import pytest
 from llama_grpc import AsyncClient, Client, TlsConfig, UnavailableError, cli
 from llama_grpc.routing import BALANCED_SERVICE_CONFIG, LLM_SERVICE_NAME, balanced_target
 from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings
-from llama_grpc_server.rpc import server as server_module
+from llama_grpc_server.rpc import wiring
+from llama_grpc_server.rpc.health import NOT_SERVING, SERVING
 from llama_grpc_server.rpc.interceptors import RequestInterceptor
-from llama_grpc_server.rpc.server import NOT_SERVING, SERVING, RunningServer, start_server
+from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.server import start_server
 from llama_grpc_server.testing import FakeEngine, encode
 
 from ..certs import make_pki, openssl_available
@@ -56,7 +58,7 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> Seen:
             calls.append((handler_call_details.method.rsplit("/", 1)[-1], metadata))
             return await super().intercept_service(continuation, handler_call_details)
 
-    monkeypatch.setattr(server_module, "RequestInterceptor", RecordingInterceptor)
+    monkeypatch.setattr(wiring, "RequestInterceptor", RecordingInterceptor)
     return calls
 
 

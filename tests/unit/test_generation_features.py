@@ -11,8 +11,8 @@ import pytest
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
-from llama_grpc_server.cli import ConfigError, load_settings
 from llama_grpc_server.config import SchedulerSettings
+from llama_grpc_server.config.loading import ConfigError, load_settings
 from llama_grpc_server.core.chat import ChatMessage
 from llama_grpc_server.core.plan import SampledLogprob, StepPlan, StepResult
 from llama_grpc_server.core.request import (

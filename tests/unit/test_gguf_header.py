@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llama_grpc_server.gguf_header import ArraySummary, GGUFError, format_count, read_header
+from llama_grpc_server.models.gguf_header import ArraySummary, GGUFError, format_count, read_header
 
 from .gguf_files import (
     ARRAY,

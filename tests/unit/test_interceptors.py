@@ -22,7 +22,8 @@ from llama_grpc_server.config import ServerSettings, Settings
 from llama_grpc_server.core.request import GenerationRequest
 from llama_grpc_server.rpc import interceptors
 from llama_grpc_server.rpc.access import AccessControl
-from llama_grpc_server.rpc.server import RunningServer, start_server
+from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.server import start_server
 from llama_grpc_server.rpc.status import abort
 from llama_grpc_server.testing import FakeEngine, reversed_prompt
 

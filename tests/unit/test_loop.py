@@ -28,7 +28,7 @@ from llama_grpc_server.core.request import (
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.core.strategies import Allocation, BatchView, DecodeMaximal
 from llama_grpc_server.loop import IDLE_RELEASE_S, EngineLoop, EngineState
-from llama_grpc_server.telemetry import configure_logging
+from llama_grpc_server.observability.telemetry import configure_logging
 from llama_grpc_server.testing import FakeRunner, fake_model_info
 
 from .test_scheduler import PIECES, req

@@ -19,8 +19,8 @@ from llama_grpc_server.config import ModelSettings, PoolSettings, Settings
 from llama_grpc_server.core import stats
 from llama_grpc_server.core.request import Failed, Finished, GenerationRequest, StoppingParams
 from llama_grpc_server.core.tenants import TenantLimits
-from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
-from llama_grpc_server.models import (
+from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
+from llama_grpc_server.models.pool import (
     RESCAN_INTERVAL_S,
     ModelPool,
     ModelSpec,

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from llama_grpc import cli as client_cli
-from llama_grpc_server import catalog, models_cli
-from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
+from llama_grpc_server.models import catalog
+from llama_grpc_server.models import cli as models_cli
+from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
 
 from .gguf_files import write_model
 
@@ -149,9 +150,9 @@ def test_verify_rejects_a_malformed_sha256(capsys: pytest.CaptureFixture[str]) -
 
 def test_client_cli_hands_models_to_the_server_package(monkeypatch: pytest.MonkeyPatch) -> None:
     received: list[list[str]] = []
-    fake = types.ModuleType("llama_grpc_server.models_cli")
+    fake = types.ModuleType("llama_grpc_server.models.cli")
     fake.main = lambda argv: received.append(argv) or 5  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "llama_grpc_server.models_cli", fake)
+    monkeypatch.setitem(sys.modules, "llama_grpc_server.models.cli", fake)
     assert client_cli.main(["models", "list", "--json"]) == 5
     assert received == [["list", "--json"]]
 
@@ -159,6 +160,6 @@ def test_client_cli_hands_models_to_the_server_package(monkeypatch: pytest.Monke
 def test_client_cli_models_without_the_server_extra(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "llama_grpc_server.models_cli", None)
+    monkeypatch.setitem(sys.modules, "llama_grpc_server.models.cli", None)
     assert client_cli.main(["models", "list"]) == 2
     assert capsys.readouterr().err.startswith("llama-grpc models needs the server extra")

@@ -17,12 +17,14 @@ import pytest
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
-from llama_grpc_server import cli, errors
-from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings
+from llama_grpc_server import errors
+from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings, loading
 from llama_grpc_server.core.cached_engine import ResponseCachingEngine
 from llama_grpc_server.core.request import Finished, GenerationRequest, SamplingParams
 from llama_grpc_server.core.response_cache import ResponseCache
-from llama_grpc_server.rpc.server import RunningServer, start_server, with_response_cache
+from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.wiring import with_response_cache
 from llama_grpc_server.testing import BOS_ID, FakeEngine, encode, fake_model_info
 
 SETTINGS = Settings(
@@ -206,11 +208,11 @@ async def test_without_the_option_nothing_is_cached(engine: FakeEngine) -> None:
 
 
 def test_the_option_sets_the_budget() -> None:
-    settings = cli.load_settings(["--response-cache-mb", "64"], {})
+    settings = loading.load_settings(["--response-cache-mb", "64"], {})
     assert settings.scheduler.response_cache_mb == 64
-    assert cli.load_settings([], {}).scheduler.response_cache_mb == 0
-    with pytest.raises(cli.ConfigError, match="--response-cache-mb"):
-        cli.load_settings(["--response-cache-mb", "-1"], {})
+    assert loading.load_settings([], {}).scheduler.response_cache_mb == 0
+    with pytest.raises(loading.ConfigError, match="--response-cache-mb"):
+        loading.load_settings(["--response-cache-mb", "-1"], {})
 
 
 def test_the_model_file_sha256_is_in_every_key(tmp_path: Path) -> None:

@@ -25,7 +25,8 @@ from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import errors
 from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings
 from llama_grpc_server.core.tenants import TenantLimits
-from llama_grpc_server.rpc.server import RunningServer, serve, start_server
+from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.server import serve, start_server
 from llama_grpc_server.rpc.servicer import SERVICE_NAME
 from llama_grpc_server.testing import BOS_ID, FakeEngine, encode
 

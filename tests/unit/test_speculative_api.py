@@ -14,7 +14,7 @@ from llama_grpc.client import build_request
 from llama_grpc.types import stats_from_proto, usage_from_proto
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
-from llama_grpc_server.cli import ConfigError, load_settings
+from llama_grpc_server.config.loading import ConfigError, load_settings
 from llama_grpc_server.core import response_cache
 from llama_grpc_server.core.api import StatsSnapshot
 from llama_grpc_server.core.request import (
@@ -26,9 +26,9 @@ from llama_grpc_server.core.request import (
     StoppingParams,
     Usage,
 )
-from llama_grpc_server.metrics import Metrics
+from llama_grpc_server.observability.metrics import Metrics
+from llama_grpc_server.observability.telemetry import Bus, Telemetry, TickEvent
 from llama_grpc_server.rpc import convert
-from llama_grpc_server.telemetry import Bus, Telemetry, TickEvent
 from llama_grpc_server.testing import FakeRunner
 
 from ..conftest import samples, value

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from llama_grpc_server import errors, telemetry
+from llama_grpc_server import errors
 from llama_grpc_server.core.plan import StepPlan
 from llama_grpc_server.core.request import (
     Failed,
@@ -24,7 +24,14 @@ from llama_grpc_server.core.request import (
 )
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.loop import EngineLoop
-from llama_grpc_server.telemetry import Bus, RequestEvent, Telemetry, TelemetryEvent, TickEvent
+from llama_grpc_server.observability import telemetry
+from llama_grpc_server.observability.telemetry import (
+    Bus,
+    RequestEvent,
+    Telemetry,
+    TelemetryEvent,
+    TickEvent,
+)
 from llama_grpc_server.testing import FakeRunner, fake_model_info
 
 from .test_scheduler import PIECES, req

@@ -19,11 +19,13 @@ import pytest
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import cli
-from llama_grpc_server.config import ServerSettings, Settings
-from llama_grpc_server.metrics import Metrics, serve_metrics, split_method
-from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
-from llama_grpc_server.rpc.server import RunningServer, ServerStartError, start_server
-from llama_grpc_server.telemetry import RequestEvent, TickEvent
+from llama_grpc_server.config import ServerSettings, Settings, loading
+from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
+from llama_grpc_server.observability.metrics import Metrics, serve_metrics, split_method
+from llama_grpc_server.observability.telemetry import RequestEvent, TickEvent
+from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.wiring import ServerStartError
 from llama_grpc_server.testing import FakeEngine
 
 from ..conftest import free_port, samples, scrape, value
@@ -291,7 +293,7 @@ def test_cli_run_passes_metrics_only_with_a_port(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(
         sys.modules, "llama_grpc_server.rpc.server", types.SimpleNamespace(serve=serve)
     )
-    base = cli.load_settings([], {})
+    base = loading.load_settings([], {})
     cli.run(base)
     cli.run(replace(base, server=replace(base.server, metrics_port=9)))
     assert seen[0] is None and isinstance(seen[1], Metrics)

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from llama_grpc_server import catalog, models_cli, tokenizer_export
-from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
-from llama_grpc_server.tokenizer_export import TokenizerExportError
+from llama_grpc_server.models import catalog, tokenizer_export
+from llama_grpc_server.models import cli as models_cli
+from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
+from llama_grpc_server.models.tokenizer_export import TokenizerExportError
 
 from .gguf_files import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, Value, gguf_bytes
 

@@ -6,7 +6,6 @@ from typing import Any
 
 from structlog.testing import capture_logs
 
-from llama_grpc_server import tracing
 from llama_grpc_server.core.request import (
     Finished,
     FinishReason,
@@ -14,6 +13,7 @@ from llama_grpc_server.core.request import (
     Timings,
     Usage,
 )
+from llama_grpc_server.observability import tracing
 
 
 def test_endpoint_from_flag_and_standard_environment() -> None:

@@ -19,7 +19,7 @@ from llama_grpc_server.engine.llama import LlamaModel, system_info
 from llama_grpc_server.engine.runner import Runner
 from llama_grpc_server.kv_disk import KvDiskStore
 from llama_grpc_server.loop import DoneHook, EngineLoop, TickHook
-from llama_grpc_server.model_files import DEFAULT_MODEL_NAME, default_model_path, file_sha256
+from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_path, file_sha256
 from llama_grpc_server.watchdog import bound_s
 
 log = structlog.get_logger("llama_grpc.engine")
@@ -119,7 +119,7 @@ def build_engine(
             session_idle_s=sched.session_idle_s,
             session_live_s=sched.session_live_s,
             tenants=sched.tenant_limits,
-            pad_odd_ticks=sched.pad_odd_ticks,
+            pad_odd_ticks=sched.pad_decode_batches,
             kv_events_bos=info.bos_token_id if info.add_bos else None,
             stream_buffer_tokens=sched.stream_buffer_tokens,
             stalled_reader_s=sched.stalled_reader_s,

@@ -12,7 +12,7 @@ import structlog
 
 from llama_grpc_server.config import AUTO, GpuLayers
 from llama_grpc_server.core.offload import Offload, decide, kv_cache_bytes
-from llama_grpc_server.gguf_header import GGUFError, read_header
+from llama_grpc_server.models.gguf_header import GGUFError, read_header
 
 log = structlog.get_logger("llama_grpc.engine")
 

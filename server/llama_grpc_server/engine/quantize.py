@@ -11,7 +11,7 @@ from pathlib import Path
 import llama_cpp
 
 from llama_grpc_server.engine import logs
-from llama_grpc_server.gguf_header import FILE_TYPES
+from llama_grpc_server.models.gguf_header import FILE_TYPES
 
 _FTYPES = {name: number for number, name in FILE_TYPES.items()}
 

@@ -25,10 +25,10 @@ from google.protobuf.message import Message
 
 from llama_grpc_server import errors
 from llama_grpc_server.auth import ANONYMOUS, Principal
+from llama_grpc_server.observability.tracing import RpcSpan, Tracing, bind_rpc_span, unbind_rpc_span
 from llama_grpc_server.rpc import decoding
 from llama_grpc_server.rpc.access import AccessControl
 from llama_grpc_server.rpc.status import abort
-from llama_grpc_server.tracing import RpcSpan, Tracing, bind_rpc_span, unbind_rpc_span
 
 REQUEST_ID_KEY = "x-request-id"
 MAX_REQUEST_ID_LENGTH = 128

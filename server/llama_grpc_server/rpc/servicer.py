@@ -19,7 +19,7 @@ import structlog
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
-from llama_grpc_server import errors, tracing
+from llama_grpc_server import errors
 from llama_grpc_server.config import Settings
 from llama_grpc_server.core.api import EngineApi, RequestStream, StatsSnapshot
 from llama_grpc_server.core.request import (
@@ -28,7 +28,8 @@ from llama_grpc_server.core.request import (
     GenerationRequest,
     TokenDelta,
 )
-from llama_grpc_server.models import ModelPool
+from llama_grpc_server.models.pool import ModelPool
+from llama_grpc_server.observability import tracing
 from llama_grpc_server.rpc import convert, validation
 from llama_grpc_server.rpc.interceptors import (
     current_principal,
@@ -162,7 +163,7 @@ def _unix_ms() -> int:
 
 class PoolServicer:
     """A servicer of the model pool, which is attached once the default model has loaded (see
-    rpc.server); until then calls answer NOT_READY."""
+    rpc.wiring); until then calls answer NOT_READY."""
 
     _pool: ModelPool | None = None
 

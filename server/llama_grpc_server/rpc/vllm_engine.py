@@ -28,7 +28,7 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from llama_grpc_server import errors, tokenizer_export
+from llama_grpc_server import errors
 from llama_grpc_server.config import Settings
 from llama_grpc_server.core.api import EngineApi, ModelInfo, RequestStream
 from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
@@ -38,7 +38,8 @@ from llama_grpc_server.core.request import (
     TokenDelta,
     request_key,
 )
-from llama_grpc_server.models import ModelPool
+from llama_grpc_server.models import tokenizer_export
+from llama_grpc_server.models.pool import ModelPool
 from llama_grpc_server.rpc import convert, vllm_convert, vllm_requests
 from llama_grpc_server.rpc.interceptors import current_principal, current_request_id
 from llama_grpc_server.rpc.servicer import (
@@ -72,8 +73,8 @@ def _version() -> str:
 
 
 def exported_tokenizer(info: ModelInfo) -> TokenizerZip:
-    """The zip of the model's tokenizer (tokenizer_export.py) with the chat template in use (a
-    built-in's source, else the model file's own), kept in the exporter's disk cache so that a
+    """The zip of the model's tokenizer (models/tokenizer_export.py) with the chat template in use
+    (a built-in's source, else the model file's own), kept in the exporter's disk cache so that a
     restart does not build it again."""
     template = BUILTIN_TEMPLATES.get(info.chat_template)  # None: the model file's own
     cache_dir = tokenizer_export.default_cache_dir()
@@ -164,8 +165,8 @@ async def _merged(
 
 class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
     """The VllmEngine service over the server's model pool (see the module docstring).
-    `tokenizer_zip` builds GetTokenizer's archive; by default llama_grpc_server.tokenizer_export
-    does, for the default model."""
+    `tokenizer_zip` builds GetTokenizer's archive; by default
+    llama_grpc_server.models.tokenizer_export does, for the default model."""
 
     def __init__(
         self,

@@ -15,14 +15,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from llama_grpc_server import catalog
-from llama_grpc_server.catalog import MODELS_DIR_ENV, CatalogError, ModelEntry
 from llama_grpc_server.config import AUTO, GpuLayers
 from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
-from llama_grpc_server.gguf_header import ArraySummary, GGUFError, GGUFHeader, read_header
-from llama_grpc_server.model_files import file_sha256
-from llama_grpc_server.telemetry import configure_logging
-from llama_grpc_server.tokenizer_export import TokenizerExportError
+from llama_grpc_server.models import catalog
+from llama_grpc_server.models.catalog import MODELS_DIR_ENV, CatalogError, ModelEntry
+from llama_grpc_server.models.files import file_sha256
+from llama_grpc_server.models.gguf_header import ArraySummary, GGUFError, GGUFHeader, read_header
+from llama_grpc_server.models.tokenizer_export import TokenizerExportError
+from llama_grpc_server.observability.telemetry import configure_logging
 
 PROG = "llama-grpc models"
 EXIT_FAILED = 1
@@ -199,7 +199,7 @@ def run_export_tokenizer(args: argparse.Namespace) -> int:
     config.json, ...) into DIR: what an LLM gateway such as SMG loads to tokenize exactly as
     llama.cpp does. Fails, writing nothing, on a vocabulary that cannot be exported exactly.
     Exports are kept under $XDG_CACHE_HOME/llama-grpc/tokenizers by the model's sha256."""
-    from llama_grpc_server import tokenizer_export
+    from llama_grpc_server.models import tokenizer_export
 
     entry = catalog.lookup(args.model, _models_dir(args))
     template = BUILTIN_TEMPLATES[args.chat_template] if args.chat_template else None

@@ -335,14 +335,29 @@ class Telemetry:
 # -- structlog ------------------------------------------------------------------------------------
 
 
+def log_format_for(log_format: str, stream: TextIO) -> str:
+    """ "json" or "console" for a --log-format: "auto" is console lines for a person reading the
+    log stream at a terminal, JSON lines for everything else (a file, a pipe, a log collector).
+    The stream the logs go to decides, not stdout: `serve 2>log.jsonl` at a terminal is for
+    machines."""
+    if log_format != "auto":
+        return log_format
+    try:
+        is_terminal = stream.isatty()
+    except (AttributeError, ValueError):  # a closed or file-like stream without a terminal
+        is_terminal = False
+    return "console" if is_terminal else "json"
+
+
 def configure_logging(
     log_format: str, level: str, *, stream: TextIO | None = None, cache_loggers: bool = True
 ) -> None:
-    """structlog to `stream` (stderr) as JSON lines (or the console renderer) at `level`; stdlib
-    logging (grpc, asyncio) goes through the same renderer. Every line carries the contextvars
-    bound by the request interceptor (request_id). Tests pass cache_loggers=False so that
-    structlog.testing.capture_logs keeps working after them."""
+    """structlog to `stream` (stderr) as JSON lines (or the console renderer: log_format_for
+    decides "auto") at `level`; stdlib logging (grpc, asyncio) goes through the same renderer.
+    Every line carries the contextvars bound by the request interceptor (request_id). Tests
+    pass cache_loggers=False so that structlog.testing.capture_logs keeps working after them."""
     out = stream if stream is not None else sys.stderr
+    log_format = log_format_for(log_format, out)
     num_level = logging.getLevelNamesMapping()[level.upper()]
     shared: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,

@@ -20,7 +20,7 @@ pool runs on the event loop; its only other readers are /metrics scrapes (snapsh
   directory). A model never disappears from the pool: one whose file was removed fails to load.
 - A non-default model whose engine thread dies is unloaded (its requests got ENGINE_FAILED; the
   next request loads it afresh). The default model's engine failure is the server's business
-  (health NOT_SERVING, exit: rpc/server.py), exactly as with a single model.
+  (health NOT_SERVING, exit: rpc/health.py, rpc/lifecycle.py), exactly as with a single model.
 """
 
 from __future__ import annotations
@@ -38,12 +38,13 @@ from typing import Any
 
 import structlog
 
-from llama_grpc_server import catalog, errors
+from llama_grpc_server import errors
 from llama_grpc_server.config import Settings
 from llama_grpc_server.core import stats
 from llama_grpc_server.core.api import EngineApi, StatsSnapshot
 from llama_grpc_server.core.tenants import TenantLimits
-from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
+from llama_grpc_server.models import catalog
+from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
 
 log = structlog.get_logger("llama_grpc.models")
 

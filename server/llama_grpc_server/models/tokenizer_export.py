@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llama_grpc_server.gguf_header import GGUFError, read_header
-from llama_grpc_server.model_files import file_sha256
+from llama_grpc_server.models.files import file_sha256
+from llama_grpc_server.models.gguf_header import GGUFError, read_header
 
 FORMAT_VERSION = 1
 """Raised whenever the exported bytes change for the same model file (part of the disk cache's

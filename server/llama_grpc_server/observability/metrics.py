@@ -26,8 +26,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from llama_grpc_server.core.api import DiskTierStats, StatsSnapshot
-from llama_grpc_server.models import ModelState, ModelStatus
-from llama_grpc_server.telemetry import RequestEvent, TickEvent
+from llama_grpc_server.models.pool import ModelState, ModelStatus
+from llama_grpc_server.observability.telemetry import RequestEvent, TickEvent
 
 PREFIX = "llama_grpc:"
 MODEL = "model"

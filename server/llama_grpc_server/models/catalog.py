@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from llama_grpc_server.gguf_header import read_header
-from llama_grpc_server.model_files import DEFAULT_MODEL_NAME, default_model_path
+from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_path
+from llama_grpc_server.models.gguf_header import read_header
 
 MODELS_DIR_ENV = "LLAMA_GRPC_MODELS_DIR"
 CATALOG_FILE = "catalog.toml"

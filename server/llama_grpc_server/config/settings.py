@@ -1,5 +1,6 @@
-"""Frozen settings. cli.py builds them from argv, LLAMA_GRPC_* env and an optional TOML file.
-The defaults here are the only ones: cli.py reads each option's default off the field it sets."""
+"""Frozen settings. config/loading.py builds them from argv, LLAMA_GRPC_* env and an optional
+TOML file. The defaults here are the only ones: config/options.py reads each option's default
+off the field it sets."""
 
 from __future__ import annotations
 
@@ -100,9 +101,10 @@ class SchedulerSettings:
     draft_max: int = 16
     ngram_min: int = 2
     ngram_max: int = 4
-    # Pad decode ticks of an odd number of rows >= 3 where measured costs say one row more is
-    # cheaper (core.scheduler._pad).
-    pad_odd_ticks: bool = True
+    # Pad a decode-only pass with up to 3 rows that are never sampled when the measured costs
+    # say the larger batch is cheaper (core.scheduler._pad): llama.cpp's CPU output matmul
+    # makes some row counts dearer than larger ones. Was pad_odd_ticks (still read, deprecated).
+    pad_decode_batches: bool = True
     # Publish and deliver a tick's events while the next forward pass runs on a GPU
     # (loop.EngineLoop._tick): "on", "off", or "auto" = on when the model's layers are offloaded
     # to a GPU (a CPU build or --n-gpu-layers 0: off).
@@ -127,7 +129,8 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 0
-    log_format: str = "json"
+    # auto: console lines when the log stream (stderr) is a terminal, else JSON lines
+    log_format: str = "auto"
     log_level: str = "info"
     log_payloads: bool = False  # request/response messages in the logs (debugging only)
     grace_s: float = 10.0
@@ -143,7 +146,7 @@ class ServerSettings:
     # Accept bearer tokens on a plaintext listener that is not loopback (auth.py): else refused
     allow_insecure_tokens: bool = False
     reflection: bool = True
-    otlp_endpoint: str = ""  # OTLP/HTTP traces URL ("" = tracing off); see tracing.py
+    otlp_endpoint: str = ""  # OTLP/HTTP traces URL ("" = tracing off); see observability/tracing.py
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,308 @@
+"""The option table of `llama-grpc serve`: each setting's flag, env var, TOML key, type, check
+and help, in one place. Defaults are read off the settings dataclasses (config/settings.py), so
+a default exists once; config/loading.py reads the sources, tools/options_doc.py writes
+docs/options.md from this table."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from llama_grpc_server.config.settings import (
+    AUTO,
+    ModelSettings,
+    PoolSettings,
+    SchedulerSettings,
+    ServerSettings,
+)
+from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
+from llama_grpc_server.core.request import (
+    MAX_DRAFT_TOKENS,
+    MAX_NGRAM,
+    SamplingParams,
+    SpeculativeMode,
+)
+from llama_grpc_server.core.strategies import load_strategy
+from llama_grpc_server.models import catalog
+
+PROG = "llama-grpc serve"
+ENV_PREFIX = "LLAMA_GRPC_"
+CONFIG_ENV = "LLAMA_GRPC_CONFIG"
+# Not serve options: the config file and the client's target. (LLAMA_GRPC_MODELS_DIR is both
+# `llama-grpc models`' directory and serve's --models-dir.)
+CLIENT_ENV = frozenset({CONFIG_ENV, "LLAMA_GRPC_TARGET"})
+LOG_FORMATS = ("auto", "json", "console")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+SPECULATIVE_MODES = tuple(mode.value for mode in SpeculativeMode)
+OVERLAP_MODES = ("auto", "on", "off")
+
+Value = str | int | float | bool | tuple[str, ...] | None
+Check = Callable[[Value], str | None]  # the problem with a value, or None when it is fine
+
+
+def at_least(low: float) -> Check:
+    def check(v: Value) -> str | None:
+        ok = v is None or (isinstance(v, int | float) and v >= low)
+        return None if ok else f"must be >= {low:g}"
+
+    return check
+
+
+def between(low: float, high: float) -> Check:
+    def check(v: Value) -> str | None:
+        ok = v is None or (isinstance(v, int | float) and low <= v <= high)
+        return None if ok else f"must be between {low:g} and {high:g}"
+
+    return check
+
+
+def one_of(*choices: str) -> Check:
+    return lambda v: None if v in choices else f"must be one of {', '.join(choices)}"
+
+
+def or_auto(check: Check) -> Check:
+    """`check`, but the word auto is fine too (an option with auto=True)."""
+    return lambda v: None if v == AUTO else check(v)
+
+
+def _is_file(v: Value) -> str | None:
+    return None if v == "" or Path(str(v)).is_file() else "no such file"
+
+
+def _is_dir(v: Value) -> str | None:
+    return None if v == "" or Path(str(v)).is_dir() else "no such directory"
+
+
+def _model_entries(v: Value) -> str | None:
+    """Each --model entry: NAME=PATH, a path to a file, or a model name (resolved later, with
+    --models-dir)."""
+    for entry in v if isinstance(v, tuple) else ((str(v),) if v else ()):
+        name, sep, path = entry.partition("=")
+        if not sep and (catalog.looks_like_path(entry) or Path(entry).is_file()):
+            name, path = "", entry
+        elif not sep:
+            name, path = entry, ""
+        problem = _name_problem(name) if name else None
+        if problem is None and path and not Path(path).is_file():
+            problem = "no such file"
+        if problem is not None:
+            return f"{entry!r}: {problem}"
+    return None
+
+
+def _name_problem(name: str) -> str | None:
+    try:
+        catalog.check_name(name)
+    except catalog.CatalogError as exc:
+        return str(exc)
+    return None
+
+
+def _non_empty(v: Value) -> str | None:
+    return None if v else "must not be empty"
+
+
+def _chat_template(v: Value) -> str | None:
+    return None if v == "" else one_of(*BUILTIN_TEMPLATES)(v)
+
+
+def _loads_strategy(v: Value) -> str | None:
+    try:
+        load_strategy(str(v))
+    except Exception as exc:  # a module:attr strategy may raise anything on import
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return None
+
+
+# Where each option's default comes from: the config dataclasses, so a default exists once.
+_DEFAULTS: dict[str, object] = {
+    "model": ModelSettings(),
+    "scheduler": SchedulerSettings(),
+    "server": ServerSettings(),
+    "sampling": SamplingParams(),
+    "pool": PoolSettings(),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One setting: flag --name-with-dashes, env LLAMA_GRPC_NAME, TOML key name."""
+
+    name: str
+    kind: type[str | int | float | bool]
+    target: str  # "section.field"; section "sampling" is scheduler.default_sampling
+    help: str
+    check: Check | None = None
+    metavar: str = ""
+    auto: bool = False  # also takes the word "auto" (kept as the string "auto")
+    # Given several times (flags), or as a TOML array; the value is then a tuple of strings
+    # (env: one entry). _build turns it into its field(s).
+    repeat: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def default(self) -> Value:
+        """The default of the config/settings.py field this option sets."""
+        section, field = self.target.split(".")
+        value: Value = getattr(_DEFAULTS[section], field)
+        return value
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("model", str, "model.model_path",
+           "a GGUF file, NAME=PATH, or a model name of --models-dir; repeat it to serve several "
+           "models (requests pick one by name): the first is the default (default: embedded "
+           "Gemma 3 270M)", _model_entries, "[NAME=]PATH", repeat=True),
+    Option("model_name", str, "model.model_name",
+           "name of the default model shown to clients (default: file stem)", metavar="NAME"),
+    Option("models_dir", str, "pool.models_dir",
+           "serve this directory's models too: its *.gguf files (named by file stem) and the "
+           "names of its catalog.toml (llama-grpc models add); models added later are found "
+           "without a restart", _is_dir, "DIR"),
+    Option("max_loaded_models", int, "pool.max_loaded_models",
+           "models resident at once: a request for another loads it, unloading the least "
+           "recently used idle one (0 = no limit)", at_least(0), "N"),
+    Option("max_loaded_bytes", int, "pool.max_loaded_bytes",
+           "bound on the summed file sizes of the resident models (0 = no limit)",
+           at_least(0), "BYTES"),
+    Option("host", str, "server.host", "address to listen on", _non_empty, "HOST"),
+    Option("port", int, "server.port", "gRPC port (0 = any free port)", between(0, 65535)),
+    Option("n_ctx", int, "model.n_ctx", "KV cache tokens, shared by all slots", at_least(1)),
+    Option("n_parallel", int, "scheduler.n_parallel", "slots decoded together",
+           between(1, 256)),
+    Option("n_batch", int, "model.n_batch", "tokens per forward pass (<= n_ctx)",
+           at_least(1)),
+    Option("n_ubatch", int, "model.n_ubatch", "physical micro-batch (<= n_batch)",
+           at_least(1)),
+    Option("chunk_size", int, "scheduler.chunk_size", "prompt tokens per slot per tick",
+           at_least(1)),
+    Option("threads", int, "model.n_threads", "generation threads (0 = all CPUs)", at_least(0)),
+    Option("threads_batch", int, "model.n_threads_batch", "prompt threads (0 = --threads)",
+           at_least(0)),
+    Option("n_gpu_layers", int, "model.n_gpu_layers",
+           "layers offloaded to the GPU (-1 = all; auto = all if this llama.cpp build has a GPU "
+           "backend and the GPUs have room for the model, else 0)", or_auto(at_least(-1)),
+           "N|auto", auto=True),
+    Option("chat_template", str, "model.chat_template",
+           "template for chat messages: " + " | ".join(BUILTIN_TEMPLATES)
+           + " (default: the model's own, if it has one)", _chat_template, "NAME"),
+    Option("max_queue", int, "scheduler.max_queue", "waiting requests (0 = unbounded)",
+           at_least(0)),
+    Option("admission_window_ms", float, "scheduler.admission_window_ms",
+           "when idle, wait until arrivals pause this long (5x at most) so a burst starts as "
+           "one batch (0 = off)", between(0, 1000), "MS"),
+    Option("batch_strategy", str, "scheduler.batch_strategy",
+           "decode_maximal | prefill_priority | balanced | module:attr", _loads_strategy, "NAME"),
+    Option("metrics_port", int, "server.metrics_port", "Prometheus port (0 = off)",
+           between(0, 65535)),
+    Option("log_format", str, "server.log_format",
+           "auto (human-readable lines when the log stream, stderr, is a terminal, else JSON "
+           "lines) | json | console", one_of(*LOG_FORMATS), "FORMAT"),
+    Option("log_level", str, "server.log_level", " | ".join(LOG_LEVELS),
+           one_of(*LOG_LEVELS), "LEVEL"),
+    Option("log_payloads", bool, "server.log_payloads",
+           "log request and response messages (debugging: prompts and completions in logs)"),
+    Option("tls_cert", str, "server.tls_cert", "PEM certificate chain: serve TLS (with --tls-key)",
+           _is_file, "PATH"),
+    Option("tls_key", str, "server.tls_key", "PEM private key of --tls-cert", _is_file, "PATH"),
+    Option("tls_client_ca", str, "server.tls_client_ca",
+           "PEM CA bundle: require client certificates signed by it (mTLS); the certificate's "
+           "URI SAN (e.g. a SPIFFE id) or CN is the caller's identity", _is_file, "PATH"),
+    Option("auth_tokens_file", str, "server.auth_tokens_file",
+           "TOML file of bearer tokens / certificate subjects, each with a tenant and a role "
+           "(user | admin), and per-tenant limits; reloaded on SIGHUP", _is_file, "PATH"),
+    Option("allow_insecure_tokens", bool, "server.allow_insecure_tokens",
+           "accept --auth-tokens-file on a plaintext (no TLS) listener that is not loopback; "
+           "without it such a server refuses to start, since the bearer tokens would cross the "
+           "network in clear (for TLS ended by a proxy in front)"),
+    Option("reflection", bool, "server.reflection", "serve gRPC reflection (for grpcurl)"),
+    Option("otlp_endpoint", str, "server.otlp_endpoint",
+           "OpenTelemetry traces over OTLP/HTTP to this URL, e.g. http://collector:4318 (default: "
+           "OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT if set, else tracing off)", metavar="URL"),
+    Option("grace_s", float, "server.grace_s", "seconds to finish requests on shutdown",
+           at_least(0)),
+    Option("drain_delay_s", float, "server.drain_delay_s",
+           "on SIGTERM, report NOT_SERVING this long before refusing new calls, so a proxy "
+           "routes elsewhere first (>= its health-check interval)", at_least(0), "S"),
+    Option("keep_alive_on_engine_error", bool, "server.keep_alive_on_engine_error",
+           "if the engine thread dies, keep the process up (health NOT_SERVING) instead of "
+           "exiting with code 70 after --grace-s"),
+    Option("watchdog_s", float, "scheduler.watchdog_s",
+           "a tick running longer than this means the engine hung: health NOT_SERVING, every "
+           "caller UNAVAILABLE (reason ENGINE_HUNG), the engine thread's stack logged, exit 71 "
+           "after --grace-s (auto = 10x a whole --n-batch of prompt tokens at the warm-up's "
+           "measured cost, at least 30; 0 = off)", or_auto(at_least(0)), "S|auto", auto=True),
+    Option("cache_prompt", bool, "scheduler.cache_prompt", "reuse KV of a cached prefix"),
+    Option("pad_decode_batches", bool, "scheduler.pad_decode_batches",
+           "pad a decode-only pass with up to 3 rows that are never sampled when the measured "
+           "costs say the larger batch is cheaper (llama.cpp's CPU output matmul makes some row "
+           "counts dearer than larger ones; was --pad-odd-ticks)"),
+    Option("overlap_decode", str, "scheduler.overlap_decode",
+           "deliver each tick's tokens while the next forward pass runs on the GPU: on | off | "
+           "auto (on when layers are offloaded to a GPU)", one_of(*OVERLAP_MODES), "MODE"),
+    Option("prompt_cache_ram_mb", int, "scheduler.prompt_cache_ram_mb",
+           "RAM tier: MiB of saved slot caches kept after eviction, per loaded model (-1 = auto: "
+           "a quarter of the memory available at start, at most 8192; 0 = off)", at_least(-1)),
+    Option("kv_cache_dir", str, "scheduler.kv_cache_dir",
+           "disk tier: save slot caches here (evicted ones, idle sessions, all idle ones at "
+           "shutdown) and restore them by longest token prefix, also after a restart or from "
+           "another replica sharing the directory (\"\" = off)", metavar="DIR"),
+    Option("kv_cache_disk_mb", int, "scheduler.kv_cache_disk_mb",
+           "disk tier: MiB the directory may hold; least recently used files go first",
+           at_least(1)),
+    Option("session_live_s", float, "scheduler.session_live_s",
+           "an idle session's history keeps its slot over other requests this long: a new "
+           "request takes a free slot and copies the shared prefix instead (0 = for ever)",
+           at_least(0), "S"),
+    Option("session_idle_s", float, "scheduler.session_idle_s",
+           "disk tier: save an idle slot's cache after this many seconds without use "
+           "(0 = only on eviction and shutdown)", at_least(0), "S"),
+    Option("stream_buffer_tokens", int, "scheduler.stream_buffer_tokens",
+           "back-pressure: a request stops decoding while its caller has this many generated "
+           "tokens unread, and resumes when it reads (0 = unbounded)", at_least(0), "N"),
+    Option("stalled_reader_s", float, "scheduler.stalled_reader_s",
+           "back-pressure: end a request with RESOURCE_EXHAUSTED (STALLED_READER) when its "
+           "caller reads nothing this long with the buffer full (0 = never)", at_least(0), "S"),
+    Option("response_cache_mb", int, "scheduler.response_cache_mb",
+           "exact response cache: MiB of whole results of greedy or seeded requests, replayed "
+           "for identical ones without the engine (0 = off)", at_least(0)),
+    Option("default_max_tokens", int, "scheduler.default_max_tokens",
+           "max_tokens when a request sets none", at_least(1)),
+    Option("speculative", str, "scheduler.speculative",
+           "prompt-lookup speculative decoding of requests that do not choose: off | auto (draft "
+           "when the measured tick costs and the request's acceptance say it pays) | on",
+           one_of(*SPECULATIVE_MODES), "MODE"),
+    Option("draft_max", int, "scheduler.draft_max",
+           "speculative decoding: draft tokens per step at most", between(1, MAX_DRAFT_TOKENS)),
+    Option("ngram_min", int, "scheduler.ngram_min",
+           "speculative decoding: shortest suffix matched in the prompt and output",
+           between(1, MAX_NGRAM)),
+    Option("ngram_max", int, "scheduler.ngram_max",
+           "speculative decoding: longest suffix matched (tried first)", between(1, MAX_NGRAM)),
+    Option("temperature", float, "sampling.temperature", "default temperature (0 = greedy)",
+           at_least(0)),
+    Option("top_k", int, "sampling.top_k", "default top-k (0 = off)", at_least(0)),
+    Option("top_p", float, "sampling.top_p", "default top-p (1 = off)", between(0, 1)),
+    Option("min_p", float, "sampling.min_p", "default min-p (0 = off)", between(0, 1)),
+    Option("repeat_penalty", float, "sampling.repeat_penalty",
+           "default repetition penalty (1 = off)", between(0.01, 100)),
+    Option("seed", int, "sampling.seed", "default seed (unset or -1: random per request)",
+           between(-1, 2**32 - 1)),
+)  # fmt: skip
+BY_NAME: dict[str, Option] = {opt.name: opt for opt in OPTIONS}
+# Old names of renamed options (flag, env var and config key), still read: each use gives one
+# deprecation line (config/loading.py) so that existing deployments keep starting.
+RENAMED: dict[str, str] = {"pad_odd_ticks": "pad_decode_batches"}
+PATH_OPTIONS = (
+    "model",
+    "models_dir",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+    "auth_tokens_file",
+    "kv_cache_dir",
+)

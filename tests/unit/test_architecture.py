@@ -1,0 +1,73 @@
+"""docs/ARCHITECTURE.md's module table names every module of the server package, and only
+modules that exist: a module added, moved or removed without the page changing fails here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVER = ROOT / "server" / "llama_grpc_server"
+ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+TABLE_HEADER = "| module | concept |"
+
+
+def server_modules() -> set[str]:
+    """Each module as its path relative to the package (`rpc/server.py`); a package's
+    __init__.py is described by the package tree instead."""
+    return {
+        path.relative_to(SERVER).as_posix()
+        for path in SERVER.rglob("*.py")
+        if path.name != "__init__.py"
+    }
+
+
+def server_packages() -> set[str]:
+    return {
+        path.parent.relative_to(SERVER).as_posix() + "/"
+        for path in SERVER.rglob("__init__.py")
+        if path.parent != SERVER
+    }
+
+
+def as_path(name: str) -> str:
+    """`rpc/server.py`, `rpc.server` or `llama_grpc_server.rpc.server` -> `rpc/server.py`."""
+    if name.endswith(".py"):
+        return name
+    return name.removeprefix("llama_grpc_server.").replace(".", "/") + ".py"
+
+
+def table_names(text: str) -> list[str]:
+    """The modules named in the first column of the module table, as paths."""
+    lines = text.splitlines()
+    start = lines.index(TABLE_HEADER) + 2
+    names: list[str] = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        names += [as_path(name) for name in re.findall(r"`([^`]+)`", line.split(" | ")[0])]
+    return names
+
+
+def test_the_module_table_names_every_server_module() -> None:
+    named = set(table_names(ARCHITECTURE.read_text(encoding="utf-8")))
+    assert sorted(server_modules() - named) == []
+
+
+def test_the_module_table_names_no_module_that_does_not_exist() -> None:
+    names = table_names(ARCHITECTURE.read_text(encoding="utf-8"))
+    assert sorted(set(names) - server_modules()) == []
+    assert len(names) == len(set(names)), "a module is named twice"
+
+
+def test_the_package_tree_names_every_package() -> None:
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    tree = text[text.index("server/llama_grpc_server/\n") : text.index("deploy/ ")]
+    listed = set(re.findall(r"^    ([a-z_]+/)", tree, re.MULTILINE))
+    assert listed == server_packages()
+
+
+def test_the_table_reader_sees_dotted_names_and_stops_at_the_table_end() -> None:
+    rows = "| `a/b.py`, `llama_grpc_server.c.d` | x |\n\n| `e.py` | y |"
+    text = f"{TABLE_HEADER}\n| --- | --- |\n{rows}"
+    assert table_names(text) == ["a/b.py", "c/d.py"]
