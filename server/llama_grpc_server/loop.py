@@ -204,8 +204,8 @@ class EngineLoop:
         self._started = time.monotonic()
         # Written by the engine thread only (one reference assignment), read by stats().
         self._published = scheduler.snapshot(kv_cells_total)
-        # The disk tier's I/O thread wakes this one when a read comes back (Scheduler.wakeup).
-        scheduler.wakeup = self.wake
+        # The disk tier's I/O thread wakes this one when a read comes back (Admission.wakeup).
+        scheduler.admission.wakeup = self.wake
         self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
         self._thread.start()
 
@@ -223,7 +223,7 @@ class EngineLoop:
         with self._wake:
             self._check_accepting()
         try:
-            self._scheduler.check_fits(request)
+            self._scheduler.admission.check_fits(request)
         except errors.ServiceError:
             self._num_rejected_at_submit += 1  # only this (event-loop) thread writes it
             raise
@@ -339,7 +339,7 @@ class EngineLoop:
 
     @property
     def kv_events(self) -> KvEventLog:
-        return self._scheduler.kv_events
+        return self._scheduler.kv.events.log
 
     def close(self) -> None:
         with self._wake:
@@ -379,7 +379,8 @@ class EngineLoop:
                 return  # a tick came back after the watchdog tripped: the engine is gone
             self._flush_held()
             self._deliver(self._scheduler.fail_all(errors.ShuttingDown("engine stopped")))
-            if self._scheduler.persist_idle(everything=True):
+            scheduler = self._scheduler
+            if scheduler.kv.persist_idle(scheduler.clock_ns(), everything=True):
                 self._tick()  # the disk tier's saves of every idle cache (a plan of KV ops)
         except BaseException as exc:  # the thread must not die silently, whatever it was
             self._fail(exc)
@@ -515,7 +516,8 @@ class EngineLoop:
             if not self._wake.wait(timeout) and release and self._on_idle is not None:
                 self._on_idle()  # idle for a while: a no-op for the requests, none wait
                 self._released = True
-            self._scheduler.persist_idle()  # an idle session due for the disk tier
+            # an idle session due for the disk tier
+            self._scheduler.kv.persist_idle(self._scheduler.clock_ns())
 
     def _clear_cache(self, done: concurrent.futures.Future[CacheCleared]) -> None:
         # The caller may have given up (a deadline cancels the future through wrap_future): then
@@ -523,7 +525,7 @@ class EngineLoop:
         if not done.set_running_or_notify_cancel():
             return
         try:
-            cleared = self._scheduler.clear_cache()
+            cleared = self._scheduler.kv.clear_idle()
         except BaseException as exc:  # the caller hears why, then the engine fails as usual
             done.set_exception(errors.EngineFailed(f"clearing the cache failed: {describe(exc)}"))
             raise

@@ -35,9 +35,25 @@ class Counters:
     spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
     spec_accepted_tokens: int = 0  # ... the sampler agreed with (and the request took)
     spec_ticks: int = 0  # forward passes with at least one draft
-    pad_rows: int = 0  # pads added to odd decode ticks (core.scheduler._pad; not in GetStats)
+    pad_rows: int = 0  # pad rows added to decode-only passes (core.drafts; not in GetStats)
     reader_pauses: int = 0  # times a request stopped decoding for its slow reader
     reader_stalls: int = 0  # requests ended because their reader read nothing (StalledReader)
+
+    def count_cached(self, request: Request, num_cached: int) -> None:
+        """Set a request's cached prompt tokens (a resumed preempted request counts no more)."""
+        if request.num_preemptions == 0:
+            self.cached_prompt_tokens += num_cached - request.num_cached_prompt
+            request.num_cached_prompt = num_cached
+
+    def count_pass(self, num_tokens: int, num_spec: int, eval_ms: float, cpu_ms: float) -> None:
+        """One forward pass of num_tokens rows, num_spec of them draft tokens (pads excluded)."""
+        self.ticks += 1
+        self.batch_tokens += num_tokens
+        self.decode_ms += eval_ms
+        self.decode_cpu_ms += cpu_ms
+        if num_spec:
+            self.spec_ticks += 1
+            self.spec_draft_tokens += num_spec
 
 
 def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact

@@ -119,7 +119,7 @@ def build_engine(
             session_idle_s=sched.session_idle_s,
             session_live_s=sched.session_live_s,
             tenants=sched.tenant_limits,
-            pad_odd_ticks=sched.pad_odd_ticks,
+            pad_decode_batches=sched.pad_odd_ticks,
             kv_events_bos=info.bos_token_id if info.add_bos else None,
             stream_buffer_tokens=sched.stream_buffer_tokens,
             stalled_reader_s=sched.stalled_reader_s,
