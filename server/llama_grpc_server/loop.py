@@ -32,6 +32,7 @@ from typing import Any
 import structlog
 
 from llama_grpc_server import errors
+from llama_grpc_server.core import stats as core_stats
 from llama_grpc_server.core.api import (
     CacheCleared,
     ModelInfo,
@@ -68,6 +69,9 @@ ADMISSION_WINDOWS_MAX = 5  # a burst waits at most this many admission windows i
 # An engine idle this long calls on_idle once (engine/openmp.py: its llama.cpp helper threads
 # are released, so they no longer make libgomp throttle a busy engine beside it).
 IDLE_RELEASE_S = 0.05
+# A running engine publishes its stats snapshot (and KV events) when a request is admitted,
+# ends or is preempted, and otherwise at most this often (stats() reads the counters live).
+PUBLISH_EVERY_S = 0.1
 
 
 Deliveries = dict[asyncio.AbstractEventLoop, list[tuple["EngineStream", Event]]]
@@ -204,6 +208,8 @@ class EngineLoop:
         self._started = time.monotonic()
         # Written by the engine thread only (one reference assignment), read by stats().
         self._published = scheduler.snapshot(kv_cells_total)
+        self._published_at = time.monotonic()
+        self._published_changes = scheduler.counters.num_changes
         # The disk tier's I/O thread wakes this one when a read comes back (Admission.wakeup).
         scheduler.admission.wakeup = self.wake
         self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
@@ -320,9 +326,19 @@ class EngineLoop:
         return self._tokenizer.render_chat(messages, template)
 
     def stats(self) -> StatsSnapshot:
-        """The snapshot the engine thread published after its last tick (never the live
-        scheduler, which that thread is mutating), with this thread's own figures."""
-        snapshot = self._published
+        """The snapshot the engine thread published last (never the live scheduler, which that
+        thread is mutating) with the counters read now, and this thread's own figures.
+
+        The engine thread publishes a whole snapshot when a request is admitted, ends or is
+        preempted, when the cache is cleared, when it goes idle and before it answers anything
+        from its inbox; between those, at most every PUBLISH_EVERY_S (a tick does not pay for
+        one). What moves every tick without such an event, the token, tick and decode-time
+        counters and the KV cells in use, is read live (stats.live), so GetStats is exact for
+        them at any time; only the per-slot views may be up to PUBLISH_EVERY_S old while
+        requests decode. A caller that saw its request end reads stats that agree."""
+        scheduler = self._scheduler
+        used = scheduler.kv.cells.last_num_used
+        snapshot = core_stats.live(self._published, scheduler.counters, used)
         disk = self._scheduler.kv.disk
         return dataclasses.replace(
             snapshot,
@@ -587,18 +603,25 @@ class EngineLoop:
             self._held += events
             return True
         if plan is not None or events or self._held:  # e.g. a queued request whose deadline passed
-            self._publish()
+            self._publish(when_due=True)
         self._deliver(events)
         return ran
 
     def _flush_held(self) -> None:
         """Publish and deliver the events an overlapped tick held back (see _tick)."""
         if self._held:
-            self._publish()
+            self._publish(when_due=True)
             self._deliver([])
 
-    def _publish(self) -> None:
-        """Before delivering: a caller that saw its request end then reads stats that agree."""
+    def _publish(self, *, when_due: bool = False) -> None:
+        """Before delivering: a caller that saw its request end then reads stats that agree.
+        `when_due`: only if a request was admitted, ended or preempted since the last publish
+        or PUBLISH_EVERY_S has passed (see stats())."""
+        changes, now = self._scheduler.counters.num_changes, time.monotonic()
+        is_recent = now - self._published_at < PUBLISH_EVERY_S
+        if when_due and changes == self._published_changes and is_recent:
+            return
+        self._published_at, self._published_changes = now, changes
         self._published = self._scheduler.snapshot(self._kv_cells_total)
         self._scheduler.publish_kv_events(time.time())
 

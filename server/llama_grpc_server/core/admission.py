@@ -53,6 +53,9 @@ class Admission:
         self._disk_tickets = 0
         self.wakeup: Callable[[], None] = _nothing
         self.is_paused = False  # a preemption stops admissions until a request ends
+        # Keys of live requests with a deadline or a time limit (the Scheduler skips its expiry
+        # scan while there are none and no stall bound); Endings.release forgets them.
+        self.timed: set[str] = set()
 
     # -- intake -----------------------------------------------------------------------------------
 
@@ -79,6 +82,8 @@ class Admission:
             request.arrival_ns = self._clock_ns()
         seed = request.spec.sampling.seed
         request.seed = seed if seed is not None else random.getrandbits(32)
+        if request.spec.deadline is not None or request.spec.stopping.time_limit_ms is not None:
+            self.timed.add(request.key)
         self.queue.append(request)
 
     def set_tenant_limits(self, limits: Mapping[str, TenantLimits]) -> None:

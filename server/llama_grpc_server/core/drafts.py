@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from llama_grpc_server.core.kv_manager import KvCacheManager
 from llama_grpc_server.core.plan import MAX_PAD_ROWS, Chunk
-from llama_grpc_server.core.request import SpeculativeMode
+from llama_grpc_server.core.request import Request, SpeculativeMode
 from llama_grpc_server.core.slot import Slot
 from llama_grpc_server.core.spec_policy import MIN_GAIN
 from llama_grpc_server.core.speculative import Speculator
@@ -40,6 +40,17 @@ class Drafts:
     kv: KvCacheManager
     counters: Counters
     pause_ticks: int = 0  # > 0: recent drafts did not fit the KV cache
+    # Requests in slots whose speculative mode is not OFF (by key): none, and the tick skips the
+    # per-chunk speculation scan (the default with speculation off).
+    speculating: set[str] = dataclasses.field(default_factory=set)
+
+    def admitted(self, request: Request) -> None:
+        if self.spec.mode(request) is not SpeculativeMode.OFF:
+            self.speculating.add(request.key)
+
+    def forget(self, key: str) -> None:
+        self.speculating.discard(key)
+        self.spec.forget(key)
 
     def pause(self) -> None:
         """A pass with drafts found no KV slot: the next DRAFT_PAUSE_TICKS ticks go without."""
@@ -50,7 +61,9 @@ class Drafts:
         if self.pause_ticks > 0:
             self.pause_ticks -= 1
             return chunks
-        return self._pad(self._speculate(chunks))
+        if self.speculating:
+            chunks = self._speculate(chunks)
+        return self._pad(chunks)
 
     def _speculate(self, chunks: list[Chunk]) -> list[Chunk]:
         requests = [

@@ -56,7 +56,8 @@ class Endings:
                     self.kv.clear(slot)
         if self.outputs.close(request.key):
             self.samplers_to_close.append(request.key)
-        self.drafts.spec.forget(request.key)
+        self.drafts.forget(request.key)
+        self.admission.timed.discard(request.key)
         request.state = RequestState.FINISHED
         self.admission.is_paused = False
 

@@ -202,7 +202,10 @@ class Scheduler:
         return plan, events
 
     def _expire(self) -> Emitted:
-        """End what expired (core.expiry)."""
+        """End what expired (core.expiry); skipped while no request has a deadline, a time limit
+        or a stall bound."""
+        if not (self.admission.timed or self.back_pressure.stall_ns):
+            return []
         out: Emitted = []
         now, now_ns = self._monotonic(), self.clock_ns()
         q, slots, restoring, bp = self.queue, self.slots, self.restoring, self.back_pressure
@@ -228,6 +231,7 @@ class Scheduler:
         """A request's first admission: its outputs, its sampler, its speculation."""
         request.admitted_ns = self.clock_ns()
         self._samplers_to_open.append(self.outputs.open(request))
+        self.drafts.admitted(request)
         self.counters.started += 1
         self.counters.prompt_tokens += request.num_prompt
 
@@ -300,6 +304,7 @@ class Scheduler:
                 logprob = result.logprobs.get(chunk.slot_id)
                 out += self._accept(request, result.sampled[chunk.slot_id], logprob)
                 self.spec.observe_tokens(request)
+        self.kv.num_used_cells()  # the tick's one count (GetStats reads it live: CellMap)
         return out
 
     def _observe_tick(self, chunks: Sequence[Chunk], result: StepResult) -> None:
@@ -419,7 +424,7 @@ class Scheduler:
         load = LoadRecord(
             running=sum(1 for s in self.slots if s.request is not None),
             waiting=len(self.queue),
-            used_cells=self.kv.num_used_cells(),
+            used_cells=self.kv.num_used_cells(),  # the tick's count, not another (CellMap)
             total_cells=self.limits.n_ctx,
             max_running=self.limits.n_parallel,
         )
