@@ -42,16 +42,16 @@ def main() -> None:
         t0 = time.perf_counter()
         s.snapshot(8192)
         t1 = time.perf_counter()
-        seq = s.kv_events.seq
+        seq = s.kv.events.log.seq
         s.publish_kv_events(time.time())
         t2 = time.perf_counter()
-        if s.kv_events.seq != seq:
-            blocks += s.kv_events.read(seq).batches[0].num_blocks
+        if s.kv.events.log.seq != seq:
+            blocks += s.kv.events.log.read(seq).batches[0].num_blocks
         snapshot.append((t1 - t0) * 1e6)
         publish.append((t2 - t1) * 1e6)
         ticks += 1
     q = statistics.quantiles(publish, n=100)
-    print(f"{ticks} ticks, {s.kv_events.seq} batches, {blocks} blocks announced or removed")
+    print(f"{ticks} ticks, {s.kv.events.log.seq} batches, {blocks} blocks announced or removed")
     print(
         f"publish_kv_events: median {statistics.median(publish):.1f} us, p99 {q[98]:.1f} us, "
         f"max {max(publish):.1f} us"

@@ -13,7 +13,9 @@ llama-grpc within every repetition). For each llama-grpc run it also reads:
     grpc's Python and Cython send path) and grpc's C-core threads (everything else);
 - the benchmark client's own CPU time (this process, time.process_time; the raw loop is idle
   then, after a settle pause that lets its helper threads stop spinning);
-- forward passes and tokens from GetStats (tokens per forward pass does not move with noise).
+- forward passes and tokens from GetStats (tokens per forward pass does not move with noise);
+- the engine thread's CPU outside llama_decode per forward pass (engine_us_per_tick: what one
+  tick of schedule, update, stats and delivery costs, whatever the tokens per pass).
 
 Everything is divided by the tokens streamed in the run and reported as µs per token: the
 median and spread over the repetitions, with the load average at start and end. Optionally
@@ -129,6 +131,7 @@ async def measured_grpc_run(
     us["client"] = (c1 - c0) / n * 1e6
     us["forward_passes"] = s1.ticks - s0.ticks
     us["tokens_per_forward_pass"] = n / max(1, s1.ticks - s0.ticks)
+    us["engine_us_per_tick"] = parts["engine"] / max(1, s1.ticks - s0.ticks) * 1e6
     us["decode_wall_s"] = s1.decode_seconds - s0.decode_seconds
     return seconds, us
 
@@ -167,7 +170,8 @@ async def measure(
                     f"server outside decode {us['server_outside_decode']:.0f} µs/token "
                     f"(engine {us['engine']:.0f}, event loop {us['event_loop']:.0f}, grpc "
                     f"threads {us['grpc_threads']:.0f})  client {us['client']:.0f} µs/token  "
-                    f"decode {us['decode']:.0f} vs raw loop {raw_cpu[-1]:.0f} µs/token"
+                    f"decode {us['decode']:.0f} vs raw loop {raw_cpu[-1]:.0f} µs/token  "
+                    f"engine {us['engine_us_per_tick']:.0f} µs/tick"
                 )
             rows.append(row(b, gen, raw_t, grpc_t, per_token))
             rows[-1]["raw_cpu_us_per_token"] = spread(raw_cpu)
@@ -179,6 +183,7 @@ def row(
 ) -> dict[str, Any]:
     raw_m, grpc_m = statistics.median(raw_t), statistics.median(grpc_t)
     keys = [*PARTS, "server_outside_decode", "decode", "client", "tokens_per_forward_pass"]
+    keys.append("engine_us_per_tick")  # µs per forward pass, not per token
     return {
         "batch": b,
         "raw_s": spread(raw_t),
@@ -332,7 +337,8 @@ def main() -> int:
             f"{us['server_outside_decode']['median']:.0f} µs/token (engine "
             f"{us['engine']['median']:.0f}, event loop {us['event_loop']['median']:.0f}, grpc "
             f"threads {us['grpc_threads']['median']:.0f})  client {us['client']['median']:.0f}"
-            f" µs/token  decode {us['decode']['median']:.0f} µs/token"
+            f" µs/token  decode {us['decode']['median']:.0f} µs/token  engine "
+            f"{us['engine_us_per_tick']['median']:.0f} µs/tick"
         )
     return 0
 

@@ -32,6 +32,7 @@ from typing import Any
 import structlog
 
 from llama_grpc_server import errors
+from llama_grpc_server.core import stats as core_stats
 from llama_grpc_server.core.api import (
     CacheCleared,
     ModelInfo,
@@ -68,6 +69,9 @@ ADMISSION_WINDOWS_MAX = 5  # a burst waits at most this many admission windows i
 # An engine idle this long calls on_idle once (engine/openmp.py: its llama.cpp helper threads
 # are released, so they no longer make libgomp throttle a busy engine beside it).
 IDLE_RELEASE_S = 0.05
+# A running engine publishes its stats snapshot (and KV events) when a request is admitted,
+# ends or is preempted, and otherwise at most this often (stats() reads the counters live).
+PUBLISH_EVERY_S = 0.1
 
 
 Deliveries = dict[asyncio.AbstractEventLoop, list[tuple["EngineStream", Event]]]
@@ -204,8 +208,10 @@ class EngineLoop:
         self._started = time.monotonic()
         # Written by the engine thread only (one reference assignment), read by stats().
         self._published = scheduler.snapshot(kv_cells_total)
-        # The disk tier's I/O thread wakes this one when a read comes back (Scheduler.wakeup).
-        scheduler.wakeup = self.wake
+        self._published_at = time.monotonic()
+        self._published_changes = scheduler.counters.num_changes
+        # The disk tier's I/O thread wakes this one when a read comes back (Admission.wakeup).
+        scheduler.admission.wakeup = self.wake
         self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
         self._thread.start()
 
@@ -223,7 +229,7 @@ class EngineLoop:
         with self._wake:
             self._check_accepting()
         try:
-            self._scheduler.check_fits(request)
+            self._scheduler.admission.check_fits(request)
         except errors.ServiceError:
             self._num_rejected_at_submit += 1  # only this (event-loop) thread writes it
             raise
@@ -320,9 +326,19 @@ class EngineLoop:
         return self._tokenizer.render_chat(messages, template)
 
     def stats(self) -> StatsSnapshot:
-        """The snapshot the engine thread published after its last tick (never the live
-        scheduler, which that thread is mutating), with this thread's own figures."""
-        snapshot = self._published
+        """The snapshot the engine thread published last (never the live scheduler, which that
+        thread is mutating) with the counters read now, and this thread's own figures.
+
+        The engine thread publishes a whole snapshot when a request is admitted, ends or is
+        preempted, when the cache is cleared, when it goes idle and before it answers anything
+        from its inbox; between those, at most every PUBLISH_EVERY_S (a tick does not pay for
+        one). What moves every tick without such an event, the token, tick and decode-time
+        counters and the KV cells in use, is read live (stats.live), so GetStats is exact for
+        them at any time; only the per-slot views may be up to PUBLISH_EVERY_S old while
+        requests decode. A caller that saw its request end reads stats that agree."""
+        scheduler = self._scheduler
+        used = scheduler.kv.cells.last_num_used
+        snapshot = core_stats.live(self._published, scheduler.counters, used)
         disk = self._scheduler.kv.disk
         return dataclasses.replace(
             snapshot,
@@ -339,7 +355,7 @@ class EngineLoop:
 
     @property
     def kv_events(self) -> KvEventLog:
-        return self._scheduler.kv_events
+        return self._scheduler.kv.events.log
 
     def close(self) -> None:
         with self._wake:
@@ -379,7 +395,8 @@ class EngineLoop:
                 return  # a tick came back after the watchdog tripped: the engine is gone
             self._flush_held()
             self._deliver(self._scheduler.fail_all(errors.ShuttingDown("engine stopped")))
-            if self._scheduler.persist_idle(everything=True):
+            scheduler = self._scheduler
+            if scheduler.kv.persist_idle(scheduler.clock_ns(), everything=True):
                 self._tick()  # the disk tier's saves of every idle cache (a plan of KV ops)
         except BaseException as exc:  # the thread must not die silently, whatever it was
             self._fail(exc)
@@ -515,7 +532,8 @@ class EngineLoop:
             if not self._wake.wait(timeout) and release and self._on_idle is not None:
                 self._on_idle()  # idle for a while: a no-op for the requests, none wait
                 self._released = True
-            self._scheduler.persist_idle()  # an idle session due for the disk tier
+            # an idle session due for the disk tier
+            self._scheduler.kv.persist_idle(self._scheduler.clock_ns())
 
     def _clear_cache(self, done: concurrent.futures.Future[CacheCleared]) -> None:
         # The caller may have given up (a deadline cancels the future through wrap_future): then
@@ -523,7 +541,7 @@ class EngineLoop:
         if not done.set_running_or_notify_cancel():
             return
         try:
-            cleared = self._scheduler.clear_cache()
+            cleared = self._scheduler.kv.clear_idle()
         except BaseException as exc:  # the caller hears why, then the engine fails as usual
             done.set_exception(errors.EngineFailed(f"clearing the cache failed: {describe(exc)}"))
             raise
@@ -585,18 +603,25 @@ class EngineLoop:
             self._held += events
             return True
         if plan is not None or events or self._held:  # e.g. a queued request whose deadline passed
-            self._publish()
+            self._publish(when_due=True)
         self._deliver(events)
         return ran
 
     def _flush_held(self) -> None:
         """Publish and deliver the events an overlapped tick held back (see _tick)."""
         if self._held:
-            self._publish()
+            self._publish(when_due=True)
             self._deliver([])
 
-    def _publish(self) -> None:
-        """Before delivering: a caller that saw its request end then reads stats that agree."""
+    def _publish(self, *, when_due: bool = False) -> None:
+        """Before delivering: a caller that saw its request end then reads stats that agree.
+        `when_due`: only if a request was admitted, ended or preempted since the last publish
+        or PUBLISH_EVERY_S has passed (see stats())."""
+        changes, now = self._scheduler.counters.num_changes, time.monotonic()
+        is_recent = now - self._published_at < PUBLISH_EVERY_S
+        if when_due and changes == self._published_changes and is_recent:
+            return
+        self._published_at, self._published_changes = now, changes
         self._published = self._scheduler.snapshot(self._kv_cells_total)
         self._scheduler.publish_kv_events(time.time())
 

@@ -41,6 +41,27 @@ def test_recomputing_after_a_removal_makes_new_cells() -> None:
     assert cells.num_used() == 110
 
 
+def test_cells_are_counted_once_per_change() -> None:
+    """The drafts, the pads, the stats snapshot and the KV-event load record of one tick share
+    one count; any edit makes it stale, and last_num_used keeps the latest for GetStats."""
+    cells = CellMap()
+    counts: list[int] = []
+    count = cells._count
+
+    def counting() -> int:
+        counts.append(count())
+        return counts[-1]
+
+    cells._count = counting  # type: ignore[method-assign]
+    cells.computed(0, 0, 10)
+    assert (cells.num_used(), cells.num_used(), len(counts)) == (10, 10, 1)
+    cells.copied(0, 1, 5)
+    cells.computed(1, 5, 3)
+    assert (cells.num_used(), cells.num_used(), len(counts)) == (13, 13, 2)
+    cells.trimmed(1, 6)
+    assert (cells.num_used(), cells.last_num_used, len(counts)) == (11, 11, 3)
+
+
 def test_restore_and_partial_removal() -> None:
     cells = CellMap()
     cells.restored(2, 80)

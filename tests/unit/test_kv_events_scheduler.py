@@ -99,7 +99,7 @@ def run_traffic(
 ) -> tuple[Scheduler, Subscriber]:
     s, disk = make(root, ram_bytes)
     runner = FakeRunner(kv_cells=200)  # fewer cells than 3 slots can use: KV pressure
-    sub = Subscriber(s.kv_events)
+    sub = Subscriber(s.kv.events.log)
     check(s, disk, sub)
     ids: list[str] = []
     for n, act in enumerate(actions):
@@ -122,10 +122,10 @@ def run_traffic(
         elif act[0] == "cancel" and ids:
             s.cancel(ids[int(act[1]) % len(ids)])  # type: ignore[call-overload]
         elif act[0] == "clear":
-            s.clear_cache()
+            s.kv.clear_idle()
         steps = int(act[1]) if act[0] == "tick" else 1  # type: ignore[call-overload]
         for _ in range(steps):
-            s.persist_idle()
+            s.kv.persist_idle(s.clock_ns())
             plan, _events = s.schedule()
             if plan is not None:
                 s.update(plan, runner.execute(plan))
@@ -181,14 +181,14 @@ def test_traffic_reaches_every_tier_and_event() -> None:
         s, _sub = run_traffic(actions, Path(root), 600)
     kinds = {
         (type(e).__name__, getattr(e, "tier", None))
-        for batch in s.kv_events.read(1).batches
+        for batch in s.kv.events.log.read(1).batches
         for e in batch.events
     }
     assert s.counters.preemptions >= 1
     for tier in Tier:
         assert ("BlocksStored", tier) in kinds
         assert ("BlocksRemoved", tier) in kinds
-    cleared = [b for b in s.kv_events.read(1).batches if isinstance(b.events[0], CacheCleared)]
+    cleared = [b for b in s.kv.events.log.read(1).batches if isinstance(b.events[0], CacheCleared)]
     assert len(cleared) == 1  # ClearCache's (read(1): after the engine's first batch)
     assert any(isinstance(e, BlocksStored) for e in cleared[0].events)  # the running request's
 
@@ -207,7 +207,7 @@ def test_a_restart_announces_the_disk_tier_again() -> None:
             plan, _events = s.schedule()
             if plan is not None:
                 s.update(plan, runner.execute(plan))
-        s.persist_idle(everything=True)
+        s.kv.persist_idle(s.clock_ns(), everything=True)
         plan, _events = s.schedule()
         assert plan is not None
         s.update(plan, runner.execute(plan))
@@ -216,10 +216,10 @@ def test_a_restart_announces_the_disk_tier_again() -> None:
         assert len(before) == 5  # 84 tokens: 5 whole blocks
 
         s2, disk2 = make(Path(root), 0)
-        sub = Subscriber(s2.kv_events)
+        sub = Subscriber(s2.kv.events.log)
         check(s2, disk2, sub)
         assert sub.blocks[Tier.DISK] == before
-        assert s2.kv_events.seq == 1  # one batch: CacheCleared, then the files' blocks
+        assert s2.kv.events.log.seq == 1  # one batch: CacheCleared, then the files' blocks
 
 
 def test_a_slow_subscriber_gets_a_reset_and_never_holds_the_engine_up() -> None:

@@ -73,7 +73,7 @@ def drive(s: Scheduler, runner: FakeRunner, timeout_s: float = 10.0) -> list[tup
     """Tick until nothing is left, waiting (on the scheduler's wakeup, never a sleep) for the
     disk reads of requests that are RESTORING."""
     woken = threading.Event()
-    s.wakeup = woken.set
+    s.admission.wakeup = woken.set
     out = drive_ticks(s, runner)
     while s.restoring or s.has_work:
         assert woken.wait(timeout_s), "a disk read never came back"
@@ -99,7 +99,7 @@ def shut_down_after_one_request(path: Path) -> Request:
     first = req("first", 100, 4)
     s.add(first)
     drive(s, runner)
-    s.persist_idle(everything=True)
+    s.kv.persist_idle(s.clock_ns(), everything=True)
     drive(s, runner)
     disk.close()
     return first
@@ -142,7 +142,7 @@ def test_what_the_ram_tier_evicts_goes_to_disk(tmp_path: Path) -> None:
         s.add(r)
         drive(s, runner)
     disk.flush()
-    assert s.ram is not None and s.ram.evictions == 1
+    assert s.kv.ram is not None and s.kv.ram.evictions == 1
     assert disk.stats().entries == 1
     again = follow_up(first)
     s.add(again)
@@ -157,16 +157,16 @@ def test_an_idle_session_is_written_once_after_session_idle_s(tmp_path: Path) ->
     s.add(req("first", 100, 4))
     drive(s, runner)
     assert s.idle_wait_s() is not None and 4.0 < (s.idle_wait_s() or 0) <= 5.0
-    assert not s.persist_idle(), "not idle long enough yet"
+    assert not s.kv.persist_idle(s.clock_ns()), "not idle long enough yet"
     clock.ns += 5_000_000_000
     assert s.idle_wait_s() == 0.0
-    assert s.persist_idle()
+    assert s.kv.persist_idle(s.clock_ns())
     drive(s, runner)
     disk.flush()
     assert disk.stats().writes == 1
     assert s.idle_wait_s() is None, "nothing left to write"
     clock.ns += 60_000_000_000
-    assert not s.persist_idle()
+    assert not s.kv.persist_idle(s.clock_ns())
     plan, _ = s.schedule()
     assert plan is None, "written once, not again"
     assert s.slots[0].idle_cache, "the slot keeps its cache too"
@@ -179,7 +179,7 @@ def test_shutdown_writes_every_idle_cache_and_an_evicted_written_one_is_not_save
     first = req("first", 100, 4)
     s.add(first)
     drive(s, runner)
-    assert s.persist_idle(everything=True)
+    assert s.kv.persist_idle(s.clock_ns(), everything=True)
     drive(s, runner)
     disk.flush()
     assert disk.stats().writes == 1
@@ -223,15 +223,16 @@ def test_clear_cache_clears_the_disk_tier(tmp_path: Path) -> None:
     s, disk, runner = make(tmp_path)
     s.add(req("first", 100, 4))
     drive(s, runner)
-    s.persist_idle(everything=True)
+    s.kv.persist_idle(s.clock_ns(), everything=True)
     drive(s, runner)
     disk.flush()
     size = files(tmp_path)[0].stat().st_size
-    cleared = s.clear_cache()
+    cleared = s.kv.clear_idle()
     assert (cleared.freed_disk_entries, cleared.freed_disk_bytes) == (1, size)
     assert not files(tmp_path)
     drive(s, runner)
-    assert s.persist_idle(everything=True) is False, "the slot's cache was cleared too"
+    cleared_too = not s.kv.persist_idle(s.clock_ns(), everything=True)
+    assert cleared_too, "the slot's cache was cleared too"
 
 
 def blocked_follow_up(
@@ -288,7 +289,7 @@ def test_a_request_cancelled_while_restoring_ends_cancelled_and_its_bytes_are_dr
     assert not s.restoring and s.counters.cancelled == 1
 
     woken = threading.Event()
-    s.wakeup = woken.set
+    s.admission.wakeup = woken.set
     disk.gate.set()
     assert woken.wait(10), "the late read still comes back"
     plans = len(runner.plans)

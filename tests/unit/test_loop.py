@@ -219,6 +219,32 @@ async def test_stats_never_read_the_scheduler_off_the_engine_thread() -> None:
     assert seen[-1].requests_finished == 1 and seen[-1].active_slots == 0
 
 
+async def test_ticks_publish_stats_on_changes_and_counters_are_read_live() -> None:
+    """A tick publishes a snapshot only when a request was admitted, ended or preempted, or
+    PUBLISH_EVERY_S passed; meanwhile GetStats reads the counters live, so they are exact."""
+    engine = make_loop()
+    publishes: list[int] = []
+    snapshot = engine._scheduler.snapshot
+
+    def counting_snapshot(kv_cells_total: int) -> Any:
+        publishes.append(kv_cells_total)
+        return snapshot(kv_cells_total)
+
+    engine._scheduler.snapshot = counting_snapshot  # type: ignore[method-assign]
+    received, behind = 0, []
+    try:
+        async for event in engine.submit(req("a", 20, 60).spec):
+            received += len(getattr(event, "token_ids", ()))
+            if engine.stats().generated_tokens < received:
+                behind.append(received)
+        stats = engine.stats()
+    finally:
+        await asyncio.to_thread(engine.close)
+    assert not behind, "the counters are never older than what the caller holds"
+    assert stats.generated_tokens == received == 60 and stats.ticks >= 60
+    assert len(publishes) < stats.ticks / 2
+
+
 async def test_stats_follow_a_request_that_expires_in_the_queue() -> None:
     """A tick that plans nothing but expires a queued request still publishes the stats."""
     engine = make_loop()

@@ -487,6 +487,6 @@ async def test_reloaded_tenant_limits_reach_resident_and_later_engines(factory: 
         await pool.load("b")
         later = factory.engine("b").loop._scheduler
         await settle(lambda: later.limits.tenants == limits)
-        assert later.fair_share.limits("t") == limits["t"]
+        assert later.admission.fair_share.limits("t") == limits["t"]
     finally:
         await pool.close()

@@ -409,14 +409,14 @@ def test_ram_tier_saves_evicted_cache_and_restores_it() -> None:
     drive(s, runner)
     s.add(other)
     drive(s, runner)
-    assert s.ram is not None and s.ram.num_entries == 1
+    assert s.kv.ram is not None and s.kv.ram.num_entries == 1
     prompt = (*first.spec.prompt_tokens, 5, 6, 7)
     again = Request(GenerationRequest("again", prompt, GREEDY, StoppingParams(max_tokens=6)))
     s.add(again)
     got = outputs(drive(s, runner))["again"]
     s_cold.add(Request(GenerationRequest("again", prompt, GREEDY, StoppingParams(max_tokens=6))))
     assert got == outputs(drive(s_cold, cold_runner))["again"]
-    assert s.ram.hits == 1
+    assert s.kv.ram.hits == 1
     assert again.num_cached_prompt == 100
     assert runner.fed["again"] == 3 + 6 - 1, "only the new tail and decode tokens were fed"
 
@@ -453,16 +453,16 @@ def test_clear_cache_forgets_idle_caches_and_the_ram_tier_but_not_running_work()
     plan, _ = s.schedule()  # the running request takes an idle slot: its cache goes to RAM
     assert plan is not None
     s.update(plan, runner.execute(plan))
-    assert s.ram is not None
-    ram_entries, ram_bytes = s.ram.num_entries, s.ram.num_bytes
+    assert s.kv.ram is not None
+    ram_entries, ram_bytes = s.kv.ram.num_entries, s.kv.ram.num_bytes
     assert ram_entries == 1
     used = s.kv.num_used_cells()
-    cleared = s.clear_cache()
+    cleared = s.kv.clear_idle()
     assert cleared.cleared_slots == 1
     assert cleared.freed_kv_cells > 0
     assert s.kv.num_used_cells() == used - cleared.freed_kv_cells
     assert (cleared.freed_ram_entries, cleared.freed_ram_bytes) == (ram_entries, ram_bytes)
-    assert s.ram.num_entries == 0
+    assert s.kv.ram.num_entries == 0
     got = outputs(drive(s, runner))
     assert got["longer-running"] == alone(30, 40, "longer-running")
     again = req("first", 100, 4)

@@ -99,9 +99,9 @@ def test_with_more_sessions_than_slots_the_ram_tier_brings_each_history_back_who
     history whole and answers exactly as a cold run."""
     s = make(2, ram_bytes=1 << 20)
     assert chat(s, 6, 3) == [[200, 0, 0], [0, 0, 0], [0, 0, 0]] + [[0, 0, 0]] * 3
-    assert s.ram is not None
-    assert s.ram.hits == 6 * 2, "every later turn was restored from RAM"
-    assert s.ram.evictions == 0
+    assert s.kv.ram is not None
+    assert s.kv.ram.hits == 6 * 2, "every later turn was restored from RAM"
+    assert s.kv.ram.evictions == 0
 
 
 def test_without_a_ram_tier_more_sessions_than_slots_evict_least_recently_used() -> None:

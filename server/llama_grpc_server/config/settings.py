@@ -102,14 +102,14 @@ class SchedulerSettings:
     ngram_min: int = 2
     ngram_max: int = 4
     # Pad a decode-only pass with up to 3 rows that are never sampled when the measured costs
-    # say the larger batch is cheaper (core.scheduler._pad): llama.cpp's CPU output matmul
+    # say the larger batch is cheaper (core.drafts.Drafts._pad): llama.cpp's CPU output matmul
     # makes some row counts dearer than larger ones. Was pad_odd_ticks (still read, deprecated).
     pad_decode_batches: bool = True
     # Publish and deliver a tick's events while the next forward pass runs on a GPU
     # (loop.EngineLoop._tick): "on", "off", or "auto" = on when the model's layers are offloaded
     # to a GPU (a CPU build or --n-gpu-layers 0: off).
     overlap_decode: str = "auto"
-    # Back-pressure (core.scheduler._behind): a request stops decoding while its caller has
+    # Back-pressure (core.backpressure.BackPressure.behind): a request stops decoding while its caller has
     # this many generated tokens unread (0 = unbounded), and is ended with RESOURCE_EXHAUSTED
     # (STALLED_READER) when the caller then reads nothing for stalled_reader_s (0 = never).
     stream_buffer_tokens: int = 256

@@ -27,11 +27,17 @@ class CellMap:
         # last removal (positions it re-computes after a removal are new cells).
         self._open: dict[int, int] = {}
         self._origins = itertools.count()
+        # num_used() counts once per change, not once per reader: the scheduler counts after
+        # each tick's update, and the next plan's drafts and pads, the stats snapshot and the
+        # KV-event load record share that count. None: stale.
+        self._num_used: int | None = 0
+        self.last_num_used = 0  # the latest count (GetStats reads it live, from any thread)
 
     def computed(self, seq_id: int, start: int, n: int) -> None:
         """The sequence computed n new cells at positions start .. start + n - 1."""
         if n <= 0:
             return
+        self._num_used = None
         runs = self._runs[seq_id]
         origin = self._open.get(seq_id)
         if origin is not None and runs and runs[-1].origin == origin and runs[-1].end == start:
@@ -44,6 +50,7 @@ class CellMap:
     def removed(self, seq_id: int, p0: int, p1: int = -1) -> None:
         """seq_rm(seq_id, p0, p1): the sequence no longer uses cells in [p0, p1) (-1 = end)."""
         end = p1 if p1 >= 0 else None
+        self._num_used = None
         kept: list[Run] = []
         for run in self._runs[seq_id]:
             if run.end <= p0 or (end is not None and run.start >= end):
@@ -68,7 +75,7 @@ class CellMap:
 
     def copied(self, src_seq_id: int, dst_seq_id: int, n: int) -> None:
         """seq_cp(src, dst, 0, n): dst now also uses src's cells at positions [0, n)."""
-        self.removed(dst_seq_id, 0, n)
+        self.removed(dst_seq_id, 0, n)  # marks the count stale
         shared = [
             Run(r.origin, r.start, min(r.end, n)) for r in self._runs[src_seq_id] if r.start < n
         ]
@@ -87,6 +94,11 @@ class CellMap:
 
     def num_used(self) -> int:
         """Distinct cells referenced by any sequence."""
+        if self._num_used is None:
+            self._num_used = self.last_num_used = self._count()
+        return self._num_used
+
+    def _count(self) -> int:
         spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for runs in self._runs.values():
             for r in runs:

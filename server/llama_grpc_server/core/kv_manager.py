@@ -95,6 +95,8 @@ class KvCacheManager:
         self._supports_partial_removal = supports_partial_removal
         self._ram_min_tokens = ram_min_tokens
         self._ops: list[SeqOp] = []
+        # slots whose request waits for a shared prefix (resolve_waits looks at these only)
+        self._waiting: set[int] = set()
         # seq_id -> (scope, tokens, to disk only): the SAVE ops in flight
         self._saving: dict[int, tuple[str, list[int], bool]] = {}
 
@@ -312,14 +314,17 @@ class KvCacheManager:
         request.wait_slot_id = best_slot.slot_id
         request.wait_key = best_slot.request.key
         request.wait_tokens = best_n
+        self._waiting.add(slot.slot_id)
         return True
 
     def resolve_waits(self) -> None:
         """Copy a shared prefix once its donor has computed it; if the donor went away, copy the
-        best prefix any slot still holds (or compute from scratch)."""
-        for slot in self.slots:
-            request = slot.request
+        best prefix any slot still holds (or compute from scratch). Only slots that started a
+        wait are looked at: with none, the tick skips the scan."""
+        for slot_id in sorted(self._waiting):
+            slot, request = self.slots[slot_id], self.slots[slot_id].request
             if request is None or not request.is_waiting:
+                self._waiting.discard(slot_id)  # ended or resolved
                 continue
             donor = self.slots[request.wait_slot_id]
             if donor.request is not None and donor.request.key == request.wait_key:
@@ -338,6 +343,7 @@ class KvCacheManager:
                 self._queue(SeqOp(SeqOpKind.COPY, slot.slot_id, 0, n, src_seq_id=src))
             request.num_computed = n
             request.wait_slot_id = -1
+            self._waiting.discard(slot_id)
             self._count_cached(request, n)
 
     # -- what the runner did ----------------------------------------------------------------------

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llama_grpc_server.core import context_fit
-from llama_grpc_server.core.plan import SampledLogprob
+from llama_grpc_server.core.plan import SampledLogprob, SamplerSpec
 from llama_grpc_server.core.request import (
     FinishReason,
     Request,
@@ -39,8 +39,19 @@ class Outputs:
         self._n_ctx = n_ctx
         self._texts: dict[str, TextAssembler] = {}
 
-    def open(self, request: Request) -> None:
+    def open(self, request: Request) -> SamplerSpec:
+        """Start a request's text state; returns the sampler the runner opens for it."""
         self._texts[request.key] = TextAssembler(self._pieces, request.spec.stopping.stop)
+        spec = request.spec
+        return SamplerSpec(
+            request.key,
+            spec.sampling,
+            request.seed,
+            spec.output,
+            spec.constraint,
+            min_tokens=spec.stopping.min_tokens,
+            suppressed=self.suppressed_until_min_tokens(spec.stopping),
+        )
 
     def close(self, key: str) -> bool:
         """Forget a request's text state (by its key); False if it had none (never opened or

@@ -59,7 +59,7 @@ class Chunk:
     last k + 1 positions; the runner samples position i only while the tokens it sampled so far
     equal d1 .. di (exact-match verification). A pad (is_pad, num_draft 1 .. MAX_PAD_ROWS) is a
     decode with tokens more whose logits are computed and never sampled: rows that make the pass
-    cheaper (core.scheduler: llama.cpp's tiled matmul makes some row counts dearer than a larger
+    cheaper (core.drafts: llama.cpp's tiled matmul makes some row counts dearer than a larger
     one), removed from the KV cache like a rejected draft."""
 
     slot_id: int

@@ -1,11 +1,13 @@
 """Counters the scheduler keeps and the immutable StatsSnapshot built from them (published by
-the engine thread after each tick; GetStats and /metrics read only that)."""
+the engine thread on events and at most every 100 ms; GetStats and /metrics read that, with the
+counters read live: live())."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from llama_grpc_server.core.api import DiskTierStats, SlotSnapshot, StatsSnapshot
 from llama_grpc_server.core.prefix_cache import RamTier
@@ -35,9 +37,32 @@ class Counters:
     spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
     spec_accepted_tokens: int = 0  # ... the sampler agreed with (and the request took)
     spec_ticks: int = 0  # forward passes with at least one draft
-    pad_rows: int = 0  # pads added to odd decode ticks (core.scheduler._pad; not in GetStats)
+    pad_rows: int = 0  # pad rows added to decode-only passes (core.drafts; not in GetStats)
     reader_pauses: int = 0  # times a request stopped decoding for its slow reader
     reader_stalls: int = 0  # requests ended because their reader read nothing (StalledReader)
+
+    @property
+    def num_changes(self) -> int:
+        """Requests admitted, ended or preempted so far: the EngineLoop publishes a snapshot at
+        once when this moved, otherwise at most every PUBLISH_EVERY_S."""
+        ended = self.finished + self.failed + self.cancelled + self.deadline_exceeded
+        return self.started + ended + self.preemptions
+
+    def count_cached(self, request: Request, num_cached: int) -> None:
+        """Set a request's cached prompt tokens (a resumed preempted request counts no more)."""
+        if request.num_preemptions == 0:
+            self.cached_prompt_tokens += num_cached - request.num_cached_prompt
+            request.num_cached_prompt = num_cached
+
+    def count_pass(self, num_tokens: int, num_spec: int, eval_ms: float, cpu_ms: float) -> None:
+        """One forward pass of num_tokens rows, num_spec of them draft tokens (pads excluded)."""
+        self.ticks += 1
+        self.batch_tokens += num_tokens
+        self.decode_ms += eval_ms
+        self.decode_cpu_ms += cpu_ms
+        if num_spec:
+            self.spec_ticks += 1
+            self.spec_draft_tokens += num_spec
 
 
 def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact
@@ -62,7 +87,6 @@ def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact
         )
         for s in slots
     )
-    c = counters
     states = [s.state for s in slot_views]
     return StatsSnapshot(
         n_parallel=len(slot_views),
@@ -73,40 +97,58 @@ def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact
         queue_depth=queue_depth,
         kv_cells_used=min(kv_cells_total, kv_cells_used),
         kv_cells_total=kv_cells_total,
-        requests_started=c.started,
-        requests_finished=c.finished,
-        requests_failed=c.failed,
-        requests_cancelled=c.cancelled,
-        requests_rejected=c.rejected,
-        prompt_tokens=c.prompt_tokens,
-        generated_tokens=c.generated_tokens,
-        cached_prompt_tokens=c.cached_prompt_tokens,
-        ticks=c.ticks,
-        avg_batch_size=c.batch_tokens / c.ticks if c.ticks else 0.0,
-        preemptions=c.preemptions,
-        decode_seconds=c.decode_ms / 1000,
-        decode_cpu_seconds=c.decode_cpu_ms / 1000,
+        **_counted(counters),
         uptime_s=uptime_s,
         slots=slot_views,
         batch_strategy=batch_strategy,
-        prefix_cache_hit_rate=c.cached_prompt_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         ram_cache_entries=ram.num_entries if ram is not None else 0,
         ram_cache_bytes=ram.num_bytes if ram is not None else 0,
         ram_cache_hits=ram.hits if ram is not None else 0,
         ram_cache_misses=ram.misses if ram is not None else 0,
         ram_cache_evictions=ram.evictions if ram is not None else 0,
         disk_cache=disk,
-        spec_draft_tokens=c.spec_draft_tokens,
-        spec_accepted_tokens=c.spec_accepted_tokens,
-        spec_acceptance_rate=(
+        paused_streams=sum(1 for s in slots if s.request is not None and s.request.paused_since_ns),
+    )
+
+
+def live(published: StatsSnapshot, counters: Counters, kv_cells_used: int) -> StatsSnapshot:
+    """`published` with the counters and the KV cells in use as they are now (EngineLoop.stats:
+    the engine thread publishes whole snapshots only on events and every 100 ms). Each counter
+    is one number written by the engine thread only: read from another thread it is whole,
+    though two of them may be one tick apart."""
+    used = min(published.kv_cells_total, kv_cells_used)
+    return dataclasses.replace(published, **_counted(counters), kv_cells_used=used)
+
+
+def _counted(c: Counters) -> dict[str, Any]:
+    """The snapshot's fields that are the counters'."""
+    return {
+        "requests_started": c.started,
+        "requests_finished": c.finished,
+        "requests_failed": c.failed,
+        "requests_cancelled": c.cancelled,
+        "requests_rejected": c.rejected,
+        "requests_deadline_exceeded": c.deadline_exceeded,
+        "prompt_tokens": c.prompt_tokens,
+        "generated_tokens": c.generated_tokens,
+        "cached_prompt_tokens": c.cached_prompt_tokens,
+        "prefix_cache_hit_rate": (
+            c.cached_prompt_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+        ),
+        "ticks": c.ticks,
+        "avg_batch_size": c.batch_tokens / c.ticks if c.ticks else 0.0,
+        "preemptions": c.preemptions,
+        "decode_seconds": c.decode_ms / 1000,
+        "decode_cpu_seconds": c.decode_cpu_ms / 1000,
+        "spec_draft_tokens": c.spec_draft_tokens,
+        "spec_accepted_tokens": c.spec_accepted_tokens,
+        "spec_acceptance_rate": (
             c.spec_accepted_tokens / c.spec_draft_tokens if c.spec_draft_tokens else 0.0
         ),
-        spec_ticks=c.spec_ticks,
-        requests_deadline_exceeded=c.deadline_exceeded,
-        paused_streams=sum(1 for s in slots if s.request is not None and s.request.paused_since_ns),
-        stalled_readers=c.reader_stalls,
-        stream_pauses=c.reader_pauses,
-    )
+        "spec_ticks": c.spec_ticks,
+        "stalled_readers": c.reader_stalls,
+        "stream_pauses": c.reader_pauses,
+    }
 
 
 def _unread(request: Request | None) -> int:

@@ -119,7 +119,7 @@ def build_engine(
             session_idle_s=sched.session_idle_s,
             session_live_s=sched.session_live_s,
             tenants=sched.tenant_limits,
-            pad_odd_ticks=sched.pad_decode_batches,
+            pad_decode_batches=sched.pad_decode_batches,
             kv_events_bos=info.bos_token_id if info.add_bos else None,
             stream_buffer_tokens=sched.stream_buffer_tokens,
             stalled_reader_s=sched.stalled_reader_s,

@@ -52,7 +52,7 @@ class TickEvent:
     # with (a request that finished inside its draft may not take them all).
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
-    # Rows added to make the pass cheaper, never sampled (core.scheduler._pad)
+    # Rows added to make the pass cheaper, never sampled (core.drafts.Drafts._pad)
     pad_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
