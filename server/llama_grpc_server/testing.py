@@ -96,6 +96,10 @@ class FakeRunner:
         self.eos_id = eos_id  # sampled once a script is exhausted
         self.delay_s = 0.0  # slept per forward pass, on the engine thread, like a decode
         self.scripts: dict[str, list[int]] = {}  # request key -> tokens to sample, in order
+        # Scripts of submitted requests, taken up when their sampler opens: a request submitted
+        # with the key of one that has just ended must not lose its script to the older one's
+        # close_samplers, which the next plan carries (a reused request id, seen flaky).
+        self.pending_scripts: dict[str, list[int]] = {}
         self.kv: dict[int, list[int]] = defaultdict(list)
         self.samplers: set[str] = set()
         self.plans: list[StepPlan] = []
@@ -132,6 +136,8 @@ class FakeRunner:
         for spec in plan.open_samplers:
             assert spec.request_id not in self.samplers
             self.samplers.add(spec.request_id)
+            if spec.request_id in self.pending_scripts:
+                self.scripts[spec.request_id] = self.pending_scripts.pop(spec.request_id)
         saved: dict[int, bytes] = {}
         restored: dict[int, bool] = {}
         reset = self._edit_kv(plan, saved, restored)
@@ -391,7 +397,7 @@ class FakeEngine:
                 retry_after_s=1.0,
             )
         script = list(self.script(request))
-        self.runner.scripts[request.key] = script
+        self.runner.pending_scripts[request.key] = script
         inner = self.loop.submit(request)
         self.submitted.append(request)
         return FakeStream(self, inner)

@@ -109,9 +109,10 @@ class SchedulerSettings:
     # (loop.EngineLoop._tick): "on", "off", or "auto" = on when the model's layers are offloaded
     # to a GPU (a CPU build or --n-gpu-layers 0: off).
     overlap_decode: str = "auto"
-    # Back-pressure (core.backpressure.BackPressure.behind): a request stops decoding while its caller has
-    # this many generated tokens unread (0 = unbounded), and is ended with RESOURCE_EXHAUSTED
-    # (STALLED_READER) when the caller then reads nothing for stalled_reader_s (0 = never).
+    # Back-pressure (core.backpressure.BackPressure.behind): a request stops decoding while its
+    # caller has this many generated tokens unread (0 = unbounded), and is ended with
+    # RESOURCE_EXHAUSTED (STALLED_READER) when the caller then reads nothing for
+    # stalled_reader_s (0 = never).
     stream_buffer_tokens: int = 256
     stalled_reader_s: float = 60.0
     # A tick running longer than this (seconds) means the engine hung (watchdog.py): health
