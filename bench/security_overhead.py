@@ -42,7 +42,7 @@ from common import (
     write_json,
 )
 from overhead import split_cpu, thread_cpu
-from tests.certs import Pki, make_pki
+from tests.support.certs import Pki, make_pki
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc

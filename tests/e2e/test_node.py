@@ -24,8 +24,7 @@ import pytest
 
 from llama_grpc import AsyncClient, InvalidArgumentError
 from llama_grpc_server.rpc.server import RunningServer
-
-from ..greedy import assert_text_greedy_equal
+from tests.support.greedy import assert_text_greedy_equal
 
 NODE_DIR = Path(__file__).resolve().parents[2] / "examples" / "node"
 CLIENT_JS = NODE_DIR / "client.js"

@@ -34,10 +34,10 @@ from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.metrics import Metrics
 from llama_grpc_server.rpc.server import RunningServer, start_server
 from llama_grpc_server.telemetry import Bus, Telemetry
+from tests.support.crashing_strategy import CRASH_NOW
 
 from ..conftest import free_port
 from .conftest import settings
-from .crashing_strategy import CRASH_NOW
 from .test_dashboard import load_dashboard, panels
 
 PROMETHEUS = shutil.which("prometheus")
@@ -179,7 +179,7 @@ async def scraped_server(tmp_path: Path) -> AsyncIterator[tuple[RunningServer, P
         n_ctx=1024,
         kv_cache_dir=str(tmp_path / "kv"),
         session_idle_s=0.3,
-        batch_strategy="tests.e2e.crashing_strategy:on_demand",
+        batch_strategy="tests.support.crashing_strategy:on_demand",
     )
     conf = replace(base, server=replace(base.server, metrics_port=free_port()))
     CRASH_NOW.clear()

@@ -26,8 +26,8 @@ from llama_grpc_server.auth import load_auth_file, token_digest
 from llama_grpc_server.config import ServerSettings, Settings
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.server import RunningServer, ServerStartError, start_server
-from tests.certs import Pki, make_pki
 from tests.e2e.conftest import settings
+from tests.support.certs import Pki, make_pki
 
 USER_A = "token-of-tenant-a-0123456789"
 USER_B = "token-of-tenant-b-0123456789"

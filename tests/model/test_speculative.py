@@ -30,8 +30,8 @@ from llama_grpc_server.core.request import (
     TokenDelta,
 )
 from llama_grpc_server.loop import EngineLoop
+from tests.support.greedy import assert_greedy_equal
 
-from ..greedy import assert_greedy_equal
 from .conftest import Outcome, make_engine, request, run, run_all, wait_idle
 
 ON = SpeculativeParams(SpeculativeMode.ON)

@@ -11,8 +11,7 @@ from llama_grpc_server import catalog
 from llama_grpc_server.catalog import CatalogError, ModelEntry
 from llama_grpc_server.gguf_header import GGUFError
 from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
-
-from .gguf_files import write_model
+from tests.support.gguf_files import write_model
 
 
 @pytest.fixture(autouse=True)

@@ -24,8 +24,7 @@ from llama_grpc_server.rpc import server as server_module
 from llama_grpc_server.rpc.interceptors import RequestInterceptor
 from llama_grpc_server.rpc.server import NOT_SERVING, SERVING, RunningServer, start_server
 from llama_grpc_server.testing import FakeEngine, encode
-
-from ..certs import make_pki, openssl_available
+from tests.support.certs import make_pki, openssl_available
 
 SETTINGS = Settings(
     scheduler=SchedulerSettings(default_max_tokens=8),

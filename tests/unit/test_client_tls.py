@@ -29,8 +29,7 @@ from llama_grpc import (
     cli,
 )
 from llama_grpc.v1 import llm_service_pb2 as pb
-
-from ..certs import Pki, make_pki, openssl_available
+from tests.support.certs import Pki, make_pki, openssl_available
 
 SERVICE_NAME = "llama_grpc.v1.LlmService"
 MODEL_NAME = "tls-test-model"

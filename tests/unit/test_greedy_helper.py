@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from ..greedy import assert_greedy_equal, assert_text_greedy_equal
+from tests.support.greedy import assert_greedy_equal, assert_text_greedy_equal
 
 
 @dataclass(frozen=True)

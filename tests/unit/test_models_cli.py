@@ -15,8 +15,7 @@ import pytest
 from llama_grpc import cli as client_cli
 from llama_grpc_server import catalog, models_cli
 from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
-
-from .gguf_files import write_model
+from tests.support.gguf_files import write_model
 
 pytestmark = pytest.mark.usefixtures("restore_logging")
 

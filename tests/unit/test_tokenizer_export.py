@@ -17,8 +17,7 @@ from tokenizers import Tokenizer
 from llama_grpc_server import catalog, models_cli, tokenizer_export
 from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
 from llama_grpc_server.tokenizer_export import TokenizerExportError
-
-from .gguf_files import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, Value, gguf_bytes
+from tests.support.gguf_files import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, Value, gguf_bytes
 
 NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
 SPACE = "\u2581"
