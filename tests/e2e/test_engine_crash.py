@@ -7,27 +7,16 @@ prompt text, and the process exits 70 after --grace-s (or stays up with
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 from collections.abc import AsyncIterator
 
 import pytest
 
 from llama_grpc import AsyncClient, Done, InternalError, UnavailableError
-from tests.support.fault_support import ServerProcess, server_process, support_env
+from tests.support.fault_support import ServerProcess, json_lines, server_process, support_env
 
 SECRET = "zebra-violet-secret-marker"
 EXIT_ENGINE_FAILED = 70
-
-
-def json_lines(proc: ServerProcess) -> list[dict[str, object]]:
-    out = []
-    for line in proc.lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 @pytest.fixture

@@ -35,10 +35,10 @@ from llama_grpc_server.metrics import Metrics
 from llama_grpc_server.rpc.server import RunningServer, start_server
 from llama_grpc_server.telemetry import Bus, Telemetry
 from tests.support.crashing_strategy import CRASH_NOW
+from tests.support.dashboard import load_dashboard, panels
 
 from ..conftest import free_port
 from .conftest import settings
-from .test_dashboard import load_dashboard, panels
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(

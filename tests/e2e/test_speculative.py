@@ -22,10 +22,10 @@ from llama_grpc_server.metrics import Metrics
 from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
 from llama_grpc_server.rpc.server import RunningServer, start_server
 from llama_grpc_server.telemetry import Bus, Telemetry, TelemetryEvent, TickEvent
+from tests.support.grpcurl import grpcurl_run
 
 from ..conftest import free_port, scrape, value
 from .conftest import settings
-from .test_operations import grpcurl_run
 
 PARAGRAPH = (
     "The committee met on Tuesday to review the budget for the new library. After a long "

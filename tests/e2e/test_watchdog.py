@@ -14,9 +14,7 @@ import urllib.request
 import pytest
 
 from llama_grpc import AsyncClient, Done, UnavailableError
-from tests.support.fault_support import ServerProcess, poll, server_process, support_env
-
-from .test_engine_crash import json_lines
+from tests.support.fault_support import ServerProcess, json_lines, poll, server_process, support_env
 
 WATCHDOG_S = "3"
 # One llama.cpp thread: on the shared 2-core box a 2-thread pass beside other work was seen to

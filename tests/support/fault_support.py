@@ -311,3 +311,14 @@ async def server_process(
     finally:
         running.kill()
         await proc.wait()
+
+
+def json_lines(proc: ServerProcess) -> list[dict[str, object]]:
+    """The server's JSON log lines so far (anything else it printed is skipped)."""
+    out = []
+    for line in proc.lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out

@@ -25,8 +25,8 @@ from llama_grpc_server.core.request import GenerationRequest, Request, StoppingP
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.kv_disk import KvDiskStore
 from llama_grpc_server.testing import FakeRunner
-from tests.unit.test_kv_events import Blocks, Subscriber
-from tests.unit.test_scheduler import GREEDY, PIECES, Clock
+from tests.support.kv_events import Blocks, Subscriber
+from tests.support.scheduler import GREEDY, PIECES, Clock
 
 
 def held(scope: str, tokens: Sequence[int], into: dict[int, tuple[int, ...]]) -> None:

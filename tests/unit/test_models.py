@@ -30,8 +30,7 @@ from llama_grpc_server.models import (
     settings_for,
 )
 from llama_grpc_server.testing import FakeEngine, encode, fake_model_info
-
-from .test_scheduler import GREEDY
+from tests.support.scheduler import GREEDY
 
 SPECS = [
     ModelSpec("a", "/models/a.gguf", 100),

@@ -32,13 +32,7 @@ from llama_grpc_server.core.spec_policy import (
     prior_shape,
 )
 from llama_grpc_server.core.speculative import AMBIGUOUS, AMBIGUOUS_PRIOR, LONG, SHORT, Speculator
-
-# Measured on the development box (spec_policy.PRIOR_SHAPE's source): ms per decode-only tick of
-# N rows, logits for every row; an odd number of rows >= 3 costs more than one row more.
-BOX = {
-    1: 12.8, 2: 25.3, 3: 42.1, 4: 33.2, 5: 50.4, 6: 41.6, 7: 58.2, 8: 50.4, 9: 67.9,
-    10: 60.1, 11: 76.2, 12: 68.3, 13: 85.1, 14: 76.2, 15: 94.5, 16: 82.8, 17: 102.2, 18: 93.0,
-}  # fmt: skip
+from tests.support.speculative import BOX
 
 
 def reference_lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> Match:

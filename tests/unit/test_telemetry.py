@@ -26,8 +26,7 @@ from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.loop import EngineLoop
 from llama_grpc_server.telemetry import Bus, RequestEvent, Telemetry, TelemetryEvent, TickEvent
 from llama_grpc_server.testing import FakeRunner, fake_model_info
-
-from .test_scheduler import PIECES, req
+from tests.support.scheduler import PIECES, req
 
 MS = 1_000_000  # ns
 

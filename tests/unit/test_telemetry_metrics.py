@@ -25,9 +25,9 @@ from llama_grpc_server.model_files import DEFAULT_MODEL_NAME
 from llama_grpc_server.rpc.server import RunningServer, ServerStartError, start_server
 from llama_grpc_server.telemetry import RequestEvent, TickEvent
 from llama_grpc_server.testing import FakeEngine
+from tests.support.convert import make_snapshot
 
 from ..conftest import free_port, samples, scrape, value
-from .test_convert import make_snapshot
 
 
 def done_event(**overrides: Any) -> RequestEvent:

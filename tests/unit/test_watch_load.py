@@ -21,7 +21,7 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.rpc.server import RunningServer, start_server
 from llama_grpc_server.testing import FakeEngine, encode
-from tests.unit.test_servicer_fake import SETTINGS, collect, details, read_all
+from tests.support.servicer_fake import SETTINGS, collect, details, read_all
 
 LONG_S = 60_000  # ms: no second report within a test
 
