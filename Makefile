@@ -19,8 +19,10 @@ export PATH := $(abspath $(BIN)):$(PATH)
 
 install: $(STAMP)
 
-# llama-cpp-python has no wheel on PyPI: we build it once (~6-10 minutes on 2 cores) into a
-# wheelhouse outside the checkout, so fresh clones and CI on this machine install it in seconds.
+# llama-cpp-python has no wheel on PyPI: we build it once into a wheelhouse outside the checkout,
+# so fresh clones and CI on this machine install it in seconds. A fresh clone's `make run` to the
+# first token, build included (tools/first_token.sh, shared 2-core box): 668 s, 606 CPU seconds
+# (721 with libmtmd).
 # Built for x86-64-v3 (AVX2/FMA/F16C) rather than -march=native: on CPUs with AMX (Sapphire
 # Rapids) a native build of llama.cpp as bundled with 0.3.36 enables the AMX repack buffers and
 # segfaults in the first llama_decode of Gemma 3 (Q4_K_M). Where /proc/cpuinfo shows AVX-512
