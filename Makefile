@@ -19,8 +19,10 @@ export PATH := $(abspath $(BIN)):$(PATH)
 
 install: $(STAMP)
 
-# llama-cpp-python has no wheel on PyPI: we build it once (~6-10 minutes on 2 cores) into a
-# wheelhouse outside the checkout, so fresh clones and CI on this machine install it in seconds.
+# llama-cpp-python has no wheel on PyPI: we build it once into a wheelhouse outside the checkout,
+# so fresh clones and CI on this machine install it in seconds. A fresh clone's `make run` to the
+# first token, build included (tools/first_token.sh, shared 2-core box): 668 s, 606 CPU seconds
+# (721 with libmtmd).
 # Built for x86-64-v3 (AVX2/FMA/F16C) rather than -march=native: on CPUs with AMX (Sapphire
 # Rapids) a native build of llama.cpp as bundled with 0.3.36 enables the AMX repack buffers and
 # segfaults in the first llama_decode of Gemma 3 (Q4_K_M). Where /proc/cpuinfo shows AVX-512
@@ -32,6 +34,12 @@ install: $(STAMP)
 # 256-token prefill 1.4x and a 16-row decode pass 1.2x faster, one-row decode unchanged.
 # Set LLAMA_CMAKE_ARGS to build otherwise (e.g. -DGGML_CUDA=on); each set of arguments gets its
 # own wheelhouse (a hash of them), and a venv built with other arguments is reinstalled.
+# LLAMA_SLIM_ARGS: what the wheel holds, only what the server loads. -DLLAVA_BUILD=OFF leaves out
+# libmtmd (multimodal: clip, audio; llama_cpp loads it only for the LLaVA-style chat handlers,
+# which the server never uses). llama.cpp's tools, examples, tests and server are already off in
+# llama-cpp-python's build (llama.cpp is a subproject there); its common library is forced on by
+# llama-cpp-python's CMakeLists.txt and cannot be left out. Kept apart from LLAMA_CMAKE_ARGS,
+# which bench/setup_peers.sh reuses for llama.cpp's own llama-server.
 LLAMA_CPP_VERSION := 0.3.36
 CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
 has_cpu = $(filter $(1),$(CPU_FLAGS))
@@ -41,20 +49,28 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	-DGGML_BMI2=ON$(if $(AVX512), -DGGML_AVX512=ON$(if $(call has_cpu,avx512_vnni), \
 	-DGGML_AVX512_VNNI=ON)$(if $(call has_cpu,avx512vbmi), -DGGML_AVX512_VBMI=ON)$(if \
 	$(call has_cpu,avx512_bf16), -DGGML_AVX512_BF16=ON))
-LLAMA_BUILD_TAG := $(shell echo '$(LLAMA_CMAKE_ARGS)' | md5sum | cut -c1-12)
+LLAMA_SLIM_ARGS := -DLLAVA_BUILD=OFF
+LLAMA_BUILD_TAG := $(shell echo '$(LLAMA_CMAKE_ARGS) $(LLAMA_SLIM_ARGS)' | md5sum | cut -c1-12)
 WHEELHOUSE ?= $(HOME)/.cache/llama-grpc/wheelhouse/$(LLAMA_BUILD_TAG)
 LLAMA_BUILD := $(VENV)/.llama-cmake-args
+# $(call build_llama_wheel,CMAKE ARGS,WHEELHOUSE): pip wheel -v, its output filtered to the
+# [n/N] build steps and a line every 30 s (the whole output: WHEELHOUSE.log), so a first build
+# (minutes) shows it is alive
+build_llama_wheel = ls $(2)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || { \
+	echo "building llama-cpp-python $(LLAMA_CPP_VERSION) once into $(2) (10+ minutes on 2 cores)"; \
+	CMAKE_ARGS="$(1) $(LLAMA_SLIM_ARGS)" $(PY) tools/build_progress.py $(2).log -- \
+	$(PY) -m pip wheel -v --no-deps --no-cache-dir --no-binary llama-cpp-python -w $(2) \
+	llama-cpp-python==$(LLAMA_CPP_VERSION); }
 
 # rewritten only when the arguments change, so the venv is reinstalled only then
 $(LLAMA_BUILD): FORCE
-	@mkdir -p $(VENV); echo '$(LLAMA_CMAKE_ARGS)' | cmp -s - $@ || echo '$(LLAMA_CMAKE_ARGS)' > $@
+	@mkdir -p $(VENV); echo '$(LLAMA_CMAKE_ARGS) $(LLAMA_SLIM_ARGS)' | cmp -s - $@ || \
+		echo '$(LLAMA_CMAKE_ARGS) $(LLAMA_SLIM_ARGS)' > $@
 
 $(STAMP): pyproject.toml $(LLAMA_BUILD)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=25.1"
-	ls $(WHEELHOUSE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
-		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip wheel --no-deps --no-cache-dir \
-		--no-binary llama-cpp-python -w $(WHEELHOUSE) llama-cpp-python==$(LLAMA_CPP_VERSION)
+	@$(call build_llama_wheel,$(LLAMA_CMAKE_ARGS),$(WHEELHOUSE))
 	$(PY) -m pip install -q --find-links $(WHEELHOUSE) -e '.[server]' --group dev --group gateway
 	$(PY) -m pip install -q --no-deps --force-reinstall \
 		$(WHEELHOUSE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl
@@ -231,9 +247,7 @@ V3_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -D
 	-DGGML_BMI2=ON
 bench-build-isa: $(BENCH_STAMP)
 	@v3=$$($(MAKE) -s --no-print-directory wheelhouse LLAMA_CMAKE_ARGS="$(V3_CMAKE_ARGS)"); \
-	ls $$v3/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
-		CMAKE_ARGS="$(V3_CMAKE_ARGS)" $(PY) -m pip wheel --no-deps --no-cache-dir \
-		--no-binary llama-cpp-python -w $$v3 llama-cpp-python==$(LLAMA_CPP_VERSION); \
+	$(call build_llama_wheel,$(V3_CMAKE_ARGS),$$v3); \
 	$(PY) bench/build_isa.py --baseline $$v3 --candidate $(WHEELHOUSE) $(ARGS)
 	$(PY) bench/summary.py
 bench-strategies: $(BENCH_STAMP)

@@ -4,7 +4,7 @@ by side: plaintext, TLS, and TLS with a bearer token checked on every call. The 
 within every repetition (the order rotates), so background noise hits all three. Reported per
 mode: tokens/s (medians), the ratio to plaintext of each repetition (median and spread), and the
 server's CPU time per streamed token outside llama_decode and the client's, which noise does not
-move as much. Certificates are made with openssl (tests/certs.py) in a temporary directory.
+move as much. Certificates are made with openssl (tests/support/certs.py) in a temporary directory.
 
     make bench-security           # or: python bench/security_overhead.py --reps 7
 """
@@ -42,7 +42,7 @@ from common import (
     write_json,
 )
 from overhead import split_cpu, thread_cpu
-from tests.certs import Pki, make_pki
+from tests.support.certs import Pki, make_pki
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc

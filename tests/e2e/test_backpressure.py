@@ -14,9 +14,9 @@ from llama_grpc import AsyncClient, Delta
 from llama_grpc.errors import LlamaGrpcError
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.server import start_server
+from tests.support.fault_support import Outcome, collect, poll, reference
 
 from .conftest import settings
-from .fault_support import Outcome, collect, poll, reference
 
 BOUND = 16
 MAX_TOKENS = 160

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,11 +23,11 @@ from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.observability.metrics import Metrics
 from llama_grpc_server.observability.telemetry import Bus, Telemetry
 from llama_grpc_server.rpc.server import start_server
+from tests.support.dashboard import DASHBOARD, load_dashboard, panels
 
 from ..conftest import free_port, scrape
 from .conftest import settings
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "llama-grpc.json"
 P = "llama_grpc:"
 
 # One series per required topic; the dashboard must query each of them.
@@ -85,20 +83,6 @@ def metric_names(expr: str) -> set[str]:
 
 
 # -- the dashboard ---------------------------------------------------------------------------------
-
-
-def load_dashboard() -> dict[str, Any]:
-    dashboard: dict[str, Any] = json.loads(DASHBOARD.read_text())
-    return dashboard
-
-
-def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Every non-row panel, including those nested in collapsed rows."""
-    for panel in dashboard["panels"]:
-        if panel.get("type") == "row":
-            yield from panel.get("panels", [])
-        else:
-            yield panel
 
 
 def queried(dashboard: dict[str, Any]) -> dict[str, set[str]]:

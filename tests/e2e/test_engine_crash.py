@@ -7,40 +7,21 @@ prompt text, and the process exits 70 after --grace-s (or stays up with
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from llama_grpc import AsyncClient, Done, InternalError, UnavailableError
+from tests.support.fault_support import ServerProcess, json_lines, server_process, support_env
 
-from .fault_support import ServerProcess, server_process
-
-HERE = Path(__file__).parent
 SECRET = "zebra-violet-secret-marker"
 EXIT_ENGINE_FAILED = 70
 
 
-def json_lines(proc: ServerProcess) -> list[dict[str, object]]:
-    out = []
-    for line in proc.lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
 @pytest.fixture
 async def crashing_server(request: pytest.FixtureRequest) -> AsyncIterator[ServerProcess]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-        "CRASH_AT_CALL": "30",
-    }
+    env = support_env(CRASH_AT_CALL="30")
     async with server_process(
         "--n-ctx", "2048", "--n-parallel", "2", "--temperature", "0",
         "--batch-strategy", "crashing_strategy:from_env", *request.param, env=env,

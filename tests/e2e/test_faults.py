@@ -19,9 +19,7 @@ import pytest_asyncio
 from llama_grpc import AsyncClient, DeadlineExceededError, Delta, Stats, UnavailableError
 from llama_grpc_server import errors
 from llama_grpc_server.config import SchedulerSettings
-
-from .conftest import settings
-from .fault_support import (
+from tests.support.fault_support import (
     ProbedServer,
     Reference,
     busy_request_ids,
@@ -36,6 +34,8 @@ from .fault_support import (
     start,
     until,
 )
+
+from .conftest import settings
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ from llama_grpc import (
     FailedPreconditionError,
     InvalidArgumentError,
 )
+from tests.support.fault_support import reference
 
 from ..conftest import PERSON_SCHEMA, YES_NO, check_person
-from .fault_support import reference
 
 PROMPT = "The three primary colors are"
 

@@ -47,8 +47,7 @@ from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSet
 from llama_grpc_server.core.request import SamplingParams
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.server import start_server
-
-from .pb_strategies import messages, wire_string
+from tests.support.pb_strategies import messages, wire_string
 
 SERVICE = pb.DESCRIPTOR.services_by_name["LlmService"]
 METHODS = list(SERVICE.methods)

@@ -29,7 +29,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc import AsyncClient, Delta
 from llama_grpc_server.core.kv_events import chain
-from tests.unit.test_vllm_engine_fake import kv_until, stored_blocks
+from tests.support.vllm_engine_fake import kv_until, stored_blocks
 
 pytestmark = pytest.mark.slow
 

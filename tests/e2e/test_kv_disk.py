@@ -13,8 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from llama_grpc import AsyncClient
-
-from .fault_support import Outcome, ServerProcess, collect, server_process
+from tests.support.fault_support import Outcome, ServerProcess, collect, server_process
 
 ARGS = ("--n-ctx", "2048", "--n-parallel", "1", "--grace-s", "10")
 HISTORY = (

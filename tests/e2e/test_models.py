@@ -34,10 +34,10 @@ from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_pat
 from llama_grpc_server.models.pool import ModelSpec, model_specs, settings_for
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
+from tests.support.fault_support import collect, reference, server_process, start
 
 from ..conftest import free_port, scrape, value
 from .conftest import settings
-from .fault_support import collect, reference, server_process, start
 
 Q8 = "q8"
 SPARE = "spare"  # the embedded file under another name: configured, never used here

@@ -24,8 +24,7 @@ import pytest
 
 from llama_grpc import AsyncClient, InvalidArgumentError
 from llama_grpc_server.rpc.lifecycle import RunningServer
-
-from ..greedy import assert_text_greedy_equal
+from tests.support.greedy import assert_text_greedy_equal
 
 NODE_DIR = Path(__file__).resolve().parents[2] / "examples" / "node"
 CLIENT_JS = NODE_DIR / "client.js"
@@ -116,7 +115,8 @@ async def test_concurrent_node_streams_match_python_greedy(
     node: Node, server: RunningServer, client: AsyncClient
 ) -> None:
     """4 Node streams of one greedy request at once: each one's text, rebuilt from its deltas
-    too, is the Python client's greedy Generate (up to a near-tie, tests/greedy.py: the streams
+    too, is the Python client's greedy Generate (up to a near-tie, tests/support/greedy.py: the
+    streams
     are decoded in one batch, the Python request alone); the streams' deltas interleave; each
     stream's x-request-id is the one it sent."""
     expected = await client.generate(PROMPT, max_tokens=24, temperature=0.0, top_logprobs=2)

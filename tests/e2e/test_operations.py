@@ -11,17 +11,9 @@ from llama_grpc import AsyncClient, Delta, QueueFullError
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
+from tests.support.grpcurl import grpcurl_run
 
 from .conftest import settings
-
-
-async def grpcurl_run(grpcurl: str, *args: str) -> str:
-    proc = await asyncio.create_subprocess_exec(
-        grpcurl, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode == 0, err.decode()
-    return out.decode()
 
 
 async def test_grpcurl_lists_describes_and_streams(server: RunningServer, grpcurl: str) -> None:

@@ -1,6 +1,6 @@
 """Security end to end, against real servers with the embedded model: TLS and mTLS with
-certificates made by openssl in the test (tests/certs.py), bearer tokens on every RPC, tenants
-kept apart in the prefix cache, in GetStats and in request ids, and certificates and tokens
+certificates made by openssl in the test (tests/support/certs.py), bearer tokens on every RPC,
+tenants kept apart in the prefix cache, in GetStats and in request ids, and certificates and tokens
 reloaded without a restart."""
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
 from llama_grpc_server.rpc.wiring import ServerStartError
-from tests.certs import Pki, make_pki
 from tests.e2e.conftest import settings
+from tests.support.certs import Pki, make_pki
 
 USER_A = "token-of-tenant-a-0123456789"
 USER_B = "token-of-tenant-b-0123456789"

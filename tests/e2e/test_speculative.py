@@ -23,10 +23,10 @@ from llama_grpc_server.observability.metrics import Metrics
 from llama_grpc_server.observability.telemetry import Bus, Telemetry, TelemetryEvent, TickEvent
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
+from tests.support.grpcurl import grpcurl_run
 
 from ..conftest import free_port, scrape, value
 from .conftest import settings
-from .test_operations import grpcurl_run
 
 PARAGRAPH = (
     "The committee met on Tuesday to review the budget for the new library. After a long "

@@ -22,9 +22,9 @@ from llama_grpc import AsyncClient, Delta
 from llama_grpc_server.core.kv_events import BLOCK_SIZE, chain
 from llama_grpc_server.core.regex_grammar import choice_to_gbnf, regex_to_gbnf
 from llama_grpc_server.rpc.lifecycle import RunningServer
-from tests.unit.test_regex_grammar import REGEX_CASES
-from tests.unit.test_servicer_fake import details
-from tests.unit.test_vllm_engine_fake import announces, is_cleared, kv_until, stored_blocks
+from tests.support.regex_grammar import REGEX_CASES
+from tests.support.servicer_fake import details
+from tests.support.vllm_engine_fake import announces, is_cleared, kv_until, stored_blocks
 
 from ..conftest import PERSON_SCHEMA, check_person
 

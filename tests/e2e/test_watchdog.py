@@ -7,20 +7,15 @@ counts the trip in GetStats and /metrics, logs the engine thread's stack and exi
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from llama_grpc import AsyncClient, Done, UnavailableError
+from tests.support.fault_support import ServerProcess, json_lines, poll, server_process, support_env
 
-from .fault_support import ServerProcess, poll, server_process
-from .test_engine_crash import json_lines
-
-HERE = Path(__file__).parent
 WATCHDOG_S = "3"
 # One llama.cpp thread: on the shared 2-core box a 2-thread pass beside other work was seen to
 # take seconds (OpenMP barrier spinning), which would trip a bound this short legitimately.
@@ -29,11 +24,6 @@ SLOW_WATCHDOG_S = 4.0
 SLOW_PASS_S = 1.5  # added to every pass: slow, but well within SLOW_WATCHDOG_S
 EXIT_ENGINE_HUNG = 71
 SECRET = "walrus-indigo-secret-marker"
-
-
-def fault_env(**faults: str) -> dict[str, str]:
-    path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": path, **faults}
 
 
 def free_port() -> int:
@@ -71,7 +61,7 @@ async def test_hung_forward_pass_fails_every_caller_and_exits_71() -> None:
     async with server_process(
         "--n-ctx", "2048", "--n-parallel", "2", "--temperature", "0", "--watchdog-s", WATCHDOG_S,
         "--grace-s", "5", "--metrics-port", str(metrics_port), *THREADS,
-        env=fault_env(HANG_AT_PASS="8"), module="hanging_runner",
+        env=support_env(HANG_AT_PASS="8"), module="hanging_runner",
     ) as proc:  # fmt: skip
         async with AsyncClient(f"127.0.0.1:{proc.port}", timeout=60) as client:
             results = await asyncio.wait_for(
@@ -122,7 +112,7 @@ async def test_slow_legitimate_passes_do_not_trip_the_watchdog() -> None:
     async with server_process(
         "--n-ctx", "2048", "--n-parallel", "2", "--temperature", "0",
         "--watchdog-s", str(SLOW_WATCHDOG_S), *THREADS,
-        env=fault_env(SLOW_PASS_S=str(SLOW_PASS_S)), module="hanging_runner",
+        env=support_env(SLOW_PASS_S=str(SLOW_PASS_S)), module="hanging_runner",
     ) as proc:  # fmt: skip
         async with AsyncClient(f"127.0.0.1:{proc.port}", timeout=120) as client:
             results = await asyncio.gather(

@@ -34,7 +34,7 @@ async def two_bursts(overlap: str) -> list[list[Outcome]]:
     the first left. Every pass is the same whatever the timing: all requests start in the
     first pass (no prefill allowance, which follows measured costs, splits a prompt later) and
     no pass is padded (pads follow measured costs too), so the outputs must be equal bit for
-    bit, not only up to a near-tie (tests/greedy.py)."""
+    bit, not only up to a near-tie (tests/support/greedy.py)."""
     engine = await asyncio.to_thread(
         make_engine, n_parallel=len(PROMPTS), overlap_decode=overlap, pad_decode_batches=False
     )

@@ -19,7 +19,7 @@ from llama_grpc_server.core.request import (
 )
 from llama_grpc_server.core.scheduler import Emitted, Scheduler, SchedulerLimits
 from llama_grpc_server.testing import FakeEngine, FakeRunner, encode
-from tests.unit.test_scheduler import PIECES, Clock, alone, finals, outputs, req
+from tests.support.scheduler import PIECES, Clock, alone, finals, outputs, req
 
 BOUND = 4
 

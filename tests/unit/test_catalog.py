@@ -11,8 +11,7 @@ from llama_grpc_server.models import catalog
 from llama_grpc_server.models.catalog import CatalogError, ModelEntry
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
 from llama_grpc_server.models.gguf_header import GGUFError
-
-from .gguf_files import write_model
+from tests.support.gguf_files import write_model
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -35,13 +35,9 @@ from llama_grpc import (
 from llama_grpc.types import ModelInfo, Stats, model_info_from_proto, stats_from_proto
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
+from tests.support.client import OK, UnaryScript, channel, client, executor, rpc_method, unary
 
-SERVICE = pb.DESCRIPTOR.services_by_name["LlmService"]
-OK = grpc.StatusCode.OK
-
-
-def _method(name: str) -> Any:
-    return SERVICE.methods_by_name[name]
+__all__ = ["channel", "client", "executor", "unary"]  # fixtures
 
 
 def _done(**fields: Any) -> pb.GenerationDone:
@@ -56,54 +52,6 @@ def _done(**fields: Any) -> pb.GenerationDone:
 
 def _delta(text: str, *token_ids: int) -> pb.StreamGenerateResponse:
     return pb.StreamGenerateResponse(delta=pb.GenerationDelta(text=text, token_ids=token_ids))
-
-
-@pytest.fixture
-def channel() -> grpc_testing.Channel:
-    """A grpc_testing channel serving LlmService by script."""
-    return grpc_testing.channel([SERVICE], grpc_testing.strict_real_time())
-
-
-@pytest.fixture
-def client(channel: grpc_testing.Channel) -> Iterator[Client]:
-    """A sync Client over the scripted channel."""
-    with Client(channel=channel) as sync_client:
-        yield sync_client
-
-
-@pytest.fixture
-def executor() -> Iterator[ThreadPoolExecutor]:
-    """Threads for blocking unary calls while the test thread plays the server."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        yield pool
-
-
-class UnaryScript:
-    """Runs a blocking client call in a thread and answers it from the test thread."""
-
-    def __init__(self, channel: grpc_testing.Channel, executor: ThreadPoolExecutor) -> None:
-        self.channel = channel
-        self.executor = executor
-
-    def __call__(
-        self,
-        call: Callable[[], Any],
-        method: str,
-        response: Any,
-        initial_metadata: tuple[tuple[str, str], ...] = (),
-    ) -> tuple[Any, Any, Any]:
-        """Answer one call; returns (invocation metadata, request, client result)."""
-        future = self.executor.submit(call)
-        metadata, request, rpc = self.channel.take_unary_unary(_method(method))
-        rpc.send_initial_metadata(initial_metadata)
-        rpc.terminate(response, (), OK, "")
-        return metadata, request, future.result(timeout=5)
-
-
-@pytest.fixture
-def unary(channel: grpc_testing.Channel, executor: ThreadPoolExecutor) -> UnaryScript:
-    """Scripted answers to blocking unary calls."""
-    return UnaryScript(channel, executor)
 
 
 def _assert_cancelled(rpc: Any, executor: ThreadPoolExecutor) -> None:
@@ -378,7 +326,7 @@ def test_conversions_are_pure_functions() -> None:
 def test_stream_yields_deltas_then_done(client: Client, channel: grpc_testing.Channel) -> None:
     """A stream yields each delta as a Delta and ends with one Done."""
     stream = client.stream("p", max_tokens=2)
-    _, request, rpc = channel.take_unary_stream(_method("StreamGenerate"))
+    _, request, rpc = channel.take_unary_stream(rpc_method("StreamGenerate"))
     rpc.send_response(_delta("He", 5))
     rpc.send_response(_delta("llo", 6))
     rpc.send_response(pb.StreamGenerateResponse(done=_done(request_id="r-7")))
@@ -398,7 +346,7 @@ def test_stream_done_takes_request_id_from_headers(
 ) -> None:
     """A Done without request_id gets the stream's x-request-id header."""
     stream = client.stream("p")
-    _, _, rpc = channel.take_unary_stream(_method("StreamGenerate"))
+    _, _, rpc = channel.take_unary_stream(rpc_method("StreamGenerate"))
     rpc.send_initial_metadata((("x-request-id", "hdr-1"),))
     rpc.send_response(pb.StreamGenerateResponse(done=_done()))
     rpc.terminate((), OK, "")
@@ -413,7 +361,7 @@ def test_close_cancels_the_rpc(
 ) -> None:
     """close() mid-stream cancels the RPC and ends iteration."""
     stream = client.stream("p")
-    _, _, rpc = channel.take_unary_stream(_method("StreamGenerate"))
+    _, _, rpc = channel.take_unary_stream(rpc_method("StreamGenerate"))
     rpc.send_response(_delta("a", 1))
     assert next(stream) == Delta("a", (1,))
     stream.close()
@@ -426,7 +374,7 @@ def test_leaving_a_with_block_cancels_the_rpc(
 ) -> None:
     """Breaking out of a `with` block around the stream cancels the RPC."""
     with client.stream("p") as stream:
-        _, _, rpc = channel.take_unary_stream(_method("StreamGenerate"))
+        _, _, rpc = channel.take_unary_stream(rpc_method("StreamGenerate"))
         rpc.send_response(_delta("a", 1))
         for _ in stream:
             break
@@ -441,7 +389,7 @@ def test_breaking_out_of_a_for_loop_cancels_the_rpc(
 
     def start() -> Stream:
         stream = client.stream("p")
-        _, _, rpc = channel.take_unary_stream(_method("StreamGenerate"))
+        _, _, rpc = channel.take_unary_stream(rpc_method("StreamGenerate"))
         rpc.send_response(_delta("a", 1))
         rpcs.append(rpc)
         return stream
@@ -457,7 +405,7 @@ def test_dropping_a_stream_cancels_the_rpc(
 ) -> None:
     """A stream that is garbage-collected before its end cancels its RPC."""
     stream = client.stream("p")
-    _, _, rpc = channel.take_unary_stream(_method("StreamGenerate"))
+    _, _, rpc = channel.take_unary_stream(rpc_method("StreamGenerate"))
     del stream
     gc.collect()
     _assert_cancelled(rpc, executor)
@@ -468,7 +416,7 @@ def test_stream_error_after_deltas_raises_typed_error(
 ) -> None:
     """An error status mid-stream surfaces as a typed error after the deltas already sent."""
     stream = client.stream("p")
-    _, _, rpc = channel.take_unary_stream(_method("StreamGenerate"))
+    _, _, rpc = channel.take_unary_stream(rpc_method("StreamGenerate"))
     rpc.send_response(_delta("a", 1))
     assert next(stream) == Delta("a", (1,))
     # grpc_testing drops unread messages once a non-OK status is set, so read first.
@@ -485,7 +433,7 @@ def test_stream_without_done_is_an_internal_error(
 ) -> None:
     """A stream that ends OK without its final done message is reported, not silently cut."""
     stream = client.stream("p")
-    _, _, rpc = channel.take_unary_stream(_method("StreamGenerate"))
+    _, _, rpc = channel.take_unary_stream(rpc_method("StreamGenerate"))
     rpc.send_response(_delta("a", 1))
     rpc.terminate((), OK, "")
     assert next(stream) == Delta("a", (1,))
@@ -498,7 +446,7 @@ def test_generate_tokens_sends_ids_and_streams(
 ) -> None:
     """generate_tokens() sends the prompt ids and yields token deltas then Done."""
     stream = client.generate_tokens([2, 10, 11], seed=3, session_id="s")
-    _, request, rpc = channel.take_unary_stream(_method("GenerateTokens"))
+    _, request, rpc = channel.take_unary_stream(rpc_method("GenerateTokens"))
     rpc.send_response(
         pb.GenerateTokensResponse(delta=pb.GenerationDelta(text="x", token_ids=[12, 13]))
     )

@@ -13,8 +13,7 @@ from llama_grpc import ChatMessage, Client, TokenLogprob, TopLogprob
 from llama_grpc.client import build_request
 from llama_grpc.types import delta_from_proto
 from llama_grpc.v1 import llm_service_pb2 as pb
-
-from .test_client import UnaryScript, channel, client, executor, unary
+from tests.support.client import UnaryScript, channel, client, executor, unary
 
 __all__ = ["channel", "client", "executor", "unary"]  # fixtures
 

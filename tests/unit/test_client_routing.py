@@ -26,8 +26,7 @@ from llama_grpc_server.rpc.interceptors import RequestInterceptor
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
 from llama_grpc_server.testing import FakeEngine, encode
-
-from ..certs import make_pki, openssl_available
+from tests.support.certs import make_pki, openssl_available
 
 SETTINGS = Settings(
     scheduler=SchedulerSettings(default_max_tokens=8),

@@ -1,5 +1,6 @@
 """Client and CLI over TLS, mTLS and bearer tokens, against small real grpc servers on 127.0.0.1:0
-with certificates made by openssl (tests/certs.py). The servers answer Tokenize, GetModelInfo
+with certificates made by openssl (tests/support/certs.py). The servers answer Tokenize,
+GetModelInfo
 and GetStats (the "admin" call) with canned replies and record what each call carried."""
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ from llama_grpc import (
     cli,
 )
 from llama_grpc.v1 import llm_service_pb2 as pb
-
-from ..certs import Pki, make_pki, openssl_available
+from tests.support.certs import Pki, make_pki, openssl_available
 
 SERVICE_NAME = "llama_grpc.v1.LlmService"
 MODEL_NAME = "tls-test-model"

@@ -7,18 +7,13 @@ import dataclasses
 import pytest
 
 from llama_grpc.v1 import llm_service_pb2 as pb
-from llama_grpc_server.core.api import DiskTierStats, SlotSnapshot, StatsSnapshot
-from llama_grpc_server.core.request import Finished, FinishReason, Timings, TokenDelta, Usage
+from llama_grpc_server.core.api import DiskTierStats, StatsSnapshot
+from llama_grpc_server.core.request import FinishReason, TokenDelta
 from llama_grpc_server.rpc import convert
 from llama_grpc_server.testing import fake_model_info
+from tests.support.convert import finished, make_snapshot
 
-USAGE = Usage(prompt_tokens=5, completion_tokens=3, cached_prompt_tokens=2)
-TIMINGS = Timings(queue_ms=1.5, ttft_ms=10.0, prefill_ms=8.5, decode_ms=20.0, total_ms=30.0)
 DELTAS = [TokenDelta((10, 11), "he"), TokenDelta((), ""), TokenDelta((12,), "llo")]
-
-
-def finished(reason: FinishReason = FinishReason.EOS, **fields: object) -> Finished:
-    return Finished(reason=reason, usage=USAGE, timings=TIMINGS, seed=1234, **fields)  # type: ignore[arg-type]  # test helper passes optional fields through
 
 
 @pytest.mark.parametrize("reason", list(FinishReason))
@@ -76,28 +71,6 @@ def test_generate_tokens_messages_match_stream_messages() -> None:
         stream = convert.stream_generate_response(event, "r")
         assert tokens.WhichOneof("event") == stream.WhichOneof("event")
         assert tokens.SerializeToString() == stream.SerializeToString()
-
-
-def make_snapshot() -> StatsSnapshot:
-    slots = (SlotSnapshot(0, "generating", "req-9", 40), SlotSnapshot(1, "idle", "", 12))
-    numbers = {
-        f.name: index + 1
-        for index, f in enumerate(dataclasses.fields(StatsSnapshot))
-        if f.type in ("int", int)
-    }
-    return StatsSnapshot(
-        **numbers,
-        avg_batch_size=2.5,
-        uptime_s=12.25,
-        slots=slots,
-        batch_strategy="decode_maximal",
-        prefix_cache_hit_rate=0.75,
-        engine_state="failed",
-        engine_error="RuntimeError: boom",
-        disk_cache=DiskTierStats(
-            **{f.name: 100 + i for i, f in enumerate(dataclasses.fields(DiskTierStats))}
-        ),
-    )
 
 
 def test_stats_round_trip_every_field() -> None:

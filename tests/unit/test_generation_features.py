@@ -176,7 +176,7 @@ def test_delta_carries_logprobs_to_the_wire() -> None:
 
 def test_unary_response_joins_logprobs_of_all_deltas() -> None:
     """GenerateResponse.logprobs lists every delta's entries, in order."""
-    from .test_convert import finished
+    from tests.support.convert import finished
 
     second = TokenLogprob(6, "b", -1.0)
     deltas = [
@@ -385,7 +385,7 @@ def test_bad_overflow_settings_name_the_field(
 
 def test_truncation_is_reported_on_the_wire() -> None:
     """usage.truncated_prompt_tokens and `truncated` reach both the unary and the final message."""
-    from .test_convert import TIMINGS
+    from tests.support.convert import TIMINGS
 
     usage = Usage(54, 3, 0, truncated_prompt_tokens=16)
     done = Finished(FinishReason.MAX_TOKENS, usage, TIMINGS, seed=1)

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from llama_grpc_server.models.gguf_header import ArraySummary, GGUFError, format_count, read_header
-
-from .gguf_files import (
+from tests.support.gguf_files import (
     ARRAY,
     BOOL,
     FLOAT32,

@@ -1,5 +1,5 @@
-"""The near-tie comparison the model and end-to-end tests use (tests/greedy.py): it passes only
-where a real batch-shape rounding can part two greedy runs."""
+"""The near-tie comparison the model and end-to-end tests use (tests/support/greedy.py): it passes
+only where a real batch-shape rounding can part two greedy runs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from ..greedy import assert_greedy_equal, assert_text_greedy_equal
+from tests.support.greedy import assert_greedy_equal, assert_text_greedy_equal
 
 
 @dataclass(frozen=True)

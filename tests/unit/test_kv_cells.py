@@ -6,8 +6,7 @@ from __future__ import annotations
 from llama_grpc_server.core.kv_cells import CellMap
 from llama_grpc_server.core.request import Finished, GenerationRequest, Request, StoppingParams
 from llama_grpc_server.testing import FakeRunner
-
-from .test_scheduler import GREEDY, drive, finals, make, outputs
+from tests.support.scheduler import GREEDY, drive, finals, make, outputs
 
 
 def test_computed_cells_add_up_per_sequence() -> None:

@@ -16,8 +16,7 @@ from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.kv_disk import BLOCK_TOKENS, KvDiskStore
 from llama_grpc_server.loop import EngineLoop
 from llama_grpc_server.testing import FakeRunner, FakeVocabulary, fake_model_info
-
-from .test_scheduler import PIECES
+from tests.support.scheduler import PIECES
 
 FP = {"model_sha256": "ab" * 32, "n_ctx": 4096, "type_k": 1}
 MB = 1 << 20

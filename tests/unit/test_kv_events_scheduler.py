@@ -6,7 +6,6 @@ subscriber that falls behind the bounded log gets a reset and a correct state (n
 from __future__ import annotations
 
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,8 +25,8 @@ from llama_grpc_server.core.request import GenerationRequest, Request, StoppingP
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.kv_disk import KvDiskStore
 from llama_grpc_server.testing import FakeRunner
-from tests.unit.test_kv_events import Blocks, Subscriber
-from tests.unit.test_scheduler import GREEDY, PIECES, Clock
+from tests.support.kv_events import Blocks, Subscriber
+from tests.support.scheduler import GREEDY, PIECES, Clock
 
 
 def held(scope: str, tokens: Sequence[int], into: dict[int, tuple[int, ...]]) -> None:
@@ -224,14 +223,13 @@ def test_a_restart_announces_the_disk_tier_again() -> None:
 
 def test_a_slow_subscriber_gets_a_reset_and_never_holds_the_engine_up() -> None:
     """A subscriber that stops reading costs the engine nothing: the log stays within its bounds
-    while traffic goes on, appending takes no longer than with nobody subscribed, and the
-    subscriber's next read is a reset to exactly what is held."""
+    while traffic goes on, and the subscriber's next read is a reset to exactly what is held
+    (what a flush costs per tick: bench/kv_events_tick.py)."""
     s, _ = make(None, 4000)
     s.kv.events.log = log = KvEventLog(max_batches=8, max_blocks=256)
     runner = FakeRunner(kv_cells=200)
     slow = Subscriber(log)
     slow.catch_up()
-    flush_s = 0.0
     for n in range(60):
         prompt = PREFIXES[n % 3] + tuple(range(1, n % 40 + 2))
         s.add(Request(GenerationRequest(f"r{n}", prompt, GREEDY, StoppingParams(max_tokens=8))))
@@ -239,12 +237,9 @@ def test_a_slow_subscriber_gets_a_reset_and_never_holds_the_engine_up() -> None:
             plan, _events = s.schedule()
             if plan is not None:
                 s.update(plan, runner.execute(plan))
-            t0 = time.perf_counter()
             s.publish_kv_events(0.0)
-            flush_s += time.perf_counter() - t0
             assert log.num_batches <= 8
             assert log.num_logged_blocks <= 256 + 3 * 256 // BLOCK_SIZE
-    assert flush_s / 240 < 0.002  # per tick, on a loaded 2-core box; typically ~20-50 us
     read = slow.catch_up()
     assert read.is_reset
     assert slow.blocks == truth(s, None)

@@ -21,8 +21,8 @@ from llama_grpc_server.core.request import (
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.kv_disk import SUFFIX, KvDiskStore
 from llama_grpc_server.testing import FakeRunner
-from tests.unit.test_scheduler import GREEDY, PIECES, Clock, finals, outputs, req
-from tests.unit.test_scheduler import drive as drive_ticks
+from tests.support.scheduler import GREEDY, PIECES, Clock, finals, outputs, req
+from tests.support.scheduler import drive as drive_ticks
 
 FP = {"model_sha256": "fake", "n_ctx": 4096}
 

@@ -18,20 +18,13 @@ import structlog
 from structlog.testing import capture_logs
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.request import (
-    Event,
-    Failed,
-    Finished,
-    GenerationRequest,
-    TokenDelta,
-)
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.core.request import Event, Failed, Finished, GenerationRequest, TokenDelta
 from llama_grpc_server.core.strategies import Allocation, BatchView, DecodeMaximal
 from llama_grpc_server.loop import IDLE_RELEASE_S, EngineLoop, EngineState
 from llama_grpc_server.observability.telemetry import configure_logging
-from llama_grpc_server.testing import FakeRunner, fake_model_info
-
-from .test_scheduler import PIECES, req
+from llama_grpc_server.testing import FakeRunner
+from tests.support.loop import last_event, make_loop
+from tests.support.scheduler import req
 
 SECRET = "the-secret-prompt-text"
 
@@ -60,35 +53,6 @@ async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
             await asyncio.sleep(0.005)
 
 
-def make_loop(
-    strategy: Any = None,
-    n_parallel: int = 2,
-    runner: FakeRunner | None = None,
-    admission_window_s: float = 0.0,
-    on_idle: Any = None,
-    *,
-    overlap_decode: bool = False,
-    watchdog_s: float = 0.0,
-) -> EngineLoop:
-    scheduler = Scheduler(
-        SchedulerLimits(n_parallel, 512, 64, 16, 8),
-        pieces=PIECES,
-        eog_ids=frozenset(),
-        strategy=strategy,
-    )
-    return EngineLoop(
-        scheduler,
-        runner or FakeRunner(),
-        fake_model_info(),
-        tokenizer=None,
-        kv_cells_total=512,
-        admission_window_s=admission_window_s,
-        on_idle=on_idle,
-        overlap_decode=overlap_decode,
-        watchdog_s=lambda: watchdog_s,
-    )
-
-
 @pytest.fixture
 async def crashing() -> AsyncIterator[EngineLoop]:
     engine = make_loop(CrashOnCall(2))
@@ -98,11 +62,6 @@ async def crashing() -> AsyncIterator[EngineLoop]:
 
 async def final(engine: EngineLoop, spec: GenerationRequest) -> Event:
     events = [event async for event in engine.submit(spec)]
-    return events[-1]
-
-
-async def last_event(stream: Any) -> Event:
-    events = [event async for event in stream]
     return events[-1]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from llama_grpc_server.core.request import Finished, FinishReason, StoppingParams, TokenDelta
 from llama_grpc_server.core.text import TextAssembler
 from llama_grpc_server.testing import FakeRunner
-from tests.unit.test_scheduler import PIECES, alone, drive, finals, make, req
+from tests.support.scheduler import PIECES, alone, drive, finals, make, req
 
 
 def test_sampler_spec_suppresses_eog_and_stop_tokens_until_min_tokens() -> None:

@@ -30,8 +30,7 @@ from llama_grpc_server.models.pool import (
     settings_for,
 )
 from llama_grpc_server.testing import FakeEngine, encode, fake_model_info
-
-from .test_scheduler import GREEDY
+from tests.support.scheduler import GREEDY
 
 SPECS = [
     ModelSpec("a", "/models/a.gguf", 100),
@@ -198,10 +197,14 @@ async def test_requests_for_one_unloaded_model_share_one_load(
     await settle(lambda: factory.loads == ["b"])
     assert states(pool)["b"] == "loading"
     assert pool.status("b").waiting == 2
+    load = pool._find("b").load_task
+    assert load is not None and not load.done()
     tasks.append(asyncio.create_task(use()))
-    # the third request waits for the load under way (not one of its own, nor after it)
+    # the third request waits for the load under way (not one of its own, nor after it): the
+    # same load task, still blocked on the gate, and nobody served before it opens
     await settle(lambda: pool.status("b").waiting == 3)
-    assert states(pool)["b"] == "loading" and factory.loads == ["b"]
+    assert pool._find("b").load_task is load and not load.done() and factory.loads == ["b"]
+    assert not any(task.done() for task in tasks)
     factory.gate.set()
     await asyncio.gather(*tasks)
     assert got == ["b", "b", "b"] and factory.loads == ["b"]

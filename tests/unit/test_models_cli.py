@@ -16,8 +16,7 @@ from llama_grpc import cli as client_cli
 from llama_grpc_server.models import catalog
 from llama_grpc_server.models import cli as models_cli
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
-
-from .gguf_files import write_model
+from tests.support.gguf_files import write_model
 
 pytestmark = pytest.mark.usefixtures("restore_logging")
 

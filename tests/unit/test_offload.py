@@ -18,8 +18,7 @@ from llama_grpc_server.core.offload import (
     needed_bytes,
 )
 from llama_grpc_server.engine import offload
-
-from .gguf_files import write_model
+from tests.support.gguf_files import write_model
 
 MODEL = 4 * GIB
 cpu_build = pytest.mark.skipif(

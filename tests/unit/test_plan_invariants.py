@@ -17,8 +17,7 @@ from llama_grpc_server.core.request import (
     StoppingParams,
 )
 from llama_grpc_server.testing import FakeRunner
-
-from .test_scheduler import GREEDY, finals, make
+from tests.support.scheduler import GREEDY, finals, make
 
 N_BATCH, CHUNK = 64, 16
 

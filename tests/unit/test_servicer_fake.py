@@ -15,25 +15,18 @@ from typing import Any
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2  # type: ignore[import-untyped]  # no stubs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from grpc_status import rpc_status
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import errors
-from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings
 from llama_grpc_server.core.tenants import TenantLimits
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import serve, start_server
 from llama_grpc_server.rpc.servicer import SERVICE_NAME
 from llama_grpc_server.testing import BOS_ID, FakeEngine, encode
-
-SETTINGS = Settings(
-    scheduler=SchedulerSettings(default_max_tokens=64),
-    server=ServerSettings(host="127.0.0.1", port=0, grace_s=0.5),
-)
+from tests.support.servicer_fake import SETTINGS, collect, details, read_all
 
 
 @pytest.fixture
@@ -41,34 +34,6 @@ async def server(engine: FakeEngine) -> AsyncIterator[RunningServer]:
     async with start_server(SETTINGS, lambda: engine) as running:
         assert await running.wait_loaded()
         yield running
-
-
-def details(error: grpc.aio.AioRpcError) -> dict[str, Any]:
-    """The google.rpc details of a failed call, by type name."""
-    found: dict[str, Any] = {}
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]  # AioRpcError quacks like a Call
-    assert status is not None
-    for detail in status.details:
-        for cls in (
-            error_details_pb2.ErrorInfo,
-            error_details_pb2.BadRequest,
-            error_details_pb2.RetryInfo,
-            error_details_pb2.RequestInfo,
-        ):
-            value = cls()
-            if detail.Unpack(value):
-                found[cls.__name__] = value
-    return found
-
-
-async def collect(call: Any) -> list[Any]:
-    return [message async for message in call]
-
-
-async def read_all(call: Any) -> AsyncIterator[Any]:
-    """The remaining messages of a call already read with read()."""
-    while (message := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]  # grpc-stubs lacks aio.EOF
-        yield message
 
 
 # -- generation ------------------------------------------------------------------------------------

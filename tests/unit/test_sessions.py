@@ -9,7 +9,7 @@ from __future__ import annotations
 from llama_grpc_server.core.request import GenerationRequest, Request, StoppingParams
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.testing import FakeRunner
-from tests.unit.test_scheduler import GREEDY, PIECES, Clock, drive, outputs
+from tests.support.scheduler import GREEDY, PIECES, Clock, drive, outputs
 
 SYSTEM = tuple((i * 7) % 90 + 1 for i in range(200))  # the shared system prompt
 ANSWER_TOKENS = 6

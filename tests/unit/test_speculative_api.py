@@ -30,14 +30,16 @@ from llama_grpc_server.observability.metrics import Metrics
 from llama_grpc_server.observability.telemetry import Bus, Telemetry, TickEvent
 from llama_grpc_server.rpc import convert
 from llama_grpc_server.testing import FakeRunner
+from tests.support.client import UnaryScript, channel, client, executor, unary
+from tests.support.convert import make_snapshot
+from tests.support.speculative_scheduler import echo_model, prompt_of
+from tests.support.speculative_scheduler import make as scheduler_for_tests
+from tests.support.speculative_scheduler import req as spec_request
+from tests.support.validation import text_request
+
+__all__ = ["channel", "client", "executor", "unary"]  # fixtures
 
 from ..conftest import samples, value
-from .test_client import UnaryScript, channel, client, executor, unary  # noqa: F401
-from .test_convert import make_snapshot
-from .test_speculative_scheduler import echo_model, prompt_of
-from .test_speculative_scheduler import make as scheduler_for_tests
-from .test_speculative_scheduler import req as spec_request
-from .test_validation import text_request
 
 
 def speculative(**fields: Any) -> dict[str, Any]:
@@ -136,8 +138,8 @@ def test_client_sends_speculative_only_when_given() -> None:
 
 
 def test_client_result_exposes_draft_counts(
-    client: Client,  # noqa: F811
-    unary: UnaryScript,  # noqa: F811
+    client: Client,
+    unary: UnaryScript,
 ) -> None:
     response = pb.GenerateResponse(usage=pb.Usage(draft_tokens=8, accepted_draft_tokens=5))
     _, request, result = unary(lambda: client.generate("p", speculative="on"), "Generate", response)

@@ -13,41 +13,29 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.plan import (
-    Chunk,
-    SampledLogprob,
-    SeqOpKind,
-    StepPlan,
-    StepResult,
-)
+from llama_grpc_server.core.plan import Chunk, SampledLogprob, SeqOpKind, StepPlan, StepResult
 from llama_grpc_server.core.request import (
     Event,
     Failed,
     Finished,
     FinishReason,
-    GenerationRequest,
     OutputParams,
     Request,
-    SamplingParams,
     SpeculativeConfig,
     SpeculativeMode,
     SpeculativeParams,
-    StoppingParams,
     TokenDelta,
 )
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.core.scheduler import Scheduler
 from llama_grpc_server.core.spec_policy import PRIOR_AVX512
 from llama_grpc_server.testing import FakeRunner
+from tests.support.scheduler import drive as base_drive
+from tests.support.scheduler import finals, outputs
+from tests.support.speculative import BOX
+from tests.support.speculative_scheduler import EOS, ON, echo_model, make, prompt_of, req
 
-from .test_scheduler import PIECES, Clock, finals, outputs
-from .test_scheduler import drive as base_drive
-from .test_speculative import BOX
-
-GREEDY = SamplingParams(temperature=0.0)
-ON = SpeculativeParams(SpeculativeMode.ON)
 OFF = SpeculativeParams(SpeculativeMode.OFF)
 AUTO = SpeculativeParams(SpeculativeMode.AUTO)
-EOS = 2
 
 
 def box_cost_ms(rows: int) -> float:
@@ -57,60 +45,6 @@ def box_cost_ms(rows: int) -> float:
         return BOX[rows]
     last = 18 if rows % 2 == 0 else 17
     return BOX[last] + 4.9 * (rows - last)
-
-
-def make(
-    n_parallel: int = 2,
-    n_ctx: int = 1024,
-    n_batch: int = 128,
-    chunk: int = 32,
-    *,
-    default: SpeculativeConfig | None = None,
-    eog: frozenset[int] = frozenset({EOS}),
-) -> Scheduler:
-    clock = Clock()
-    limits = SchedulerLimits(
-        n_parallel,
-        n_ctx,
-        n_batch,
-        chunk,
-        max_queue=0,
-        speculative=default if default is not None else SpeculativeConfig(),
-    )
-    return Scheduler(
-        limits, pieces=PIECES, eog_ids=eog, clock_ns=clock.tick_ns, monotonic=clock.monotonic
-    )
-
-
-def echo_model(period: int = 7, noise_every: int = 5) -> Callable[[list[int]], int]:
-    """A fake model that repeats its context with a period (drafts get accepted), except every
-    noise_every-th position, where the token depends on the whole context (drafts get rejected,
-    and a KV sequence holding anything but the right tokens changes the output)."""
-
-    def next_token(context: list[int]) -> int:
-        n = len(context)
-        if n % noise_every == 0:
-            return (sum(context) * 31 + n) % 90 + 3
-        return context[-period] if n >= period else 3
-
-    return next_token
-
-
-def prompt_of(seed: int, n: int = 24) -> tuple[int, ...]:
-    rng = random.Random(seed)
-    return tuple(rng.randint(3, 60) for _ in range(n))
-
-
-def req(
-    rid: str,
-    prompt: Sequence[int],
-    max_tokens: int = 40,
-    speculative: SpeculativeParams = ON,
-    **stopping: object,
-) -> Request:
-    stop = StoppingParams(max_tokens=max_tokens, **stopping)  # type: ignore[arg-type]
-    spec = GenerationRequest(rid, tuple(prompt), GREEDY, stop, speculative=speculative)
-    return Request(spec)
 
 
 def pending_kv(s: Scheduler, runner: FakeRunner) -> dict[int, list[int]]:

@@ -33,8 +33,7 @@ from llama_grpc_server.observability.telemetry import (
     TickEvent,
 )
 from llama_grpc_server.testing import FakeRunner, fake_model_info
-
-from .test_scheduler import PIECES, req
+from tests.support.scheduler import PIECES, req
 
 MS = 1_000_000  # ns
 

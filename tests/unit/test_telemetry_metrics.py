@@ -27,9 +27,9 @@ from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
 from llama_grpc_server.rpc.wiring import ServerStartError
 from llama_grpc_server.testing import FakeEngine
+from tests.support.convert import make_snapshot
 
 from ..conftest import free_port, samples, scrape, value
-from .test_convert import make_snapshot
 
 
 def done_event(**overrides: Any) -> RequestEvent:

@@ -20,8 +20,7 @@ from llama_grpc_server.core.request import (
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.core.tenants import FairShare, TenantLimits
 from llama_grpc_server.testing import FakeRunner
-
-from .test_scheduler import GREEDY, PIECES, Clock, alone, drive, finals, outputs, req
+from tests.support.scheduler import GREEDY, PIECES, Clock, alone, drive, finals, outputs, req
 
 # -- FairShare alone ------------------------------------------------------------------------------
 

@@ -18,8 +18,7 @@ from llama_grpc_server.models import catalog, tokenizer_export
 from llama_grpc_server.models import cli as models_cli
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
 from llama_grpc_server.models.tokenizer_export import TokenizerExportError
-
-from .gguf_files import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, Value, gguf_bytes
+from tests.support.gguf_files import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, Value, gguf_bytes
 
 NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
 SPACE = "\u2581"

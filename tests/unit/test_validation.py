@@ -11,26 +11,10 @@ import pytest
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
-from llama_grpc_server.config import SchedulerSettings
-from llama_grpc_server.core.request import GenerationRequest, SamplingParams
+from llama_grpc_server.core.request import GenerationRequest
 from llama_grpc_server.rpc import validation
-from llama_grpc_server.testing import N_VOCAB, fake_model_info
-
-N_CTX = 64
-INFO = fake_model_info(n_ctx=N_CTX)
-LIMITS = SchedulerSettings(
-    default_max_tokens=16,
-    max_stop_strings=2,
-    max_stop_length=8,
-    default_sampling=SamplingParams(temperature=0.7, top_k=20, seed=None),
-)
-
-
-def text_request(num_prompt: int = 3, **fields: Any) -> GenerationRequest:
-    """Validate a GenerateRequest as the servicer does, with `num_prompt` prompt tokens."""
-    message = pb.GenerateRequest(**{"prompt": "hi", **fields})
-    draft = validation.parse_text_request(message, INFO, LIMITS)
-    return validation.complete_request(draft, [10] * num_prompt, request_id="r1", deadline=None)
+from llama_grpc_server.testing import N_VOCAB
+from tests.support.validation import INFO, LIMITS, N_CTX, text_request
 
 
 def tokens_request(token_ids: list[int], **fields: Any) -> GenerationRequest:

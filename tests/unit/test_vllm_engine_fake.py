@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import hashlib
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -27,7 +27,8 @@ from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
 from llama_grpc_server.rpc.vllm_engine import VLLM_SERVICE_NAME
 from llama_grpc_server.testing import BOS_ID, EOS_ID, FakeEngine, encode
-from tests.unit.test_servicer_fake import collect, details, read_all
+from tests.support.servicer_fake import collect, details, read_all
+from tests.support.vllm_engine_fake import announces, is_cleared, kv_until, stored_blocks
 
 SETTINGS = Settings(
     scheduler=SchedulerSettings(default_max_tokens=64),
@@ -64,35 +65,6 @@ async def completes(vllm: Any, request: vpb.GenerateRequest) -> list[vpb.Generat
     messages = await collect(vllm.Generate(request))
     assert all(m.WhichOneof("response") == "complete" for m in messages)
     return [m.complete for m in messages]
-
-
-async def kv_until(
-    stream: Any, done: Callable[[cpb.KvEventBatch], bool], timeout_s: float = 20.0
-) -> list[cpb.KvEventBatch]:
-    """The batches of a SubscribeKvEvents stream up to the first one `done` accepts (bounded)."""
-    seen: list[cpb.KvEventBatch] = []
-    async with asyncio.timeout(timeout_s):
-        while not seen or not done(seen[-1]):
-            seen.append(await stream.read())
-    return seen
-
-
-def stored_blocks(batches: list[cpb.KvEventBatch]) -> list[tuple[cpb.KvBlocksStored, cpb.KvBlock]]:
-    return [
-        (e.stored, block)
-        for b in batches
-        for e in b.events
-        if e.WhichOneof("data") == "stored"
-        for block in e.stored.blocks
-    ]
-
-
-def announces(tokens: list[int]) -> Callable[[cpb.KvEventBatch], bool]:
-    return lambda b: any(list(block.token_ids) == tokens for _, block in stored_blocks([b]))
-
-
-def is_cleared(batch: cpb.KvEventBatch) -> bool:
-    return any(e.WhichOneof("data") == "cleared" for e in batch.events)
 
 
 # -- generation ------------------------------------------------------------------------------------

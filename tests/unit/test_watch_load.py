@@ -22,7 +22,7 @@ from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
 from llama_grpc_server.testing import FakeEngine, encode
-from tests.unit.test_servicer_fake import SETTINGS, collect, details, read_all
+from tests.support.servicer_fake import SETTINGS, collect, details, read_all
 
 LONG_S = 60_000  # ms: no second report within a test
 

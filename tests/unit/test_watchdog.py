@@ -18,9 +18,8 @@ from llama_grpc_server.core.request import Failed, Finished
 from llama_grpc_server.loop import EngineLoop
 from llama_grpc_server.testing import FakeRunner, HangingRunner
 from llama_grpc_server.watchdog import TickWatchdog, auto_bound_s, bound_s
-
-from .test_loop import last_event, make_loop
-from .test_scheduler import req
+from tests.support.loop import last_event, make_loop
+from tests.support.scheduler import req
 
 BOUND_S = 0.5
 

@@ -1,7 +1,7 @@
 """Custom batch strategies that kill the engine thread. `from_env` (loaded by `--batch-strategy
 crashing_strategy:from_env` with this directory on PYTHONPATH) raises on its Nth allocate()
 call, N = $CRASH_AT_CALL: a buggy plugin that kills the engine thread mid-run. `on_demand`
-(`tests.e2e.crashing_strategy:on_demand`, in-process) raises once a test sets CRASH_NOW."""
+(`tests.support.crashing_strategy:on_demand`, in-process) raises once a test sets CRASH_NOW."""
 
 from __future__ import annotations
 

@@ -10,9 +10,11 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from llama_grpc import AsyncClient, Delta, Done, LlamaGrpcError, Stats
@@ -263,6 +265,17 @@ class ServerProcess:
             self.proc.kill()
 
 
+SUPPORT_DIR = Path(__file__).parent
+
+
+def support_env(**extra: str) -> dict[str, str]:
+    """The environment for a server subprocess that loads a fault plugin of this package as a
+    top-level module (`--batch-strategy crashing_strategy:from_env`, `module="hanging_runner"`):
+    this directory first on PYTHONPATH, then `extra`."""
+    path = os.pathsep.join([str(SUPPORT_DIR), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 @contextlib.asynccontextmanager
 async def server_process(
     *args: str, env: dict[str, str] | None = None, module: str = "llama_grpc_server"
@@ -299,3 +312,14 @@ async def server_process(
     finally:
         running.kill()
         await proc.wait()
+
+
+def json_lines(proc: ServerProcess) -> list[dict[str, object]]:
+    """The server's JSON log lines so far (anything else it printed is skipped)."""
+    out = []
+    for line in proc.lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
