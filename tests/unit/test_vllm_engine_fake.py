@@ -424,7 +424,32 @@ async def test_health_model_server_info_and_loads(vllm: Any, stub: Any, engine: 
     assert (load.num_used_tokens, load.max_total_num_tokens, load.max_running_requests) == (
         report.kv_cells_used, report.kv_cells_total, report.n_parallel
     )  # fmt: skip
-    assert load.token_usage == pytest.approx(report.kv_cache_usage)
+    assert load.token_usage == 0.0  # nothing runs (report.kv_cache_usage counts kept prefixes)
+
+
+async def test_token_usage_counts_running_requests_not_kept_prefixes(
+    vllm: Any, stub: Any, engine: FakeEngine
+) -> None:
+    """GetLoads and the KV events' load records report as token usage the KV share running
+    requests hold, as vLLM does: a prefix kept in an idle slot is reclaimable, and SMG leaves a
+    worker out of routing at 0.8 of it. num_used_tokens still counts every cell in use."""
+    await completes(vllm, generate("kept", text="y" * 200))
+    [idle] = (await vllm.GetLoads(vpb.GetLoadsRequest())).loads
+    assert idle.num_used_tokens > 200 and idle.token_usage == 0.0
+    events = vllm.SubscribeKvEvents(cpb.SubscribeKvEventsRequest())
+    first = await kv_until(events, lambda b: b.HasField("load"))
+    assert first[-1].load.token_usage == 0.0 and first[-1].load.num_used_tokens > 200
+    engine.token_delay_s = 0.05
+    running = vllm.Generate(generate("run", text="z" * 100, stream=True))
+    await running.read()
+    [busy] = (await vllm.GetLoads(vpb.GetLoadsRequest())).loads
+    stats = await stub.GetStats(pb.GetStatsRequest())
+    held = sum(s.cached_tokens for s in stats.slots if s.state != "idle")
+    assert 100 <= busy.token_usage * busy.max_total_num_tokens <= held + 1
+    seen = await kv_until(events, lambda b: b.HasField("load") and b.load.token_usage > 0)
+    assert seen[-1].load.active_token_usage == seen[-1].load.token_usage
+    running.cancel()
+    events.cancel()
 
 
 async def test_health_and_reflection_list_the_service(channel: grpc.aio.Channel) -> None:

@@ -1,4 +1,4 @@
-"""ResponseCachingEngine: an EngineApi in front of the real one (rpc.server wraps the engine
+"""ResponseCachingEngine: an EngineApi in front of the real one (rpc.wiring wraps the engine
 with it when --response-cache-mb is set), so the servicer stays unaware of the response cache.
 
 A cacheable request (core.response_cache.is_cacheable) arrives fully validated and tokenized;

@@ -156,13 +156,18 @@ class LoadRecord:
 
     running: int = 0
     waiting: int = 0
-    used_cells: int = 0
+    used_cells: int = 0  # every cell in use, idle slots' kept prefixes included
     total_cells: int = 0
     max_running: int = 0
+    active_cells: int = 0  # held by running requests (core.stats.active_cells)
 
     @property
     def token_usage(self) -> float:
-        return self.used_cells / self.total_cells if self.total_cells else 0.0
+        """The KV share running requests hold, as vLLM reports it: SMG leaves a worker out of
+        routing at 0.8 (--worker-overload-token-usage), and counting idle slots' prefixes here
+        made every replica that had cached a few long prompts look overloaded (seen in
+        bench/cluster.py: SMG round robin sent every request to one replica)."""
+        return self.active_cells / self.total_cells if self.total_cells else 0.0
 
     def differs(self, other: LoadRecord) -> bool:
         """Whether a router would want to hear of the change (usage in LOAD_USAGE_STEP steps)."""

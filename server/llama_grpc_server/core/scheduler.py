@@ -421,12 +421,15 @@ class Scheduler:
         """Hand the KV blocks each tier gained or lost since the last call, with the load, to
         the event log (SubscribeKvEvents); the engine thread calls it with each stats snapshot."""
         self.kv.sync_events()
+        used = self.kv.num_used_cells()  # the tick's count, not another (CellMap)
+        running = [s for s in self.slots if s.request is not None]
         load = LoadRecord(
-            running=sum(1 for s in self.slots if s.request is not None),
+            running=len(running),
             waiting=len(self.queue),
-            used_cells=self.kv.num_used_cells(),  # the tick's count, not another (CellMap)
+            used_cells=used,
             total_cells=self.limits.n_ctx,
             max_running=self.limits.n_parallel,
+            active_cells=min(used, sum(s.num_kv_tokens for s in running)),
         )
         self.kv.events.flush(load, timestamp)
 

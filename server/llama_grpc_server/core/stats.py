@@ -111,6 +111,16 @@ def snapshot(  # noqa: PLR0917  # one call site, every argument a distinct fact
     )
 
 
+def active_cells(snapshot: StatsSnapshot) -> int:
+    """KV cells held by running requests: the cells no new request can take. The rest of
+    kv_cells_used is prefixes kept in idle slots, which the scheduler reclaims when it needs
+    the room (to the RAM tier or dropped); a router's "KV usage" means this part, as vLLM's
+    does (its prefix-cached free blocks count as free). A prefix two running slots share is
+    counted twice here (an overestimate, never more than kv_cells_used)."""
+    held = sum(s.cached_tokens for s in snapshot.slots if s.state != "idle")
+    return min(snapshot.kv_cells_used, held)
+
+
 def live(published: StatsSnapshot, counters: Counters, kv_cells_used: int) -> StatsSnapshot:
     """`published` with the counters and the KV cells in use as they are now (EngineLoop.stats:
     the engine thread publishes whole snapshots only on events and every 100 ms). Each counter

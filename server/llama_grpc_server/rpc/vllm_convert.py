@@ -150,8 +150,10 @@ def model_info(
     return message
 
 
-def loads(report: pb.LoadReport, version: str) -> vpb.GetLoadsResponse:
-    """WatchLoad's numbers (one rank): running and waiting requests, KV use, prefix hits."""
+def loads(report: pb.LoadReport, active_cells: int, version: str) -> vpb.GetLoadsResponse:
+    """WatchLoad's numbers (one rank): running and waiting requests, KV use, prefix hits; the
+    token usage is the share running requests hold (`active_cells`, core.stats.active_cells),
+    as vLLM reports it, while num_used_tokens counts idle slots' kept prefixes too."""
     running, waiting = report.requests_running, report.queue_depth
     load = vpb.SchedulerLoad(
         dp_rank=0,
@@ -160,7 +162,7 @@ def loads(report: pb.LoadReport, version: str) -> vpb.GetLoadsResponse:
         num_total_reqs=running + waiting,
         num_used_tokens=report.kv_cells_used,
         max_total_num_tokens=report.kv_cells_total,
-        token_usage=report.kv_cache_usage,
+        token_usage=active_cells / report.kv_cells_total if report.kv_cells_total else 0.0,
         cache_hit_rate=report.prefix_cache_hit_rate,
         max_running_requests=report.n_parallel,
         utilization=running / report.n_parallel if report.n_parallel else 0.0,
@@ -190,6 +192,7 @@ def engine_load(load: LoadRecord, sample: int, *, load_only: bool) -> cpb.Engine
         running_requests=load.running,
         waiting_requests=load.waiting,
         token_usage=load.token_usage,
+        active_token_usage=load.token_usage,
         max_running_requests=load.max_running,
         sample=sample,
         load_only=load_only,

@@ -30,6 +30,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc_server import errors
 from llama_grpc_server.config import Settings
+from llama_grpc_server.core import stats
 from llama_grpc_server.core.api import EngineApi, ModelInfo, RequestStream
 from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
 from llama_grpc_server.core.request import (
@@ -318,7 +319,7 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
             report = convert.load_report(
                 snapshot, is_draining=self.draining.is_set(), unix_ms=time.time_ns() // 1_000_000
             )
-            return vllm_convert.loads(report, self._version)
+            return vllm_convert.loads(report, stats.active_cells(snapshot), self._version)
 
     async def FlushCache(
         self, request: cpb.FlushCacheRequest, context: Context
