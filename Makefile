@@ -11,7 +11,7 @@ PORT ?= 50051
 ARGS ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install wheelhouse llama-cmake-args FORCE run serve test test-unit test-model test-e2e check docs prometheus lint format types \
+.PHONY: install wheelhouse llama-cmake-args FORCE run serve test test-data test-unit test-model test-e2e check docs prometheus lint format types \
 	proto proto-check \
 	proto-lint proto-breaking check-min-deps model cluster gateway bench bench-single bench-concurrency bench-strategies bench-prefix \
 	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-gateway bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-soak bench-backpressure \
@@ -113,16 +113,22 @@ run: $(STAMP)
 
 serve: run
 
-test: $(STAMP)
+# llama.cpp's own test data (vocabulary GGUFs with their test vectors, real chat templates) from
+# the pinned llama-cpp-python sdist, fetched once into ~/.cache/llama-grpc/llama.cpp-VERSION
+# (bench/llama_sdist.py): the tokenizer tests and the synthetic model families use it.
+test-data: $(STAMP)
+	$(PY) bench/llama_sdist.py
+
+test: $(STAMP) test-data
 	$(PY) -m pytest tests $(ARGS)
 
-test-unit: $(STAMP)
+test-unit: $(STAMP) test-data
 	$(PY) -m pytest tests/unit $(ARGS)
 
-test-model: $(STAMP)
+test-model: $(STAMP) test-data
 	$(PY) -m pytest tests/model $(ARGS)
 
-test-e2e: $(STAMP)
+test-e2e: $(STAMP) test-data
 	$(PY) -m pytest tests/e2e $(ARGS)
 
 lint: $(STAMP)
