@@ -9,6 +9,10 @@ GEN_DIR := client
 HOST ?= 127.0.0.1
 PORT ?= 50051
 ARGS ?=
+# MODEL=FILE (or NAME=FILE, or a catalog name): the model `make run` and `make gateway` serve
+# (default: the embedded Gemma 3 270M)
+MODEL ?=
+MODEL_ARG := $(if $(MODEL),--model $(MODEL))
 export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install wheelhouse llama-cmake-args FORCE run serve test test-data test-unit test-model test-e2e check docs prometheus lint format types \
@@ -104,12 +108,20 @@ GATEWAY_PORT ?= 8080
 GATEWAY_POLICY ?= cache_aware
 GATEWAY_REPLICAS := $(if $(filter command line environment,$(origin REPLICAS)),$(REPLICAS),2)
 
+# SMG's tool-call and reasoning parsers are read off the model's chat template
+# (deploy/smg_parsers.py); GATEWAY_TOOL_PARSER / GATEWAY_REASONING_PARSER override them ("none":
+# SMG's own guess from the model id). A model whose tokenizer cannot be exported stops it at once.
+GATEWAY_TOOL_PARSER ?=
+GATEWAY_REASONING_PARSER ?=
+
 gateway: $(STAMP)
 	$(PY) -m deploy.gateway --replicas $(GATEWAY_REPLICAS) --port $(GATEWAY_PORT) \
-		--policy $(GATEWAY_POLICY) -- $(ARGS)
+		--policy $(GATEWAY_POLICY) $(if $(GATEWAY_TOOL_PARSER),--tool-call-parser \
+		$(GATEWAY_TOOL_PARSER)) $(if $(GATEWAY_REASONING_PARSER),--reasoning-parser \
+		$(GATEWAY_REASONING_PARSER)) -- $(MODEL_ARG) $(ARGS)
 
 run: $(STAMP)
-	$(BIN)/llama-grpc serve --host $(HOST) --port $(PORT) $(ARGS)
+	$(BIN)/llama-grpc serve --host $(HOST) --port $(PORT) $(MODEL_ARG) $(ARGS)
 
 serve: run
 

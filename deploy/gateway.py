@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deploy import smg_parsers
 from deploy.cluster import (
     START_TIMEOUT_S,
     Cluster,
@@ -74,6 +76,45 @@ HEALTH_ARGS = ("--health-check-interval-secs", str(HEALTH_INTERVAL_S),
                "--health-failure-threshold", "1", "--health-success-threshold", "1")  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class ModelCheck:
+    """What the gateway needs to know of the replicas' default model before anything starts."""
+
+    path: str
+    chat_template: str | None  # the one the exported tokenizer carries (SMG renders chat with it)
+    parsers: smg_parsers.Parsers
+
+
+def check_model(server_args: Sequence[str], environ: Mapping[str, str] = os.environ) -> ModelCheck:
+    """Read the replicas' options and export their default model's tokenizer as a worker will
+    (the same disk cache, so the workers find it built): RuntimeError naming the reason when
+    the options are wrong or the tokenizer cannot be exported, at once, instead of a gateway
+    that never becomes ready (SMG cannot register a worker without the tokenizer)."""
+    from llama_grpc_server.config.loading import ConfigError, HelpRequested, load_settings
+    from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
+    from llama_grpc_server.models import tokenizer_export
+    from llama_grpc_server.models.files import default_model_path
+
+    try:
+        settings = load_settings(server_args, environ)
+    except (ConfigError, HelpRequested) as exc:
+        raise RuntimeError(f"the replicas' options ({' '.join(server_args)}): {exc}") from None
+    path = settings.model.model_path or str(default_model_path())
+    builtin = BUILTIN_TEMPLATES.get(settings.model.chat_template)
+    try:
+        files = tokenizer_export.export_files(
+            path, builtin, cache_dir=tokenizer_export.default_cache_dir(environ)
+        )
+    except (tokenizer_export.TokenizerExportError, OSError) as exc:
+        raise RuntimeError(
+            f"{path}: its tokenizer cannot be exported for the gateway (SMG tokenizes with it): "
+            f"{exc}"
+        ) from None
+    config = json.loads(files[tokenizer_export.TOKENIZER_CONFIG])
+    template = config.get("chat_template") or None
+    return ModelCheck(path, template, smg_parsers.choose(template))
+
+
 def smg_binary() -> str:
     """The smg launcher from the smg wheel."""
     return venv_binary("smg", "the gateway group (make gateway installs it)")
@@ -98,10 +139,15 @@ class Gateway(Started):
     server_args: Sequence[str] = ()
     threads: int | None = None  # per replica (None: the CPUs split evenly, at least 1)
     smg_args: Sequence[str] = ()  # more `smg launch` options
+    # SMG's parsers: None reads them off the model's chat template (deploy/smg_parsers.py),
+    # "none" passes no flag (SMG guesses from the model id), a name passes that parser
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
     cluster: Cluster = field(init=False)
     metrics_port: int = field(init=False)
     smg: subprocess.Popen[bytes] | None = None
     model: str = ""  # the model id the gateway serves, once ready
+    checked: ModelCheck | None = None  # the default model, checked before anything starts
 
     def __post_init__(self) -> None:
         self.cluster = Cluster(self.replicas, server_args=self.server_args, threads=self.threads)
@@ -128,7 +174,16 @@ class Gateway(Started):
     def workdir(self) -> Path:
         return self.cluster.workdir
 
+    @property
+    def parsers(self) -> smg_parsers.Parsers:
+        if self.checked is None:
+            raise RuntimeError("the gateway has not checked its model yet (start() does)")
+        return smg_parsers.with_overrides(
+            self.checked.parsers, self.tool_parser, self.reasoning_parser
+        )
+
     def start(self) -> Gateway:
+        self.checked = check_model(self.server_args)
         self.cluster.start_replicas()
         self.start_smg()
         wait_for(self.is_ready, START_TIMEOUT_S, "the gateway is not ready", interval_s=0.5)
@@ -140,7 +195,8 @@ class Gateway(Started):
         self.smg = subprocess.Popen(
             [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
              "--backend", "vllm", "--policy", self.policy, "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(self.metrics_port), *CPU_LIVENESS_ARGS, *self.smg_args,
+             "--prometheus-port", str(self.metrics_port), *CPU_LIVENESS_ARGS,
+             *self.parsers.smg_args(), *self.smg_args,
              "--worker-urls", *urls],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -174,18 +230,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="SMG's port on 127.0.0.1")
     parser.add_argument("--policy", default=DEFAULT_POLICY, help="SMG's routing policy")
+    parser.add_argument(
+        "--tool-call-parser",
+        help="SMG's tool-call parser (default: read off the model's chat template; none: SMG's "
+        "own guess from the model id)",
+    )
+    parser.add_argument(
+        "--reasoning-parser", help="SMG's reasoning parser (default and none: as above)"
+    )
     parser.add_argument("server_args", nargs="*", help="after --: llama-grpc serve options")
     args = parser.parse_args(argv)
 
     def ready_line(running: Gateway) -> str:
         workers = ", ".join(f"grpc://{r.target}" for r in running.cluster.members)
+        parsers = running.parsers
+        tool, reasoning = parsers.tool or "SMG's guess", parsers.reasoning or "SMG's guess"
         return (
             f"ready: SMG on {running.base_url} (OpenAI API, model {running.model!r}), workers "
-            f"{workers}, policy {running.policy}; metrics on {running.metrics_url}; logs in "
+            f"{workers}, policy {running.policy}; SMG parsers: tool calls {tool}, reasoning "
+            f"{reasoning} ({parsers.why}); metrics on {running.metrics_url}; logs in "
             f"{running.workdir}. Ctrl-C stops everything."
         )
 
-    gateway = Gateway(args.replicas, args.port, args.policy, args.server_args)
+    gateway = Gateway(
+        args.replicas,
+        args.port,
+        args.policy,
+        args.server_args,
+        tool_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+    )
     return serve_foreground(gateway, ready_line)
 
 
