@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -22,6 +25,8 @@ from llama_grpc import AsyncClient, Delta
 
 from ..conftest import PERSON_SCHEMA, check_person
 
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
+
 pytestmark = pytest.mark.slow
 
 PROMPT = "The three primary colors are"
@@ -33,9 +38,7 @@ QUESTIONS = ["What is two plus two?", "Name a color.", "Say hello.", "Count to t
 
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[Gateway]:
-    with Gateway(
-        replicas=2, port=free_port(), server_args=["--chat-template", "gemma"], smg_args=NO_WARM_UP
-    ) as gw:
+    with Gateway(replicas=2, port=free_port(), smg_args=NO_WARM_UP) as gw:  # plain make gateway
         assert gw.policy == "cache_aware"  # make gateway's default
         yield gw
 
@@ -315,7 +318,26 @@ def test_smg_holds_one_event_stream_per_worker(gateway: Gateway) -> None:
         assert sample("smg_kv_event_missed_batches_total") == 0
         assert sample("smg_kv_event_batches_total", ',disposition="applied"') > 0
         assert sample("smg_kv_event_batches_total", ',disposition="load_only"') > 0
-    log = re.sub(r"\x1b\[[0-9;]*m", "", (gateway.workdir / "smg.log").read_text(errors="replace"))
+    raw = (gateway.workdir / "smg.log").read_bytes()[gateway.ready_log_offset :]
+    log = re.sub(r"\x1b\[[0-9;]*m", "", raw.decode(errors="replace"))
     # SMG logs each 400 it answers (the bad-input test's refusals) as an error; nothing else
+    # since the gateway was ready (its 503s to the readiness probe before are not errors here)
     errors = [line for line in log.splitlines() if " ERROR " in line]
     assert [line for line in errors if "status=400 Bad Request" not in line] == []
+
+
+def test_the_docs_chat_example_runs_as_written(gateway: Gateway) -> None:
+    """docs/deployment.md's OpenAI chat example, after a plain `make gateway` (no
+    --chat-template: the embedded model gets its family's built-in), run as a user would, the
+    only change being the gateway's port; it prints the answer and its usage."""
+    text = DOCS.read_text()
+    after = text[text.index("```sh\nmake gateway   #") :]
+    code = re.search(r"```python\n(.*?)```", after, re.S)
+    assert code is not None and "127.0.0.1:8080" in code.group(1)
+    script = code.group(1).replace("127.0.0.1:8080", f"127.0.0.1:{gateway.port}")
+    done = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "CompletionUsage(completion_tokens=" in done.stdout
+    assert "prompt_tokens=" in done.stdout

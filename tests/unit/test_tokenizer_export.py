@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
+from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
 from llama_grpc_server.models import catalog, tokenizer_export
 from llama_grpc_server.models import cli as models_cli
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
@@ -332,3 +333,22 @@ def test_export_tokenizer_command(
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "'gpt2' is not supported" in err
     assert not (tmp_path / "none").exists()
+
+
+def test_export_tokenizer_command_writes_the_template_a_server_would_use(tmp_path: Path) -> None:
+    """Without --chat-template the files carry the template `llama-grpc serve` would render
+    messages with (core.chat.template_in_use): the file's own, else its family's built-in (a
+    Gemma file with none gets Gemma's), else none; --chat-template overrides both."""
+
+    def exported(name: str, *argv: str, **meta: Value | None) -> dict[str, Any]:
+        path = _write(tmp_path / f"{name}.gguf", **meta)
+        out = tmp_path / name
+        assert models_cli.main(["export-tokenizer", str(path), str(out), "--no-cache", *argv]) == 0
+        return dict(json.loads((out / "tokenizer_config.json").read_text()))
+
+    gemma = {"general.architecture": (STRING, "gemma3"), "tokenizer.chat_template": None}
+    assert exported("own")["chat_template"] == "{{ messages }}"
+    assert exported("family", **gemma)["chat_template"] == BUILTIN_TEMPLATES["gemma"]
+    chatml = exported("chatml", "--chat-template", "chatml", **gemma)
+    assert chatml["chat_template"] == BUILTIN_TEMPLATES["chatml"]
+    assert "chat_template" not in exported("none", **{"tokenizer.chat_template": None})

@@ -13,7 +13,7 @@ import llama_cpp
 
 from llama_grpc_server.config import ModelSettings
 from llama_grpc_server.core.api import ModelInfo
-from llama_grpc_server.core.chat import ChatMessage, template_in_use
+from llama_grpc_server.core.chat import ChatMessage, template_in_use, template_origin
 from llama_grpc_server.engine import cpu_share, grammar
 from llama_grpc_server.engine.chat import ChatRenderer
 from llama_grpc_server.engine.offload import resolve_n_gpu_layers
@@ -80,6 +80,7 @@ class LlamaModel:
         )
         self.pieces = self._piece_table()
         self.gguf_chat_template = _gguf_chat_template(self.model)
+        self.architecture = _meta(self.model, "general.architecture")
         self.chat = ChatRenderer(
             self.gguf_chat_template,
             bos_token=self._special_text(llama_cpp.llama_vocab_bos(self.vocab)),
@@ -183,7 +184,10 @@ class LlamaModel:
             n_params=int(llama_cpp.llama_model_n_params(self.model)),
             add_bos=bool(llama_cpp.llama_vocab_get_add_bos(self.vocab)),
             chat_template=template_in_use(
-                self.settings.chat_template, bool(self.gguf_chat_template)
+                self.settings.chat_template, bool(self.gguf_chat_template), self.architecture
+            ),
+            chat_template_origin=template_origin(
+                self.settings.chat_template, bool(self.gguf_chat_template), self.architecture
             ),
         )
 
