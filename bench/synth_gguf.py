@@ -174,7 +174,8 @@ def write(shape: Shape, path: Path, seed: int = 0) -> None:
 class Family:
     """A model family as the tests and the gateway see it. `vocabulary` and `template` name files
     of llama.cpp's test data (llama_sdist.vocab_path / llama_sdist.template); both empty means
-    the embedded Gemma 3 270M itself, real weights, its own vocabulary and template."""
+    the embedded Gemma 3 270M itself, real weights and vocabulary, whose file has no chat
+    template: the server renders its `messages` with the built-in `server_template`."""
 
     name: str
     architecture: str  # general.architecture: llama.cpp's model class and tensor layout
@@ -182,6 +183,7 @@ class Family:
     template: str
     end_of_turn: tuple[str, ...]  # the texts of the tokens that end an assistant turn
     note: str = ""
+    server_template: str = ""  # the server's --chat-template for it ("": the file's own)
 
 
 # DeepSeek's end of sentence, spelled with FULLWIDTH VERTICAL LINE (U+FF5C) and U+2581
@@ -191,7 +193,8 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         Family("gemma3", "gemma3", "", "", ("<end_of_turn>",),
-               "the embedded Gemma 3 270M itself (real weights, vocabulary and template)"),
+               "the embedded Gemma 3 270M itself (real weights and vocabulary); its file has no "
+               "chat template: the server's built-in gemma one", server_template="gemma"),
         Family("qwen3", "qwen3", "qwen2", "Qwen-Qwen3-0.6B", ("<|im_end|>",)),
         Family("qwen35", "qwen35", "qwen35", "Qwen3.5-4B", ("<|im_end|>",),
                "the real hybrid architecture: gated delta-net layer 0, attention layer 1"),
