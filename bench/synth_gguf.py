@@ -324,30 +324,73 @@ def _hyperparameters(writer: Any, arch: str, s: Shape) -> None:
         writer.add_uint32(f"{arch}.full_attention_interval", 2)
 
 
-def _copy_tokenizer(writer: Any, vocab: Path) -> int:
-    """Every tokenizer.ggml.* key of the vocabulary GGUF, byte for byte (strings as bytes, so
-    no token is re-encoded); returns the vocabulary size."""
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class RawValue(bytes):
+    """A metadata value's encoded bytes (what follows its type), copied from another GGUF."""
+
+
+def _skip_value(data: memoryview, pos: int, kind: int) -> int:
+    """The offset just past a value of type `kind` at `pos` (GGUF v3, little-endian)."""
+    if kind == _GGUF_STRING:
+        return pos + 8 + int.from_bytes(data[pos : pos + 8], "little")
+    if kind != _GGUF_ARRAY:
+        return pos + _GGUF_SCALAR_BYTES[kind]
+    element = int.from_bytes(data[pos : pos + 4], "little")
+    count = int.from_bytes(data[pos + 4 : pos + 12], "little")
+    pos += 12
+    if element not in (_GGUF_STRING, _GGUF_ARRAY):
+        return pos + count * _GGUF_SCALAR_BYTES[element]
+    for _ in range(count):
+        pos = _skip_value(data, pos, element)
+    return pos
+
+
+def tokenizer_keys(vocab: Path) -> list[tuple[str, int, RawValue]]:
+    """Every tokenizer.ggml.* key of a GGUF file as (key, type, the value's bytes), read raw: the
+    gguf package's GGUFReader takes ~15 s over gemma-4's 777,000 strings, this ~0.5 s."""
+    out: list[tuple[str, int, RawValue]] = []
+    data = memoryview(vocab.read_bytes())
+    if bytes(data[:4]) != b"GGUF" or int.from_bytes(data[4:8], "little") != 3:
+        raise ValueError(f"{vocab}: not a GGUF v3 file")
+    n_kv, pos = int.from_bytes(data[16:24], "little"), 24
+    for _ in range(n_kv):
+        key_end = pos + 8 + int.from_bytes(data[pos : pos + 8], "little")
+        key = bytes(data[pos + 8 : key_end]).decode()
+        kind = int.from_bytes(data[key_end : key_end + 4], "little")
+        start = key_end + 4
+        pos = _skip_value(data, start, kind)
+        if key.startswith("tokenizer.ggml."):
+            out.append((key, kind, RawValue(data[start:pos])))
+    return out
+
+
+def _gguf_writer(path: Path, arch: str) -> Any:
+    """gguf's writer, writing RawValue bytes as they are (its own packing of a 500,000-string
+    array takes seconds)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(vocab))
+    class Writer(gguf.GGUFWriter):  # type: ignore[misc]  # gguf is untyped
+        def _pack_val(self, val: Any, vtype: Any, add_vtype: bool, sub_type: Any = None) -> bytes:
+            if isinstance(val, RawValue):
+                return (self._pack("I", vtype) if add_vtype else b"") + bytes(val)
+            return bytes(super()._pack_val(val, vtype, add_vtype, sub_type))
+
+    return Writer(str(path), arch)
+
+
+def _copy_tokenizer(writer: Any, vocab: Path) -> int:
+    """Every tokenizer.ggml.* key of the vocabulary GGUF, byte for byte; returns the vocabulary
+    size."""
+    import gguf
+
     n_vocab = 0
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer.ggml."):
-            continue
-        kind = field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            sub = field.types[-1]
-            if sub == gguf.GGUFValueType.STRING:
-                items: list[object] = [bytes(field.parts[i]) for i in field.data]
-            else:
-                items = [field.parts[i].tolist()[0] for i in field.data]
-            writer.add_key_value(key, items, kind, sub)
-            if key == "tokenizer.ggml.tokens":
-                n_vocab = len(items)
-        elif kind == gguf.GGUFValueType.STRING:
-            writer.add_key_value(key, bytes(field.parts[field.data[0]]), kind)
-        else:
-            writer.add_key_value(key, field.parts[field.data[0]].tolist()[0], kind)
+    for key, kind, raw in tokenizer_keys(vocab):
+        writer.add_key_value(key, raw, gguf.GGUFValueType(kind))
+        if key == "tokenizer.ggml.tokens":
+            n_vocab = int.from_bytes(raw[4:12], "little")
     return n_vocab
 
 
@@ -358,7 +401,12 @@ def write_family(family: Family, path: Path, seed: int = 0) -> None:
 
     if not family.vocabulary:
         raise ValueError(f"{family.name} is the embedded model: nothing to write")
-    writer = gguf.GGUFWriter(str(path), family.architecture)
+    writer = _gguf_writer(path, family.architecture)
+    # The name is not decoration: llama.cpp's vocabulary load (llama-vocab.cpp) gives every
+    # special token the RSTRIP attribute when general.name, lowercased, contains "phi-3" or
+    # "phi3", so "<|user|>\nHi" tokenizes as "<|user|>" "Hi" (as HF's added tokens do for
+    # Phi-3). phi-3's vocabulary GGUF is named "Phi3"; "synthetic phi3" keeps that behaviour.
+    # (A real Phi-3.5 GGUF named "Phi 3.5 Mini Instruct" would not get it.)
     writer.add_name(f"synthetic {family.name} (random weights)")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     n_vocab = _copy_tokenizer(writer, llama_sdist.vocab_path(family.vocabulary))

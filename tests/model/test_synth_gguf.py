@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,15 @@ from llama_grpc_server.core.request import (
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.loop import EngineLoop
 from llama_grpc_server.models.gguf_header import read_header
-from tests.support.families import FAMILIES, Family, family_model, llama_sdist, template_source
+from tests.support.families import (
+    CORPUS,
+    FAMILIES,
+    Family,
+    Reference,
+    family_model,
+    llama_sdist,
+    template_source,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -114,6 +123,30 @@ def test_family_file_carries_the_real_vocabulary_and_template(name: str) -> None
     assert meta["general.architecture"] == family.architecture
     assert meta["tokenizer.chat_template"] == template_source(family)
     assert tokenizer_keys(path) == tokenizer_keys(llama_sdist.vocab_path(family.vocabulary))
+
+
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.vocabulary])
+def test_family_tokenizes_as_llama_cpp_test_vectors_say(name: str) -> None:
+    """llama.cpp's own test-tokenizer-0 vectors of the family's vocabulary (add_special and
+    parse_special off), and the corpus with special tokens as text in every mode, tokenize on
+    the family's model file exactly as on llama.cpp's vocabulary GGUF."""
+    family = FAMILIES[name]
+    model, vocab = (
+        Reference(family_model(name)),
+        Reference(llama_sdist.vocab_path(family.vocabulary)),
+    )
+    try:
+        vectors = llama_sdist.vectors(family.vocabulary)
+        assert vectors is not None
+        for text, ids in zip(vectors.texts, vectors.ids, strict=True):
+            assert model.tokenize(text, add_special=False, parse_special=False) == ids, text
+        texts = [*CORPUS, *family.end_of_turn, f"{family.end_of_turn[0]}\nHi"]
+        for text, add, parse in itertools.product(texts, (False, True), (False, True)):
+            got = model.tokenize(text, add_special=add, parse_special=parse)
+            assert got == vocab.tokenize(text, add_special=add, parse_special=parse), text
+    finally:
+        model.close()
+        vocab.close()
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
