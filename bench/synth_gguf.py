@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -200,13 +201,16 @@ FAMILIES: dict[str, Family] = {
                "the real hybrid architecture: gated delta-net layer 0, attention layer 1"),
         Family("llama3", "llama", "llama-bpe", "meta-llama-Llama-3.2-3B-Instruct",
                ("<|eot_id|>",),
-               "llama-bpe is Llama 3.0's vocabulary: no <|eom_id|> (3.1's 128008 is "
-               "<|reserved_special_token_4|> here), so only <|eot_id|> ends a turn"),
+               "llama-bpe is Llama 3.0's vocabulary: no `<|eom_id|>` (3.1's 128008 is "
+               "`<|reserved_special_token_4|>` here), so only `<|eot_id|>` ends a turn"),
         Family("deepseek-r1-distill", "llama", "deepseek-llm",
                "deepseek-ai-DeepSeek-R1-Distill-Llama-8B", (DEEPSEEK_EOS,),
                "neither R1-Distill template's User and Assistant markers is a token of the "
-               "deepseek-llm vocabulary (the real distills add them): they tokenize as text"),
-        Family("phi3", "phi3", "phi-3", "microsoft-Phi-3.5-mini-instruct", ("<|end|>",)),
+               "deepseek-llm vocabulary (the real distills add them): they tokenize as text; "
+               "its BOS and end of sentence are tokens"),
+        Family("phi3", "phi3", "phi-3", "microsoft-Phi-3.5-mini-instruct", ("<|end|>",),
+               "special tokens eat the whitespace after them (llama.cpp: RSTRIP when "
+               "general.name has phi3), so the template's newlines vanish"),
         Family("gemma4", "gemma4", "gemma-4", "google-gemma-4-31B-it", ("<turn|>",),
                "layer 0 sliding-window, layer 1 global"),
     )
@@ -442,6 +446,22 @@ def _write_tensors(writer: Any, tensors: list[Tensor], seed: int) -> None:
     writer.close()
 
 
+def families_table() -> str:
+    """FAMILIES as the Markdown table of docs/families.md (`--families-table` prints it)."""
+    rows = [
+        "| family | architecture | vocabulary | chat template | end of turn | notes |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for f in FAMILIES.values():
+        vocabulary = f"`ggml-vocab-{f.vocabulary}.gguf`" if f.vocabulary else "the embedded model's"
+        template = f"`{f.template}.jinja`" if f.template else f"built-in `{f.server_template}`"
+        ends = ", ".join(f"`{text}`" for text in f.end_of_turn)
+        cells = (f"`{f.name}`", f"`{f.architecture}`", vocabulary, template, ends, f.note)
+        # GitHub ends a table cell at any unescaped |, even inside backticks
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
 def models_dir() -> Path:
     """Where built test models are kept between sessions (tests/conftest.py's built_models_dir)."""
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -481,11 +501,28 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="270m")
     parser.add_argument("--family", choices=sorted(FAMILIES), help="a family's model instead")
-    parser.add_argument("--out", required=True, help="the f16 GGUF to write")
+    parser.add_argument("--out", help="the f16 GGUF to write")
+    parser.add_argument(
+        "--list-families",
+        action="store_true",
+        help="print each family as a JSON line (name, model path, templates, end of turn), "
+        "writing its model first if needed",
+    )
+    parser.add_argument("--families-table", action="store_true", help="docs/families.md's table")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantize", metavar="LLAMA_QUANTIZE", help="then write *-q4_k_m.gguf")
     parser.add_argument("--keep-f16", action="store_true", help="keep the f16 file after that")
     args = parser.parse_args()
+    if args.families_table:
+        print(families_table(), end="")
+        return 0
+    if args.list_families:
+        for f in FAMILIES.values():
+            line = {**dataclasses.asdict(f), "path": str(family_model(f.name))}
+            print(json.dumps(line, ensure_ascii=False))
+        return 0
+    if not args.out:
+        parser.error("--out is required")
     shape, out = SHAPES[args.shape], Path(args.out)
     t0 = time.perf_counter()
     if args.family:
