@@ -158,6 +158,23 @@ async def test_generate_tokens_runs_a_token_prompt(served: Served) -> None:
     assert again.ids == first.ids
 
 
+async def test_model_info_names_llama_cpp_special_tokens(served: Served) -> None:
+    """GetModelInfo (what a gateway takes its stop tokens from) gives llama.cpp's BOS, EOS,
+    add_bos and end-of-generation ids, the end-of-turn tokens among them, and the template."""
+    llama = served.llama
+    info = await served.stub.GetModelInfo(pb.GetModelInfoRequest())
+    eog = [t for t in range(llama.n_vocab) if llama.is_eog(t)]
+    assert (info.n_vocab, info.bos_token_id, info.eos_token_id, info.add_bos) == (
+        llama.n_vocab,
+        llama.bos_id,
+        llama.eos_id,
+        llama.add_bos,
+    )
+    assert list(info.eog_token_ids) == eog
+    assert {llama.token_id(text) for text in served.family.end_of_turn} <= set(eog)
+    assert info.chat_template == (served.family.server_template or "gguf")
+
+
 async def test_end_of_turn_ends_the_stream(served: Served) -> None:
     """Each end-of-turn token, made certain by logit_bias, ends a chat stream at once: reason
     EOS naming that token, no delta carries it, its text is nowhere in the output."""
