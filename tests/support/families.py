@@ -146,5 +146,7 @@ def render_chat(
         bos_token=bos_token,
         eos_token=eos_token,
         raise_exception=raise_exception,
+        # Llama 3.x templates write today's date: the server renders the same one, unless the
+        # two renders straddle midnight
         strftime_now=lambda fmt: datetime.now().strftime(fmt),
     )
