@@ -2,9 +2,9 @@
 tiny random-weight models with the family's real vocabulary and chat template; gemma3 is the
 embedded model), one at a time. Tokenize and Detokenize equal llama.cpp's own tokenizer on the
 same file; the prompt the server builds from `messages` is, id for id, the family's template
-rendered here and tokenized by llama.cpp; GenerateTokens runs a token-id prompt; each
-end-of-turn token, forced with logit_bias (the output is noise otherwise), ends the stream as
-EOS, unseen in the text."""
+rendered here and tokenized by llama.cpp; GenerateTokens runs a token-id prompt; GetModelInfo
+names llama.cpp's special tokens; each end-of-turn token, chosen with logit_bias after a text a
+grammar dictates (the output is noise otherwise), ends the stream there as EOS, unseen."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from tests.support.families import (
 from .conftest import GREEDY
 
 N_CTX = 512
+ANSWER = "Blue, then green."
 DETOKENIZE_SAMPLE = 512  # ids spread over the whole vocabulary, detokenized in one request
 
 
@@ -176,13 +177,16 @@ async def test_model_info_names_llama_cpp_special_tokens(served: Served) -> None
 
 
 async def test_end_of_turn_ends_the_stream(served: Served) -> None:
-    """Each end-of-turn token, made certain by logit_bias, ends a chat stream at once: reason
-    EOS naming that token, no delta carries it, its text is nowhere in the output."""
+    """Each end-of-turn token ends a chat stream where it comes: a grammar makes the model write
+    ANSWER first (it allows end-of-generation only once complete) and logit_bias makes that
+    end-of-turn token the one chosen then (the output is noise otherwise). The text is ANSWER,
+    the reason EOS naming the token, which no delta carries."""
     for eot_text in served.family.end_of_turn:
         eot = served.llama.token_id(eot_text)
         params = pb.GenerationParams(
             sampling=pb.SamplingParams(logit_bias={eot: 100.0}),
-            stopping=pb.StoppingCriteria(max_tokens=8),
+            stopping=pb.StoppingCriteria(max_tokens=32),
+            grammar=pb.Grammar(gbnf=f'root ::= "{ANSWER}"'),
         )
         ids: list[int] = []
         text = ""
@@ -196,10 +200,9 @@ async def test_end_of_turn_ends_the_stream(served: Served) -> None:
             else:
                 done = event.done
         assert done is not None
-        assert done.finish_reason == pb.FINISH_REASON_EOS, eot_text
+        assert (text, done.finish_reason) == (ANSWER, pb.FINISH_REASON_EOS), eot_text
         assert done.finish.matched_token_id == eot
-        assert eot not in ids and eot_text not in text
-        assert ids == [] and done.usage.completion_tokens == 0  # EOS is not an output token
+        assert eot not in ids and done.usage.completion_tokens == len(ids)  # EOS is not output
 
 
 @dataclass
