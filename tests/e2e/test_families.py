@@ -36,7 +36,7 @@ from tests.support.families import (
 from .conftest import GREEDY
 
 N_CTX = 512
-ANSWER = "Blue, then green."
+ANSWER = "Blue 🦙 中文"  # characters that byte-level vocabularies split across tokens
 DETOKENIZE_SAMPLE = 512  # ids spread over the whole vocabulary, detokenized in one request
 
 
