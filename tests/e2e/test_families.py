@@ -88,15 +88,18 @@ async def served(request: pytest.FixtureRequest) -> AsyncIterator[Served]:
 
 async def test_tokenize_equals_llama_cpp(served: Served) -> None:
     """v1 Tokenize gives llama_tokenize's ids for every text, in all four add_special x
-    parse_special modes."""
+    parse_special modes, and each token's piece as llama_token_to_piece renders it."""
     for text, add_special, parse_special in itertools.product(
         served.corpus(), (False, True), (False, True)
     ):
         got = await served.stub.Tokenize(
-            pb.TokenizeRequest(text=text, add_special=add_special, parse_special=parse_special)
+            pb.TokenizeRequest(
+                text=text, add_special=add_special, parse_special=parse_special, return_pieces=True
+            )
         )
         want = served.llama.tokenize(text, add_special=add_special, parse_special=parse_special)
         assert list(got.token_ids) == want, (text, add_special, parse_special)
+        assert list(got.pieces) == [served.llama.piece(t) for t in want], text
 
 
 async def test_detokenize_equals_llama_cpp(served: Served) -> None:

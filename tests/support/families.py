@@ -96,6 +96,13 @@ class Reference:
         assert n >= 0
         return buf.raw[:n].decode("utf-8", errors="replace")
 
+    def piece(self, token_id: int) -> str:
+        """llama_token_to_piece, special tokens rendered (invalid UTF-8 replaced)."""
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token_id, buf, len(buf), 0, True)
+        assert n >= 0
+        return buf.raw[:n].decode("utf-8", errors="replace")
+
     def token_text(self, token_id: int) -> str:
         return self.detokenize([token_id], render_special=True) if token_id >= 0 else ""
 
