@@ -139,9 +139,25 @@ class LlamaModel:
             capacity = -n
 
     def detokenize(self, token_ids: Sequence[int], *, render_special: bool) -> str:
-        if not render_special:
-            return b"".join(self.pieces[t] for t in token_ids).decode("utf-8", errors="replace")
-        return b"".join(self.special_piece(t) for t in token_ids).decode("utf-8", errors="replace")
+        """llama_detokenize's text of the ids as a whole, special tokens kept (as text or as
+        nothing). Not the pieces joined: llama.cpp drops the space a SentencePiece vocabulary
+        with add_space_prefix (phi-3, llama-spm) puts before the first word, and a BPE
+        vocabulary with clean_spaces (llama-bpe: Llama 3) drops the space before . , ? ! and
+        some apostrophes, as HuggingFace decode does. Joined pieces differed on both (tests/e2e/
+        test_families.py: " Hello world" for phi-3's "Hello world"). The stream's deltas are
+        pieces joined (core/text.py): a continuation keeps its spaces."""
+        if not token_ids:
+            return ""
+        tokens = (llama_cpp.llama_token * len(token_ids))(*token_ids)
+        capacity = 8 * len(token_ids) + 64
+        while True:
+            buf = ctypes.create_string_buffer(capacity)
+            n = llama_cpp.llama_detokenize(
+                self.vocab, tokens, len(token_ids), buf, capacity, False, render_special
+            )
+            if n >= 0:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            capacity = -n
 
     def special_piece(self, token_id: int) -> bytes:
         buf = ctypes.create_string_buffer(256)
