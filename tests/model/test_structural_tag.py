@@ -63,6 +63,48 @@ ATTRIBUTE = {"format": {"type": "sequence", "elements": [
     {"type": "const_string", "value": '"'},
 ]}}  # fmt: skip
 
+
+def kimi_k3() -> dict[str, Any]:
+    """What SMG's kimi_k3 parser sends for get_weather(city: string, days?: integer), not
+    at_least_one (crates/tool_parser/src/parsers/kimi_k3.rs): a lazy grammar."""
+    open_, close, sep = "<|open|>", "<|close|>", "<|sep|>"
+    tools_open = f"{open_}tools{sep}"
+
+    def argument(key: str, kind: str, value: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "sequence", "elements": [
+            {"type": "const_string", "value": f'{open_}argument key="{key}" type="{kind}"{sep}'},
+            value,
+            {"type": "const_string", "value": f"{close}argument{sep}"},
+        ]}  # fmt: skip
+
+    call = {"type": "sequence", "elements": [
+        {"type": "const_string", "value": f'{open_}call tool="get_weather" index="'},
+        {"type": "regex", "pattern": "[1-9][0-9]*"},
+        {"type": "const_string", "value": f'"{sep}'},
+        {"type": "sequence", "elements": [
+            argument("city", "string", {"type": "any_text", "excludes": [close, open_, sep]}),
+            {"type": "optional", "content": argument(
+                "days", "number", {"type": "json_schema", "json_schema": {"type": "integer"}})},
+        ]},
+        {"type": "const_string", "value": f"{close}call{sep}"},
+    ]}  # fmt: skip
+    content = {"type": "plus", "content": {"type": "or", "elements": [call]}}
+    tags = [
+        {"begin": prefix + tools_open, "content": content, "end": f"{close}tools{sep}"}
+        for prefix in ("", f"{close}think{sep}", f"{close}response{sep}")
+    ]
+    triggers = [tools_open, f"{close}think{sep}", f"{close}response{sep}"]
+    return {"format": {"type": "triggered_tags", "triggers": triggers, "tags": tags,
+                       "at_least_one": False}}  # fmt: skip
+
+
+KIMI_CALL = (
+    '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
+    '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
+    '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'
+    "<|close|>call<|sep|><|close|>tools<|sep|>"
+)
+
 LEGACY = {"type": "structural_tag", "triggers": ["<tool_call>"], "structures": [
     {"begin": "<tool_call>", "schema": WEATHER, "end": "</tool_call>"}]}  # fmt: skip
 
@@ -91,7 +133,12 @@ LANGUAGES = [
     (ATTRIBUTE, 'tool="get_weather"', True),
     (ATTRIBUTE, 'tool="get"weather"', False),
     (ATTRIBUTE, 'tool="get<|x"', False),
-    # a lazy grammar, from its trigger on (the text before is llama.cpp's to skip)
+    # lazy grammars, from the trigger on (the text before is llama.cpp's to skip)
+    (kimi_k3(), KIMI_CALL, True),
+    (kimi_k3(), "<|close|>think<|sep|>" + KIMI_CALL + " done", True),
+    (kimi_k3(), KIMI_CALL.replace('index="1"', 'index="0"'), False),  # the regex
+    (kimi_k3(), KIMI_CALL.replace(">3<", ">three<"), False),  # the integer schema
+    (kimi_k3(), KIMI_CALL.replace("Paris", "Par<|sep|>is"), False),  # any_text's excludes
     (LEGACY, '<tool_call>{"city": "Paris"}</tool_call>', True),
     (
         LEGACY,

@@ -174,6 +174,9 @@ BAD = [
      "format.at_least_one: must be a boolean"),
     ('{"format": {"type": "sequence", "elements": [{"type": "any_text", "excludes": "x"}]}}',
      "format.elements[0]: excludes must be a list of strings"),
+    ("[" * 100_000, "the structural tag nests too deeply"),
+    (json.dumps({"format": {"type": "any_text", "excludes": ["x" * 2049]}}),
+     "format: the strings free text watches for are longer than 2048 characters in all"),
     ('{"format": ' + '{"type": "optional", "content": ' * 40 + "{}" + "}" * 41,
      "format" + ".content" * 32 + ": formats nest deeper than 32"),
 ]  # fmt: skip

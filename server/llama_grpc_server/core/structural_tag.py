@@ -40,6 +40,9 @@ from typing import Any, ClassVar, NoReturn
 from llama_grpc_server.core.regex_grammar import gbnf_char, gbnf_literal, regex_to_gbnf
 
 MAX_DEPTH = 32  # nesting of formats (a recursive document is refused, not a stack overflow)
+# Free text watching for strings has a rule per proper prefix of them: at most this many (the
+# grammar is compiled on the event loop; real triggers and excludes have a few dozen characters)
+MAX_WATCHED_PREFIXES = 2048
 # std::regex's special characters (llama.cpp's common/regex_escape uses the same set)
 _REGEX_SPECIAL = frozenset(".^$|()*+?[]{}\\")
 _EMPTY = '""'
@@ -69,6 +72,8 @@ def structural_tag_to_gbnf(
         document = json.loads(text)
     except ValueError as exc:
         raise StructuralTagUnsupported(f"the structural tag is not valid JSON: {exc}") from None
+    except RecursionError:  # json's parser recurses per nesting level
+        raise StructuralTagUnsupported("the structural tag nests too deeply") from None
     if not isinstance(document, dict):
         raise StructuralTagUnsupported("the structural tag must be a JSON object")
     kind = document.get("type", "structural_tag")
@@ -215,7 +220,7 @@ class _Builder:
         excludes = fields.get("excludes", fields.get("excluded_str", []))
         if not isinstance(excludes, list) or not all(isinstance(e, str) for e in excludes):
             _refuse(path, "excludes must be a list of strings")
-        return self._automaton([e for e in [*excludes, follow] if e], {})
+        return self._automaton(path, [e for e in [*excludes, follow] if e], {})
 
     def _sequence(self, fields: Mapping[str, Any], path: str, follow: str, depth: int) -> str:
         elements = _list(fields, "elements", path)
@@ -319,7 +324,7 @@ class _Builder:
                 entries[key] = self._rule("enter", body)
             return entries[key]
 
-        self._automaton([], dict.fromkeys(triggers, enter), name=free)
+        self._automaton(path, [], dict.fromkeys(triggers, enter), name=free)
         every_tag = self._rule("tags", " | ".join(_join([_literal(b), r]) for b, r in parts))
         if lazy or _flag(fields, "at_least_one", path):
             return _join([every_tag, after])
@@ -347,6 +352,7 @@ class _Builder:
 
     def _automaton(
         self,
+        path: str,
         avoided: Sequence[str],
         exits: Mapping[str, Callable[[Sequence[str]], str]],
         name: str | None = None,
@@ -359,24 +365,26 @@ class _Builder:
         if not words:
             self._rules.append(f"{start} ::= [^\\x00]*\n")
             return start
-        prefixes = sorted({w[:i] for w in words for i in range(len(w))}, key=lambda p: (len(p), p))
+        if sum(len(w) for w in words) > MAX_WATCHED_PREFIXES:
+            _refuse(path, f"the strings free text watches for are longer than "
+                    f"{MAX_WATCHED_PREFIXES} characters in all")  # fmt: skip
+        step, completes = _aho_corasick(words)
+        prefixes = [node for node in step if node not in completes or not completes[node]]
         names = {p: start if not p else f"{start}-{i}" for i, p in enumerate(prefixes)}
         alphabet = sorted({c for w in words for c in w})
         for prefix in prefixes:
             special: list[str] = []
             options = [_EMPTY]
             for c in alphabet:
-                text = prefix + c
-                completed = [w for w in words if text.endswith(w)]
+                state = step[prefix][c]
+                completed = completes[state]
                 if completed:
                     special.append(c)
                     if any(w in avoided for w in completed):
                         continue
                     hits = [w for w in exits if w in completed]
                     options.append(f"{gbnf_literal(c)} {exits[hits[0]](hits)}")
-                    continue
-                state = next(text[i:] for i in range(len(text) + 1) if text[i:] in names)
-                if state:
+                elif state:
                     special.append(c)
                     options.append(f"{gbnf_literal(c)} {names[state]}")
             others = "".join(gbnf_char(c) for c in special)
@@ -416,6 +424,33 @@ _Builder._HANDLERS.update(
         "tags_with_separator": _Builder._with_separator,
     }
 )
+
+
+def _aho_corasick(
+    words: Sequence[str],
+) -> tuple[dict[str, dict[str, str]], dict[str, list[str]]]:
+    """The Aho-Corasick automaton of `words`, its states named by the prefix they stand for:
+    (state -> character -> next state, for the characters of the words; any other character
+    leads to ""), and state -> the words that end there (the words that are its suffixes)."""
+    nodes = {w[:i] for w in words for i in range(len(w) + 1)}
+    alphabet = sorted({c for w in words for c in w})
+    step: dict[str, dict[str, str]] = {}
+    completes: dict[str, list[str]] = {}
+    fail = {"": ""}
+    for node in sorted(nodes, key=lambda n: (len(n), n)):  # a fallback is shorter: done first
+        if len(node) > 1:
+            fail[node] = step[fail[node[:-1]]][node[-1]]
+        elif node:
+            fail[node] = ""
+        back = step[fail[node]] if node else None
+        step[node] = {
+            c: node + c if node + c in nodes else (back[c] if back is not None else "")
+            for c in alphabet
+        }
+        completes[node] = ([node] if node in words else []) + (
+            completes[fail[node]] if node else []
+        )
+    return step, completes
 
 
 def prefix_rules(gbnf: str, prefix: str) -> str:
