@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llama_grpc_server.core.structural_tag import (
     CompiledStructuralTag,
@@ -230,3 +232,84 @@ def test_guard_replays_from_the_leftmost_trigger() -> None:
     assert guard.allows(b"a>")
     guard.accept(b"a>")
     assert not guard.is_awaiting
+
+
+_TYPES = [
+    "const_string",
+    "json_schema",
+    "regex",
+    "grammar",
+    "any_text",
+    "sequence",
+    "or",
+    "tag",
+    "triggered_tags",
+    "tags_with_separator",
+    "optional",
+    "star",
+    "plus",
+    "qwen_xml_parameter",
+]
+_KEYS = [
+    "type",
+    "value",
+    "json_schema",
+    "pattern",
+    "grammar",
+    "excludes",
+    "elements",
+    "content",
+    "begin",
+    "end",
+    "triggers",
+    "tags",
+    "separator",
+    "at_least_one",
+    "stop_after_first",
+]
+_LEAVES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-2, 2),
+    st.sampled_from(_TYPES),
+    st.text("<a|b>", max_size=4),
+)
+_VALUES = st.recursive(
+    _LEAVES,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(_KEYS), inner, max_size=5)
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(_VALUES, st.fixed_dictionaries({"format": _VALUES})))
+def test_any_document_compiles_or_is_refused_by_name(document: Any) -> None:
+    """Whatever JSON arrives, the compiler answers a grammar or StructuralTagUnsupported (which
+    the rpc layer makes INVALID_ARGUMENT), never another exception (INTERNAL)."""
+    try:
+        compiled = structural_tag_to_gbnf(json.dumps(document), fake_schema)
+    except StructuralTagUnsupported:
+        return
+    assert compiled.gbnf.startswith("root ::= ")
+    assert len(compiled.triggers) == 0 or len(compiled.starts) > 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text("<ab>", max_size=4), max_size=12))
+def test_guard_never_lets_a_replay_leave_the_begins(pieces: list[str]) -> None:
+    """Random pieces against triggers "<a" and "b>": what the guard lets through and then
+    switches on at always replays a prefix of a begin."""
+    starts = ("<a>", "b>>")
+    guard = TriggerGuard(["<a", "b>"], starts)
+    text = ""
+    for piece in pieces:
+        if not guard.allows(piece.encode()):
+            continue
+        guard.accept(piece.encode())
+        text += piece
+        if not guard.is_awaiting:
+            at = min(i for i in (text.find("<a"), text.find("b>")) if i >= 0)
+            assert any(start.startswith(text[at:]) for start in starts)
+            return
