@@ -26,9 +26,9 @@ How each part becomes GBNF:
   is why the text after a tag is the automaton above. Everything else is an ordinary grammar from
   the first token (`at_least_one`: the output starts with a tag, as in xgrammar).
 
-Differences from xgrammar, both measured on llama.cpp 0.3.36's grammar code: any_text followed by
-a string that overlaps itself (an end "aa" after text ending in "a") may end one character later;
-and see `TriggerGuard` for the one token a lazy grammar may not take."""
+Differences from xgrammar: any_text followed by a string that overlaps itself (an end "aa" after
+text ending in "a") may end one character later (the text avoids the end, then the end follows);
+and see `TriggerGuard` for the tokens a lazy grammar may not take before its trigger."""
 
 from __future__ import annotations
 
@@ -102,12 +102,15 @@ class TriggerGuard:
     pattern in all the text sampled so far after each token; on a match it replays the text from
     the match start into the grammar. That replay is unchecked: text the grammar refuses makes
     llama_grammar_accept_token throw, and a C++ exception through the ctypes call aborts the
-    process. Before the trigger the grammar masks nothing, so a token that completes a trigger and
-    goes on within its own piece ("[TOOL_CALLS]garbage") would be sampled and abort us. The
-    sampler asks `allows` for the token it is about to take while `is_awaiting`: a token whose
-    replay (from the leftmost trigger to its end) is not a prefix of one of the tags' begins is
-    refused and the sampler picks another. Tokens that complete a begin and go on into its
-    content in the same piece are refused too (a slightly narrower choice, never a wrong text).
+    process (measured: a lazy `root ::= "blu!"` with the trigger "blu", accepting Gemma 3's
+    token " blue": "terminate called after throwing an instance of 'std::runtime_error' what():
+    Unexpected empty grammar stack after accepting piece: blue (3730)", SIGABRT). Before the
+    trigger the grammar masks nothing, so a token that completes a trigger and goes on within
+    its own piece ("[TOOL_CALLS]garbage") would be sampled and abort us. The sampler asks
+    `allows` for the token it is about to take while `is_awaiting`: a token whose replay (from
+    the leftmost trigger to its end) is not a prefix of one of the tags' begins is refused and
+    the sampler picks another. Tokens that complete a begin and go on into its content in the
+    same piece are refused too (a slightly narrower choice, never a wrong text).
     Pieces are bytes as llama.cpp renders them (special tokens as their text)."""
 
     __slots__ = ("_keep", "_starts", "_tail", "_triggers", "is_awaiting")
