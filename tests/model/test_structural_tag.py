@@ -32,18 +32,19 @@ SHADE = {
 COLORS = "The three primary colors are"
 
 
-def mistral(at_least_one: bool) -> dict[str, Any]:
-    """What SMG's mistral tool parser sends (crates/tool_parser/src/parsers/mistral.rs)."""
+def mistral(at_least_one: bool, *, calls_at_least_one: bool = True) -> dict[str, Any]:
+    """What SMG 1.13.0's mistral tool parser sends, as received on the wire for tool_choice
+    "required" (the source before 1.13 left out the list's own at_least_one)."""
     call = {
         "begin": '{"name": "get_weather", "arguments": ',
         "content": {"type": "json_schema", "json_schema": WEATHER},
         "end": "}",
     }
-    return {"format": {"type": "triggered_tags", "triggers": ["[TOOL_CALLS]"], "tags": [{
-        "begin": "[TOOL_CALLS] [",
-        "content": {"type": "tags_with_separator", "tags": [call], "separator": ", "},
-        "end": "]",
-    }], "at_least_one": at_least_one}}  # fmt: skip
+    calls = {"type": "tags_with_separator", "tags": [call], "separator": ", ",
+             "at_least_one": calls_at_least_one}  # fmt: skip
+    return {"format": {"type": "triggered_tags", "triggers": ["[TOOL_CALLS]"], "tags": [
+        {"begin": "[TOOL_CALLS] [", "content": calls, "end": "]"}
+    ], "at_least_one": at_least_one}}  # fmt: skip
 
 
 # What SMG sends for gpt-oss's response_format (harmony/stages/preparation.rs).
@@ -117,7 +118,8 @@ LANGUAGES = [
     (mistral(True), CALL, True),
     (mistral(True), CALL + " done", True),
     (mistral(True), CALL[:-1] + ', {"name": "get_weather", "arguments": {"city": "Rome"}}]', True),
-    (mistral(True), "[TOOL_CALLS] []", True),  # the list may be empty, as in xgrammar
+    (mistral(True), "[TOOL_CALLS] []", False),  # the list's at_least_one
+    (mistral(True, calls_at_least_one=False), "[TOOL_CALLS] []", True),
     (mistral(True), "Sure. " + CALL, False),  # at_least_one: a tag first
     (mistral(True), CALL.replace('"city"', '"town"'), False),  # the schema holds
     (mistral(True), CALL + " [TOOL_CALLS] x", False),  # the trigger again enters a tag
