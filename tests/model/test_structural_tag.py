@@ -210,18 +210,19 @@ def shades(trigger: str, begin: str, **fields: Any) -> dict[str, Any]:
     return {"format": {"type": "triggered_tags", "triggers": [trigger], "tags": [tag], **fields}}
 
 
-async def test_lazy_grammar_is_free_before_its_trigger_and_watches_for_it_again(
+async def test_lazy_grammar_is_free_before_its_trigger_and_constrains_after_it(
     engine: EngineLoop,
 ) -> None:
     """Greedy: the free run says " red, blue, and yellow"; with the trigger "blue" the text up
-    to it is the same, what follows obeys the schema, and the next "blue" in the free text
-    after the tag enters the tag again."""
+    to it is the same tokens, and what follows obeys the tag's schema and end. (That the free
+    text after a tag enters the tag again at the next trigger is checked above on llama.cpp's
+    grammar, a character at a time: each constrained token here costs a full-vocabulary mask.)"""
     free = await run(engine, request(engine, COLORS, max_tokens=3))
-    out = await run(engine, with_tag(engine, request(engine, COLORS, max_tokens=26), shades(
+    out = await run(engine, with_tag(engine, request(engine, COLORS, max_tokens=16), shades(
         "blue", "blue")))  # fmt: skip
     assert free.text == " red, blue"
     assert out.token_ids[:3] == free.token_ids
-    assert out.text == ' red, blue{ "shade": "sky"}.\n\nThe three primary colors are red, blue{'
+    assert out.text == ' red, blue{ "shade": "sky"}.'
 
 
 async def test_a_token_going_past_the_trigger_where_the_tag_cannot_is_not_taken(
