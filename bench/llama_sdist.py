@@ -93,7 +93,9 @@ def vocab_path(name: str, root: Path | None = None) -> Path:
 
 def vocab_names(root: Path | None = None) -> list[str]:
     folder = ensure(root) / "models"
-    return sorted(p.name[len("ggml-vocab-") : -len(".gguf")] for p in folder.glob("ggml-vocab-*.gguf"))
+    return sorted(
+        p.name[len("ggml-vocab-") : -len(".gguf")] for p in folder.glob("ggml-vocab-*.gguf")
+    )
 
 
 def vectors(name: str, root: Path | None = None) -> Vectors | None:
