@@ -58,12 +58,12 @@ def merges(vocab: GGUFVocab, ids: Mapping[str, int]) -> list[list[str]]:
         if (left, right) in seen:
             continue
         seen.add((left, right))
-        for part in (left, right, left + right):
-            if part not in ids:
-                raise TokenizerExportError(
-                    f"merge {rank} ({line!r}): {part!r} is no token: llama.cpp would merge "
-                    "through it, a HuggingFace BPE model cannot"
-                )
+        if left not in ids or right not in ids or left + right not in ids:
+            part = next(p for p in (left, right, left + right) if p not in ids)
+            raise TokenizerExportError(
+                f"merge {rank} ({line!r}): {part!r} is no token: llama.cpp would merge "
+                "through it, a HuggingFace BPE model cannot"
+            )
         out.append([left, right])
     return out
 

@@ -1,0 +1,220 @@
+"""The tokenizer export on every vocabulary llama.cpp ships test data for (the vocabulary-only
+GGUFs of bench/llama_sdist.py: SentencePiece, byte-level BPE with each family's pre-tokenizer,
+Gemma 4's BPE, BERT, T5): llama.cpp's own test-tokenizer-0 vectors give 0 differing ids, seeded
+random strings (the vocabulary's special tokens written among them) give `llama_tokenize`'s ids
+with and without BOS, with special tokens parsed or not, and decode to the engine's text;
+llama.cpp's attributes (EOG set, control and user-defined tokens, add_bos) carry over. A
+vocabulary that cannot be exact is refused with its reason, checked word for word."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import pytest
+from tokenizers import Tokenizer
+
+from llama_grpc_server.models import tokenizer_export
+from llama_grpc_server.models.tokenizer_export import TokenizerExportError
+from tests.support.tokenizer_corpus import (
+    CJK,
+    CODE,
+    DIGITS,
+    EMOJI,
+    PROSE,
+    RUNS,
+    WHITESPACE,
+    random_texts,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import llama_sdist
+
+REFUSED = {
+    "bert-bge": (
+        "tokenizer.ggml.model 'bert' is not supported: WordPiece (BERT) is not exported yet"
+    ),
+    "nomic-bert-moe": (
+        "llama.cpp strips the whitespace beside 1 added tokens ('<mask>', ...) of this model: "
+        "ASCII whitespace only, where HuggingFace's lstrip/rstrip strip Unicode whitespace too "
+        "(U+00A0, U+2000-U+200A, U+3000, ...)"
+    ),
+    "phi-3": (
+        "llama.cpp strips the whitespace beside 64 added tokens ('</s>', '<|assistant|>', "
+        "'<|placeholder1|>', ...) of this model: ASCII whitespace only, where HuggingFace's "
+        "lstrip/rstrip strip Unicode whitespace too (U+00A0, U+2000-U+200A, U+3000, ...)"
+    ),
+    # ">>TITLE<<|endoftext|>": llama.cpp splits the longer <|endoftext|> off first, HuggingFace
+    # the leftmost >>TITLE<<
+    "falcon": (
+        "added tokens '>>TITLE<<' and '<|endoftext|>' overlap: llama.cpp would split them off "
+        "the text differently from HuggingFace"
+    ),
+}
+NAMES = llama_sdist.vocab_names()
+EXPORTED = [name for name in NAMES if name not in REFUSED]
+N_RANDOM = 200
+
+
+def test_every_vocabulary_is_exported_or_refused_by_name() -> None:
+    """llama.cpp's 19 test vocabularies, 15 with vectors; each refusal word for word."""
+    assert len(NAMES) == 19
+    assert sum(llama_sdist.vectors(n) is not None for n in NAMES) == 15
+    for name, message in REFUSED.items():
+        with pytest.raises(TokenizerExportError) as caught:
+            tokenizer_export.tokenizer_json(tokenizer_export.read_vocab(_path(name)))
+        assert str(caught.value).endswith(message), name
+
+
+def _path(name: str) -> Path:
+    return llama_sdist.vocab_path(name)
+
+
+class LlamaVocab:
+    """A vocabulary-only GGUF loaded by llama.cpp: tokenize and token_to_piece as the engine
+    calls them."""
+
+    def __init__(self, path: Path) -> None:
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        assert self.model, path
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_tokens = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode()
+        size = len(data) + 4
+        buf = (llama_cpp.llama_token * size)()
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, size, add_special,
+                                     parse_special)  # fmt: skip
+        assert n >= 0, text
+        return list(buf[:n])
+
+    def piece(self, token_id: int) -> bytes:
+        buf = ctypes.create_string_buffer(512)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token_id, buf, len(buf), 0, True)
+        assert n >= 0
+        return buf.raw[:n]
+
+    def close(self) -> None:
+        llama_cpp.llama_model_free(self.model)
+
+
+@dataclass
+class Exported:
+    name: str
+    llama: LlamaVocab
+    hf: Tokenizer
+    files: dict[str, bytes]
+    document: dict[str, Any]  # tokenizer.json
+    specials: list[str]  # some added tokens' texts, for the random strings
+
+
+@pytest.fixture(scope="module", params=EXPORTED)
+def exported(request: pytest.FixtureRequest) -> Iterator[Exported]:
+    """One export and one llama.cpp load per vocabulary for the whole module."""
+    name: str = request.param
+    files = tokenizer_export.export_files(_path(name), None)
+    tokenizer_export.clear_cache()  # 15 vocabularies' exports would stay in memory
+    document = json.loads(files["tokenizer.json"])
+    added = [token["content"] for token in document["added_tokens"]]
+    llama = LlamaVocab(_path(name))
+    hf = Tokenizer.from_str(files["tokenizer.json"].decode())
+    yield Exported(name, llama, hf, files, document, added[::7][:40])
+    llama.close()
+
+
+def _hf_ids(hf: Tokenizer, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+    hf.encode_special_tokens = not parse_special
+    try:
+        return list(hf.encode(text, add_special_tokens=add_special).ids)
+    finally:
+        hf.encode_special_tokens = False
+
+
+def _first_difference(text: str, want: list[int], got: list[int]) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+              min(len(got), len(want)))  # fmt: skip
+    return (
+        f"{text[:80]!r} ({len(text)} chars): first difference at token {at}: "
+        f"llama.cpp {want[max(0, at - 3) : at + 3]}, exported {got[max(0, at - 3) : at + 3]}"
+    )
+
+
+def test_llama_cpp_vectors_give_no_differing_id(exported: Exported) -> None:
+    """test-tokenizer-0's texts (add_special false, parse_special false) against its ids."""
+    vectors = llama_sdist.vectors(exported.name)
+    if vectors is None:
+        pytest.skip(f"llama.cpp has no vectors for {exported.name}")
+    differing = [
+        _first_difference(text, ids, got)
+        for text, ids in zip(vectors.texts, vectors.ids, strict=True)
+        if (got := _hf_ids(exported.hf, text, add_special=False, parse_special=False)) != ids
+    ]
+    assert not differing, f"{len(differing)} of {len(vectors.texts)} differ: {differing[:3]}"
+
+
+def _corpus(exported: Exported) -> list[str]:
+    fixed = [PROSE, CODE, CJK, EMOJI, DIGITS, *WHITESPACE, *RUNS]
+    return fixed + random_texts(N_RANDOM, seed=39, extra=exported.specials)
+
+
+@pytest.mark.parametrize("parse_special", [False, True])
+@pytest.mark.parametrize("add_special", [False, True])
+def test_random_strings_give_llama_tokenize_ids(
+    exported: Exported, add_special: bool, parse_special: bool
+) -> None:
+    """Fixed stress texts and seeded random strings, token for token, in all four modes."""
+    corpus = _corpus(exported)
+    assert len(corpus) > N_RANDOM
+    for text in corpus:
+        want = exported.llama.tokenize(text, add_special=add_special, parse_special=parse_special)
+        got = _hf_ids(exported.hf, text, add_special=add_special, parse_special=parse_special)
+        if got != want:
+            pytest.fail(_first_difference(text, want, got))
+
+
+def test_decoding_gives_the_engines_text(exported: Exported) -> None:
+    """decode(ids), special tokens rendered, equals llama_token_to_piece's pieces joined (the
+    text the engine streams), for every text of the corpus tokenized with specials parsed."""
+    for text in _corpus(exported):
+        ids = exported.llama.tokenize(text, add_special=True, parse_special=True)
+        want = b"".join(map(exported.llama.piece, ids)).decode("utf-8", errors="replace")
+        assert exported.hf.decode(ids, skip_special_tokens=False) == want, text
+
+
+def test_attributes_are_llama_cpps(exported: Exported) -> None:
+    """The end-of-generation ids, which added tokens are special (control/unknown: parsed only
+    with specials, hidden when decoding without them) and which not (user-defined), BOS, EOS
+    and add_bos / add_eos: what llama.cpp loaded."""
+    vocab, n = exported.llama.vocab, exported.llama.n_tokens
+    eog = [i for i in range(n) if llama_cpp.llama_vocab_is_eog(vocab, i)]
+    generation = json.loads(exported.files["generation_config.json"])
+    eos = generation["eos_token_id"]
+    assert (eos if isinstance(eos, list) else [eos]) == eog
+    attr = [int(llama_cpp.llama_vocab_get_attr(vocab, i)) for i in range(n)]
+    control = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+    user = llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+    added = exported.document["added_tokens"]
+    assert sorted(t["id"] for t in added if t["special"]) == [
+        i for i in range(n) if attr[i] & control
+    ]
+    assert sorted(t["id"] for t in added if not t["special"]) == [
+        i for i in range(n) if attr[i] & user and not attr[i] & control
+    ]
+    config = json.loads(exported.files["tokenizer_config.json"])
+    assert config["add_bos_token"] is bool(llama_cpp.llama_vocab_get_add_bos(vocab))
+    assert config["add_eos_token"] is bool(llama_cpp.llama_vocab_get_add_eos(vocab))
+    bos, eos_id = llama_cpp.llama_vocab_bos(vocab), llama_cpp.llama_vocab_eos(vocab)
+    assert generation["bos_token_id"] == (bos if bos >= 0 else None)
+    assert json.loads(exported.files["config.json"])["eos_token_id"] == (
+        eos_id if eos_id >= 0 else None
+    )
