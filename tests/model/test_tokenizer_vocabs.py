@@ -21,7 +21,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from llama_grpc_server.models import tokenizer_export
+from llama_grpc_server.models.bpe_pretokenizers import PRE_NAMES, PRE_TYPES
 from llama_grpc_server.models.tokenizer_export import TokenizerExportError
+from tests.support.gguf_files import ARRAY, FLOAT32, INT32, STRING, UINT32, Value, gguf_bytes
 from tests.support.tokenizer_corpus import (
     CJK,
     CODE,
@@ -218,3 +220,109 @@ def test_attributes_are_llama_cpps(exported: Exported) -> None:
     assert json.loads(exported.files["config.json"])["eos_token_id"] == (
         eos_id if eos_id >= 0 else None
     )
+
+
+# -- every pre-tokenizer name, on a small byte-level vocabulary ----------------------------------
+
+N_MERGES = 3000
+PRE_SAMPLE = dict(reversed(PRE_NAMES.items()))
+DISTINCT = sorted(
+    {settings: name for name, settings in PRE_SAMPLE.items()}.values()
+)  # one name per distinct setting (pre-type and flags)
+BYTE_LEVEL = [
+    n for n in DISTINCT
+    if PRE_TYPES[PRE_NAMES[n].pre_type].byte_level and not PRE_TYPES[PRE_NAMES[n].pre_type].refused
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def small_vocab() -> tuple[list[str], list[int], list[str]]:
+    """Qwen2's 256 byte characters and the tokens of its first N_MERGES merges, of every merge
+    into a run of whitespace or digits and of those with a newline or a combining mark's lead
+    byte (so that pieces split differently tokenize differently), each with the merges making
+    its parts; two control tokens and a user-defined one: (tokens, types, merges)."""
+    vocab = tokenizer_export.read_vocab(_path("qwen2"))
+    made = {m.replace(" ", "", 1): rank for rank, m in enumerate(vocab.merges)}
+    runs = set("ĠĊĉč0123456789")  # GPT-2's characters of " \n\t\r", digits
+    wanted = [
+        rank
+        for rank, m in enumerate(vocab.merges)
+        if rank < N_MERGES or set(m.replace(" ", "")) <= runs or "Ì" in m or "Ċ" in m
+    ]
+    chosen: set[int] = set()
+    while wanted:  # each with the merges that make its two parts
+        rank = wanted.pop()
+        if rank not in chosen:
+            chosen.add(rank)
+            wanted += [made[p] for p in vocab.merges[rank].split(" ", 1) if p in made]
+    merges = [vocab.merges[rank] for rank in sorted(chosen)]
+    tokens = list(vocab.tokens[:256])  # Qwen2 lists its byte characters first
+    tokens += [m.replace(" ", "", 1) for m in merges]
+    tokens = list(dict.fromkeys(tokens))
+    types = [1] * len(tokens)
+    for text, kind in (("<|endoftext|>", 3), ("<|im_start|>", 3), ("<tool>", 4)):
+        tokens.append(text)
+        types.append(kind)
+    return tokens, types, merges
+
+
+def _small_gguf(path: Path, pre: str, vocab: tuple[list[str], list[int], list[str]]) -> Path:
+    tokens, types, merges = vocab
+    meta: dict[str, Value] = {
+        "general.architecture": (STRING, "gpt2"),
+        "general.name": (STRING, "small"),
+        "gpt2.block_count": (UINT32, 1),
+        "gpt2.context_length": (UINT32, 1024),
+        "gpt2.embedding_length": (UINT32, 64),
+        "gpt2.feed_forward_length": (UINT32, 256),
+        "gpt2.attention.head_count": (UINT32, 1),
+        "gpt2.attention.layer_norm_epsilon": (FLOAT32, 1e-5),
+        "tokenizer.ggml.model": (STRING, "gpt2"),
+        "tokenizer.ggml.pre": (STRING, pre),
+        "tokenizer.ggml.tokens": (ARRAY, (STRING, tokens)),
+        "tokenizer.ggml.token_type": (ARRAY, (INT32, types)),
+        "tokenizer.ggml.merges": (ARRAY, (STRING, merges)),
+        "tokenizer.ggml.bos_token_id": (UINT32, len(tokens) - 3),
+        "tokenizer.ggml.eos_token_id": (UINT32, len(tokens) - 3),
+    }
+    path.write_bytes(gguf_bytes(meta))
+    return path
+
+
+def test_the_small_vocabulary_covers_every_exported_pre_tokenizer() -> None:
+    """Every pre-tokenizer setting llama.cpp knows is tested below or refused by name."""
+    refused = {n for n in DISTINCT if PRE_TYPES[PRE_NAMES[n].pre_type].refused}
+    spm_style = {n for n in DISTINCT if not PRE_TYPES[PRE_NAMES[n].pre_type].byte_level}
+    assert set(BYTE_LEVEL) | refused | spm_style == set(DISTINCT)
+    assert {PRE_NAMES[n].pre_type for n in refused} == {
+        "TINY_AYA", "KIMI_K2", "AFMOE", "SUPERBPE", "WHITESPACE"
+    }  # fmt: skip
+    assert len(BYTE_LEVEL) > 40
+
+
+@pytest.mark.parametrize("pre", BYTE_LEVEL)
+def test_each_pre_tokenizer_gives_llama_tokenize_ids(
+    pre: str,
+    small_vocab: tuple[list[str], list[int], list[str]],
+    tmp_path: Path,
+) -> None:
+    """llama.cpp loads a small vocabulary with this tokenizer.ggml.pre, the export of the same
+    file gives its ids on the stress texts and 150 random strings, without BOS and specials,
+    and with both."""
+    path = _small_gguf(tmp_path / "small.gguf", pre, small_vocab)
+    document = tokenizer_export.tokenizer_json(tokenizer_export.read_vocab(path))
+    hf = Tokenizer.from_str(json.dumps(document))
+    llama = LlamaVocab(path)
+    try:
+        texts = [PROSE, CODE, CJK, EMOJI, DIGITS, *WHITESPACE, *RUNS]
+        texts += random_texts(150, seed=len(pre), extra=["<|endoftext|>", "<tool>", "<|im_"])
+        # the splits are what differs between names: two modes (BOS and specials together)
+        for add_special, parse_special in ((False, False), (True, True)):
+            for text in texts:
+                want = llama.tokenize(text, add_special=add_special, parse_special=parse_special)
+                got = _hf_ids(hf, text, add_special=add_special, parse_special=parse_special)
+                if got != want:
+                    mode = f"{add_special=} {parse_special=}: "
+                    pytest.fail(mode + _first_difference(text, want, got))
+    finally:
+        llama.close()
