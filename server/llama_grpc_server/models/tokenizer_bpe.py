@@ -15,6 +15,7 @@ its own (bpe_pretokenizers.PRE_TYPES' `refused`)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -152,9 +153,41 @@ def decoder(
     return {"type": "Sequence", "decoders": decoders}
 
 
+def _bpe_merge(word: str, ranks: Mapping[tuple[str, str], int]) -> list[str]:
+    """llama.cpp's merging of one piece: the lowest-ranked adjacent pair first, the leftmost
+    on a tie (a plain loop: only used on short runs)."""
+    symbols = list(word)
+    while True:
+        ranked = [
+            (rank, i)
+            for i, pair in enumerate(itertools.pairwise(symbols))
+            if (rank := ranks.get(pair)) is not None
+        ]
+        if not ranked:
+            return symbols
+        _, i = min(ranked)
+        symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+
+
+def _check_newline_runs(vocab: GGUFVocab, pairs: list[list[str]]) -> None:
+    """Gemma 4 (pre-type GEMMA4): llama.cpp takes a run of newlines that is a token whole,
+    without merging (llama.cpp PR 21343). The export merges it like any piece, so it is exact
+    only where the merges make that token anyway (Gemma 4's do, for all 31 runs)."""
+    ranks = {(left, right): rank for rank, (left, right) in enumerate(pairs)}
+    for text in vocab.tokens:
+        if text and not text.strip("\n") and _bpe_merge(text, ranks) != [text]:
+            raise TokenizerExportError(
+                f"llama.cpp keeps the newline run {text!r} whole, its merges do not make it: "
+                "a HuggingFace BPE model cannot take only newline runs whole"
+            )
+
+
 def model(
     vocab: GGUFVocab, ids: Mapping[str, int], name: PreName, pre_type: PreType
 ) -> dict[str, Any]:
+    pairs = merges(vocab, ids)
+    if name.pre_type == "GEMMA4":
+        _check_newline_runs(vocab, pairs)
     if not pre_type.byte_level:
         missing = [b for b in range(256) if f"<0x{b:02X}>" not in ids]
         if missing:
@@ -172,5 +205,5 @@ def model(
         "byte_fallback": not pre_type.byte_level,
         "ignore_merges": name.ignore_merges,
         "vocab": dict(ids),
-        "merges": merges(vocab, ids),
+        "merges": pairs,
     }
