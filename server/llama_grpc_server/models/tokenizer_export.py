@@ -2,35 +2,47 @@
 
 An LLM gateway (SMG) tokenizes with HuggingFace `tokenizers` and sends token ids to its workers,
 so the tokenizer it runs must split text exactly as llama.cpp's `llama_tokenize` does, or prefix
-caching and stop tokens silently break. The files are built from the GGUF metadata alone (the
-PyPI `gguf` reader; no llama_cpp, no torch, no transformers) and checked by loading them with
-`tokenizers`:
+caching and stop tokens silently break. The files are built from the GGUF metadata alone
+(gguf_vocab.py reads it and applies llama.cpp's defaults and token attributes; no llama_cpp, no
+torch, no transformers) and checked by loading them with `tokenizers`:
 
-- `tokenizer.json`: the vocabulary as a BPE model whose merges rebuild llama.cpp's SentencePiece
-  merging (`tokenizer.ggml.model` "llama": GGUF files such as Gemma's store no merges). llama.cpp
-  merges any two adjacent symbols whose concatenation is a token, highest score first, the
-  leftmost on a tie; so every way of splitting a token into two tokens is a merge, ranked by the
-  token's score (then its id). Control (and unknown) tokens are special added tokens, matched in
-  the raw text only when specials are parsed; user-defined tokens (Gemma: runs of newlines,
-  spaces and tabs, HTML tags) are added tokens matched in the raw text always, before the rest
-  is normalized (space -> U+2581, a leading U+2581 when `add_space_prefix`), just as
-  llama.cpp's partition does. Bytes with no token fall back to the <0xNN> tokens. The
-  post-processor adds BOS/EOS as `add_bos_token` / `add_eos_token` say.
+- `tokenizer.json`, by `tokenizer.ggml.model`:
+  - "llama" (SentencePiece-style: Gemma 3, Llama 2, ...): the vocabulary as a BPE model whose
+    merges rebuild llama.cpp's SentencePiece merging (such GGUF files store no merges).
+    llama.cpp merges any two adjacent symbols whose concatenation is a token, highest score
+    first, the leftmost on a tie; so every way of splitting a token into two tokens is a merge,
+    ranked by the token's score (then its id). The text is normalized (space -> U+2581, a
+    leading U+2581 when `add_space_prefix`); bytes with no token fall back to <0xNN> tokens.
+  - "gpt2" (byte-level BPE: Llama 3, Qwen, DeepSeek, GPT-2, StarCoder, ...) and "gemma4"
+    (BPE on raw UTF-8 with U+2581 spaces): the file's merges, and llama.cpp's pre-tokenizer
+    for `tokenizer.ggml.pre` as regex splits (tokenizer_bpe.py, bpe_pretokenizers.py).
+  Control (and unknown) tokens are special added tokens, matched in the raw text only when
+  specials are parsed; user-defined tokens (Gemma: runs of newlines, spaces and tabs, HTML tags)
+  are added tokens matched in the raw text always, before the rest is normalized and split, just
+  as llama.cpp's partition does. llama.cpp's types by text count (EOG and FIM tokens become
+  control tokens, gpt-oss's channel tokens user-defined). The post-processor adds BOS/EOS as
+  `add_bos_token` / `add_eos_token` say (llama.cpp's default for the model and pre-tokenizer,
+  then the file's keys). The decoder gives llama_token_to_piece's text, token after token.
 - `tokenizer_config.json` (special tokens, `add_bos_token`, `chat_template`: the GGUF's own or
-  the one given), `special_tokens_map.json`, `config.json` and `generation_config.json` (BOS,
-  EOS, the end-of-generation ids, the context length).
+  the one given; `clean_up_tokenization_spaces` false: the text is the engine's, see
+  tokenizer_bpe.decoder), `special_tokens_map.json`, `config.json` and `generation_config.json`
+  (BOS, EOS, llama.cpp's end-of-generation ids, the context length).
 
 `encode(text, add_special_tokens=B)` then equals `llama_tokenize(text, add_special=B,
 parse_special=True)`; with `tokenizer.encode_special_tokens = True` it equals
 `parse_special=False`. A vocabulary the exporter cannot reproduce exactly raises
-TokenizerExportError naming the reason: another tokenizer model (BPE "gpt2", UGM, WPM...), two
-tokens with one text, missing byte tokens, a token llama.cpp could merge through a character
-that is no token, added tokens that overlap (see _check_added). Not detected: where two tokens
-have the same score, llama.cpp merges the leftmost pair first and the export the lower id's (BPE
-ranks are unique); a result differs only if two such pairs compete for one symbol. In Gemma 3
-the only tied scores are the user-defined tokens' (never merged: they are split off first);
-Llama 2's tied runs of U+2581 matched llama.cpp on 2,432 encodings of space runs and random
-strings.
+TokenizerExportError naming the reason: a tokenizer model other than the three (WPM/BERT,
+UGM/T5, RWKV, ...), a pre-tokenizer llama.cpp splits with code of its own (Kimi K2, AFMoE,
+Tiny Aya, SuperBPE, whitespace), two tokens with one text, missing byte tokens, a token
+llama.cpp could merge through a character or merge that is no token, added tokens that overlap
+(see _check_added), added tokens llama.cpp strips whitespace beside (Phi-3's; see
+_check_strips). Not detected: where two SentencePiece tokens have the same score, llama.cpp
+merges the leftmost pair first and the export the lower id's (BPE ranks are unique); a result
+differs only if two such pairs compete for one symbol. In Gemma 3 the only tied scores are the
+user-defined tokens' (never merged: they are split off first); Llama 2's tied runs of U+2581
+matched llama.cpp on 2,432 encodings of space runs and random strings.
+tests/model/test_tokenizer_vocabs.py checks every vocabulary of llama.cpp's own test data and
+every pre-tokenizer name against llama.cpp.
 
 Exports are cached per model file sha256 (in memory, and on disk under `cache_dir` when given);
 `tokenizer_zip` gives the files as one zip archive with deterministic bytes (what the engine
@@ -450,9 +462,12 @@ def default_cache_dir(env: Mapping[str, str] = os.environ) -> Path:
 
 @functools.cache
 def exporter_id() -> str:
-    """A digest of this module's and gguf_header's source: a changed exporter never reads an
-    older one's files from the disk cache, whether or not FORMAT_VERSION was raised."""
-    sources = (Path(__file__), Path(__file__).with_name("gguf_header.py"))
+    """A digest of the exporter's sources (this module, gguf_header, gguf_vocab and the BPE
+    modules): a changed exporter never reads an older one's files from the disk cache, whether
+    or not FORMAT_VERSION was raised."""
+    here = Path(__file__)
+    names = ("gguf_header.py", "gguf_vocab.py", "bpe_pretokenizers.py", "tokenizer_bpe.py")
+    sources = (here, *(here.with_name(name) for name in names))
     return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
 
 
