@@ -41,12 +41,14 @@ import llama_sdist
 
 REFUSED = {
     "bert-bge": (
-        "tokenizer.ggml.model 'bert' is not supported: WordPiece (BERT) is not exported yet"
+        "tokenizer.ggml.model 'bert' is not supported: llama.cpp's WordPiece normalizer replaces "
+        "each decomposable character by the first code point of its NFD (a Hangul syllable by "
+        "its leading consonant), drops spacing marks and keeps unassigned code points, which "
+        "HuggingFace's normalizers cannot reproduce"
     ),
     "nomic-bert-moe": (
-        "llama.cpp strips the whitespace beside 1 added tokens ('<mask>', ...) of this model: "
-        "ASCII whitespace only, where HuggingFace's lstrip/rstrip strip Unicode whitespace too "
-        "(U+00A0, U+2000-U+200A, U+3000, ...)"
+        "tokenizer.ggml.model 't5' is not supported: llama.cpp's Unigram (T5) tokenizer, its "
+        "charsmap normalization and unknown-token penalty, is not reproduced here"
     ),
     "phi-3": (
         "llama.cpp strips the whitespace beside 64 added tokens ('</s>', '<|assistant|>', "

@@ -68,7 +68,6 @@ from llama_grpc_server.models.bpe_pretokenizers import PRE_TYPES
 from llama_grpc_server.models.files import file_sha256
 from llama_grpc_server.models.gguf_vocab import (
     ADDED,
-    BPE,
     BYTE,
     SPM,
     TYPES,
@@ -98,8 +97,12 @@ FILES = (CONFIG, GENERATION_CONFIG, SPECIAL_TOKENS_MAP, TOKENIZER_JSON, TOKENIZE
 SPACE_MARK = "\u2581"  # SentencePiece's visible space (llama_escape_whitespace)
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 _REFUSED_KINDS = {
-    WPM: "WordPiece (BERT) is not exported yet",
-    UGM: "Unigram (T5) is not exported yet",
+    # measured on ggml-vocab-bert-bge: "한국어" -> ▁ᄒ ᄀ ᄋ, "का" -> ▁क, "x\u0378y" -> [UNK]
+    WPM: "llama.cpp's WordPiece normalizer replaces each decomposable character by the first "
+    "code point of its NFD (a Hangul syllable by its leading consonant), drops spacing marks "
+    "and keeps unassigned code points, which HuggingFace's normalizers cannot reproduce",
+    UGM: "llama.cpp's Unigram (T5) tokenizer, its charsmap normalization and unknown-token "
+    "penalty, is not reproduced here",
 }
 
 
@@ -324,17 +327,14 @@ def tokenizer_json(vocab: GGUFVocab) -> dict[str, Any]:
     """The tokenizer.json document for `vocab` (see the module docstring)."""
     attrs = attributes(vocab)
     types = list(attrs.types)
-    ids = _check(vocab, types)
-    _check_added(vocab, types)
-    _check_strips(vocab, attrs)
-    if vocab.kind == SPM:
-        parts = _spm(vocab, ids, types)
-    elif vocab.kind == BPE:
-        parts = _bpe(vocab, ids, types)
-    else:
+    if vocab.kind in _REFUSED_KINDS:
         raise TokenizerExportError(
             f"tokenizer.ggml.model {vocab.model!r} is not supported: {_REFUSED_KINDS[vocab.kind]}"
         )
+    ids = _check(vocab, types)
+    _check_added(vocab, types)
+    _check_strips(vocab, attrs)
+    parts = _spm(vocab, ids, types) if vocab.kind == SPM else _bpe(vocab, ids, types)
     return {
         "version": "1.0",
         "truncation": None,
