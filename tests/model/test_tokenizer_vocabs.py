@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,51 +224,71 @@ def test_attributes_are_llama_cpps(exported: Exported) -> None:
     )
 
 
-# -- every pre-tokenizer name, on a small byte-level vocabulary ----------------------------------
+# -- every pre-tokenizer name, on a small vocabulary ----------------------------------------------
 
 N_MERGES = 3000
 PRE_SAMPLE = dict(reversed(PRE_NAMES.items()))
 DISTINCT = sorted(
     {settings: name for name, settings in PRE_SAMPLE.items()}.values()
 )  # one name per distinct setting (pre-type and flags)
-BYTE_LEVEL = [
-    n for n in DISTINCT
-    if PRE_TYPES[PRE_NAMES[n].pre_type].byte_level and not PRE_TYPES[PRE_NAMES[n].pre_type].refused
-]  # fmt: skip
+TESTED = [n for n in DISTINCT if not PRE_TYPES[PRE_NAMES[n].pre_type].refused]
 
 
-@pytest.fixture(scope="module")
-def small_vocab() -> tuple[list[str], list[int], list[str]]:
-    """Qwen2's 256 byte characters and the tokens of its first N_MERGES merges, of every merge
-    into a run of whitespace or digits and of those with a newline or a combining mark's lead
-    byte (so that pieces split differently tokenize differently), each with the merges making
-    its parts; two control tokens and a user-defined one: (tokens, types, merges)."""
-    vocab = tokenizer_export.read_vocab(_path("qwen2"))
+SmallVocab = tuple[list[str], list[int], list[str]]  # tokens, types, merges
+
+
+def _cut(name: str, n_first: int, wanted: Callable[[int, str], bool]) -> SmallVocab:
+    """The vocabulary's first `n_first` tokens (its 256 bytes), those of the merges `wanted`
+    picks, each with the merges making its parts; then two control tokens and a user-defined
+    one."""
+    vocab = tokenizer_export.read_vocab(_path(name))
+    first = vocab.tokens[:n_first]
     made = {m.replace(" ", "", 1): rank for rank, m in enumerate(vocab.merges)}
-    runs = set("ĠĊĉč0123456789")  # GPT-2's characters of " \n\t\r", digits
-    wanted = [
-        rank
-        for rank, m in enumerate(vocab.merges)
-        if rank < N_MERGES or set(m.replace(" ", "")) <= runs or "Ì" in m or "Ċ" in m
-    ]
+    picked = [rank for rank, m in enumerate(vocab.merges) if wanted(rank, m)]
     chosen: set[int] = set()
-    while wanted:  # each with the merges that make its two parts
-        rank = wanted.pop()
+    while picked:
+        rank = picked.pop()
         if rank not in chosen:
             chosen.add(rank)
-            wanted += [made[p] for p in vocab.merges[rank].split(" ", 1) if p in made]
+            picked += [made[p] for p in vocab.merges[rank].split(" ", 1) if p in made]
     merges = [vocab.merges[rank] for rank in sorted(chosen)]
-    tokens = list(vocab.tokens[:256])  # Qwen2 lists its byte characters first
-    tokens += [m.replace(" ", "", 1) for m in merges]
+    parts = [p for m in merges for p in m.split(" ", 1)]  # base tokens too (Gemma's "\n")
+    tokens = [*first, *parts, *(m.replace(" ", "", 1) for m in merges)]
+    if n_first == 0:
+        tokens = [f"<0x{b:02X}>" for b in range(256)] + tokens
     tokens = list(dict.fromkeys(tokens))
-    types = [1] * len(tokens)
+    types = [6 if t.startswith("<0x") and len(t) == 6 else 1 for t in tokens]
     for text, kind in (("<|endoftext|>", 3), ("<|im_start|>", 3), ("<tool>", 4)):
         tokens.append(text)
         types.append(kind)
     return tokens, types, merges
 
 
-def _small_gguf(path: Path, pre: str, vocab: tuple[list[str], list[int], list[str]]) -> Path:
+@pytest.fixture(scope="module")
+def byte_level_vocab() -> SmallVocab:
+    """Qwen2's 256 byte characters and the tokens of its first N_MERGES merges, of every merge
+    into a run of whitespace or digits and of those with a newline or a combining mark's lead
+    byte (so that pieces split differently tokenize differently)."""
+    runs = set("ĠĊĉč0123456789")  # GPT-2's characters of " \n\t\r", digits
+    return _cut(
+        "qwen2",
+        256,
+        lambda rank, m: rank < N_MERGES or set(m.replace(" ", "")) <= runs or "Ì" in m or "Ċ" in m,
+    )
+
+
+@pytest.fixture(scope="module")
+def raw_utf8_vocab() -> SmallVocab:
+    """The 256 <0xNN> tokens and the tokens of Gemma 4's first N_MERGES merges and of its
+    newline and U+2581 runs."""
+    return _cut(
+        "gemma-4",
+        0,
+        lambda rank, m: rank < N_MERGES or set(m.replace(" ", "", 1)) <= {"\n", "\u2581"},
+    )
+
+
+def _small_gguf(path: Path, pre: str, vocab: SmallVocab) -> Path:
     tokens, types, merges = vocab
     meta: dict[str, Value] = {
         "general.architecture": (STRING, "gpt2"),
@@ -294,24 +314,23 @@ def _small_gguf(path: Path, pre: str, vocab: tuple[list[str], list[int], list[st
 def test_the_small_vocabulary_covers_every_exported_pre_tokenizer() -> None:
     """Every pre-tokenizer setting llama.cpp knows is tested below or refused by name."""
     refused = {n for n in DISTINCT if PRE_TYPES[PRE_NAMES[n].pre_type].refused}
-    spm_style = {n for n in DISTINCT if not PRE_TYPES[PRE_NAMES[n].pre_type].byte_level}
-    assert set(BYTE_LEVEL) | refused | spm_style == set(DISTINCT)
+    assert set(TESTED) | refused == set(DISTINCT)
     assert {PRE_NAMES[n].pre_type for n in refused} == {
         "TINY_AYA", "KIMI_K2", "AFMOE", "SUPERBPE", "WHITESPACE"
     }  # fmt: skip
-    assert len(BYTE_LEVEL) > 40
+    assert len(TESTED) == 55
 
 
-@pytest.mark.parametrize("pre", BYTE_LEVEL)
+@pytest.mark.parametrize("pre", TESTED)
 def test_each_pre_tokenizer_gives_llama_tokenize_ids(
-    pre: str,
-    small_vocab: tuple[list[str], list[int], list[str]],
-    tmp_path: Path,
+    pre: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     """llama.cpp loads a small vocabulary with this tokenizer.ggml.pre, the export of the same
     file gives its ids on the stress texts and 150 random strings, without BOS and specials,
     and with both."""
-    path = _small_gguf(tmp_path / "small.gguf", pre, small_vocab)
+    byte_level = PRE_TYPES[PRE_NAMES[pre].pre_type].byte_level
+    vocab = request.getfixturevalue("byte_level_vocab" if byte_level else "raw_utf8_vocab")
+    path = _small_gguf(tmp_path / "small.gguf", pre, vocab)
     document = tokenizer_export.tokenizer_json(tokenizer_export.read_vocab(path))
     hf = Tokenizer.from_str(json.dumps(document))
     llama = LlamaVocab(path)
