@@ -47,8 +47,10 @@ REFUSED = {
         "HuggingFace's normalizers cannot reproduce"
     ),
     "nomic-bert-moe": (
-        "tokenizer.ggml.model 't5' is not supported: llama.cpp's Unigram (T5) tokenizer, its "
-        "charsmap normalization and unknown-token penalty, is not reproduced here"
+        "tokenizer.ggml.model 't5' is not supported: llama.cpp's Unigram lattice leaves control "
+        "tokens out (HuggingFace's Unigram scores every vocabulary entry, so '</s>' written in "
+        "text could become that token) and takes the unknown-token penalty from the normal "
+        "tokens' lowest score; not reproduced"
     ),
     "phi-3": (
         "llama.cpp strips the whitespace beside 64 added tokens ('</s>', '<|assistant|>', "

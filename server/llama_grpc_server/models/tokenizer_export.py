@@ -101,8 +101,10 @@ _REFUSED_KINDS = {
     WPM: "llama.cpp's WordPiece normalizer replaces each decomposable character by the first "
     "code point of its NFD (a Hangul syllable by its leading consonant), drops spacing marks "
     "and keeps unassigned code points, which HuggingFace's normalizers cannot reproduce",
-    UGM: "llama.cpp's Unigram (T5) tokenizer, its charsmap normalization and unknown-token "
-    "penalty, is not reproduced here",
+    # read in llm_tokenizer_ugm (llama-vocab.cpp); llama.cpp ships no Unigram vectors
+    UGM: "llama.cpp's Unigram lattice leaves control tokens out (HuggingFace's Unigram scores "
+    "every vocabulary entry, so '</s>' written in text could become that token) and takes the "
+    "unknown-token penalty from the normal tokens' lowest score; not reproduced",
 }
 
 
