@@ -151,29 +151,19 @@ def _kind(model: Any, path: str | os.PathLike[str], key: str) -> str:
     return _MODEL_TYPES[model]
 
 
-def read_vocab(path: str | os.PathLike[str]) -> GGUFVocab:
-    """The tokenizer metadata of the GGUF file at `path`; TokenizerExportError when it has none
-    or it is not one this package can export. Read with gguf_header (the vocabulary arrays
-    whole): gguf.GGUFReader takes ~23 s to open a 262k-token vocabulary, this ~0.3 s."""
+def _arrays(
+    meta: Mapping[str, Any], kind: str, path: str | os.PathLike[str]
+) -> tuple[tuple[str, ...], tuple[float, ...], tuple[int, ...], tuple[str, ...]]:
+    """tokens, scores, types and merges; llama.cpp reads scores and types as zeros and NORMAL
+    where the file has none (SentencePiece and Unigram need the scores)."""
     keys = _keys()
-    try:
-        header = read_header(path, full=(keys.LIST, keys.SCORES, keys.TOKEN_TYPE, keys.MERGES))
-    except GGUFError as exc:
-        raise TokenizerExportError(str(exc)) from None
-    meta = header.metadata
-    model = meta.get(keys.MODEL)
-    kind = _kind(model, path, keys.MODEL)
     listed = meta.get(keys.LIST)
     if not isinstance(listed, tuple) or not all(isinstance(t, str) for t in listed):
         raise TokenizerExportError(f"{path}: {keys.LIST} is not a list of strings")
     tokens = tuple(str(t) for t in listed)
     n = len(tokens)
-    # llama.cpp reads no scores for BPE and WPM (0 each); a missing array reads as zeros there
-    scores = (
-        _numbers(meta, keys.SCORES, n, path)
-        if kind in (SPM, UGM) or keys.SCORES in meta
-        else (0.0,) * n
-    )
+    needs_scores = kind in (SPM, UGM) or keys.SCORES in meta
+    scores = _numbers(meta, keys.SCORES, n, path) if needs_scores else (0.0,) * n
     types = (
         tuple(int(t) for t in _numbers(meta, keys.TOKEN_TYPE, n, path))
         if keys.TOKEN_TYPE in meta
@@ -182,25 +172,52 @@ def read_vocab(path: str | os.PathLike[str]) -> GGUFVocab:
     merges = meta.get(keys.MERGES, ())
     if not isinstance(merges, tuple) or not all(isinstance(m, str) for m in merges):
         raise TokenizerExportError(f"{path}: {keys.MERGES} is not a list of strings")
+    return tokens, scores, types, tuple(str(m) for m in merges)
+
+
+def _fim_ids(meta: Mapping[str, Any], n: int) -> dict[str, int | None]:
+    """The FIM token ids the file names (the deprecated prefix/suffix/middle keys last, as
+    llama.cpp reads them)."""
+    fim = {k: _token_id(meta, f"tokenizer.ggml.{k}_token_id", n, None) for k in FIM_TEXTS}
+    for key, old in _OLD_FIM_KEYS.items():
+        if (token_id := _token_id(meta, f"tokenizer.ggml.{old}_token_id", n, None)) is not None:
+            fim[key] = token_id
+    return fim
+
+
+def read_vocab(path: str | os.PathLike[str]) -> GGUFVocab:
+    """The tokenizer metadata of the GGUF file at `path`; TokenizerExportError when it has none
+    or it is not one this package can export. Read with gguf_header (the vocabulary arrays
+    whole): gguf.GGUFReader takes ~23 s to open a 262k-token vocabulary, this ~0.3 s.
+    llama.cpp's defaults apply in its order: the tokenizer model's, the pre-tokenizer name's,
+    then the file's keys."""
+    keys = _keys()
+    try:
+        header = read_header(path, full=(keys.LIST, keys.SCORES, keys.TOKEN_TYPE, keys.MERGES))
+    except GGUFError as exc:
+        raise TokenizerExportError(str(exc)) from None
+    meta = header.metadata
+    model = meta.get(keys.MODEL)
+    kind = _kind(model, path, keys.MODEL)
+    tokens, scores, types, merges = _arrays(meta, kind, path)
+    n = len(tokens)
     ids, add_bos, add_eos, add_sep, add_prefix = _DEFAULTS[kind]
-    if model == "gemma4":
-        ids = _GEMMA4_IDS
-    bos, eos, unk, sep, pad = ids
+    bos, eos, unk, sep, pad = _GEMMA4_IDS if model == "gemma4" else ids
     pre = meta.get(keys.PRE)
     pre = "gemma4" if model == "gemma4" else (pre if isinstance(pre, str) else "")
     if kind == BPE and not merges and pre != "kimi-k2":  # llama.cpp needs them but for Kimi K2
         raise TokenizerExportError(f"{path}: a BPE vocabulary without {keys.MERGES}")
     settings = PRE_NAMES.get(pre) if kind == BPE else None
-    gemma4 = settings is not None and settings.pre_type == "GEMMA4"
     if settings is not None:
         add_bos = add_bos or settings.add_bos
         add_sep = add_sep or settings.add_sep
         bos = None if settings.no_bos else bos
+    # llama.cpp adds Gemma 4's BOS whatever the file says
+    gemma4 = settings is not None and settings.pre_type == "GEMMA4"
     template = meta.get(keys.CHAT_TEMPLATE)
     context = meta.get(f"{header.architecture}.context_length")
-    fim = {k: _token_id(meta, f"tokenizer.ggml.{k}_token_id", n, None) for k in FIM_TEXTS}
-    for key, old in _OLD_FIM_KEYS.items():  # llama.cpp still reads the deprecated names
-        fim[key] = _token_id(meta, f"tokenizer.ggml.{old}_token_id", n, None) or fim[key]
+    fim = _fim_ids(meta, n)
+    eot_eom = (_token_id(meta, key, n, None) for key in (keys.EOT_ID, keys.EOM_ID))
     return GGUFVocab(
         model=str(model),
         kind=kind,
@@ -208,20 +225,14 @@ def read_vocab(path: str | os.PathLike[str]) -> GGUFVocab:
         tokens=tokens,
         scores=scores,
         types=types,
-        merges=tuple(str(m) for m in merges),
+        merges=merges,
         bos_id=_token_id(meta, keys.BOS_ID, n, bos),
         eos_id=_token_id(meta, keys.EOS_ID, n, eos),
         unk_id=_token_id(meta, keys.UNK_ID, n, unk),
         pad_id=_token_id(meta, keys.PAD_ID, n, pad),
         sep_id=_token_id(meta, keys.SEP_ID, n, sep),
-        other_eog_ids=tuple(
-            i
-            for key in (keys.EOT_ID, keys.EOM_ID)
-            if (i := _token_id(meta, key, n, None)) is not None
-        )
-        + tuple(i for k in _FIM_EOG if (i := fim[k]) is not None),
+        other_eog_ids=tuple(i for i in (*eot_eom, *(fim[k] for k in _FIM_EOG)) if i is not None),
         named_fim=frozenset(k for k, i in fim.items() if i is not None),
-        # llama.cpp adds Gemma 4's BOS whatever the file says
         add_bos=_flag(meta, keys.ADD_BOS, add_bos) or gemma4,
         add_eos=_flag(meta, keys.ADD_EOS, add_eos),
         add_sep=_flag(meta, "tokenizer.ggml.add_sep_token", add_sep),

@@ -128,9 +128,9 @@ def decoder(
     are not applied (the engine's text has none).
 
     HuggingFace's ByteLevel decoder reads a token as bytes unless one of its characters is no
-    byte character: an added token in _raw_tokens gets a noncharacter appended first (a
-    zero-width Replace anchored on the whole token), so it passes as its text, and loses it
-    after."""
+    byte character: an added token in _raw_tokens gets a noncharacter put in front first (a
+    zero-width Replace that matches only the whole token), so it passes as its text, and the
+    noncharacter is removed after."""
     if pre_type.byte_level:
         byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
                       "use_regex": False}  # fmt: skip
