@@ -7,14 +7,14 @@ How llama.cpp's splitting (unicode.cpp, unicode_regex_split) maps onto Oniguruma
 `tokenizers` runs:
 - Four regexes run hand-written splitters: GPT-2's, Llama 3's, Qwen2's and Qwen3.5's. Each gives
   the regex's own matches (read line by line; the random corpora of
-  tests/model/test_tokenizer_export.py agree), except that GPT-2's also takes a lone whitespace
+  tests/model/test_tokenizer_vocabs.py agree), except that GPT-2's also takes a lone whitespace
   run as `\\s+` (the regex string lacks that alternative): written here with it.
 - The others run std::regex on a "collapsed" text where every non-ASCII code point stands for
   its category (letter, number, punctuation, mark, symbol, whitespace as \\v, other) and
   \\p{..} for the same class: the same matches as Oniguruma's \\p{..} on the text, given the
-  same categories (llama.cpp's unicode-data tables and Oniguruma agree on every code point
-  below U+30000, measured by tokenizing each through both). llama.cpp reads \\p{Lu}, \\p{Ll},
-  \\p{Lt}, \\p{Lm} and \\p{Lo} as any letter, ASCII included: written \\p{L} here.
+  same categories (they differ only on the code points of UNICODE_16_NEW, which oniguruma()
+  takes out of each class). llama.cpp reads \\p{Lu}, \\p{Ll}, \\p{Lt}, \\p{Lm} and \\p{Lo}
+  as any letter, ASCII included: written \\p{L} here.
 - Regexes without \\p{..} run std::wregex on the text with non-ASCII whitespace replaced by
   \\v: a character class then matches such a space only if it matches \\v, so the CJK ranges
   that span U+2000-U+3000 are intersected with [^\\s] here, and ECMAScript's `$` (end of
