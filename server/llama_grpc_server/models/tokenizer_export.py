@@ -81,7 +81,11 @@ from llama_grpc_server.models.gguf_vocab import (
     read_vocab,
 )
 
-__all__ = ["GGUFVocab", "TokenizerExportError", "export_files", "read_vocab", "tokenizer_zip"]
+__all__ = [
+    "FILES", "FORMAT_VERSION", "GGUFVocab", "TokenizerExportError", "clear_cache",
+    "default_cache_dir", "export_files", "exporter_id", "read_vocab", "tokenizer_json",
+    "tokenizer_zip", "write_files",
+]  # fmt: skip
 
 FORMAT_VERSION = 2
 """Raised whenever the exported bytes change for the same model file (part of the disk cache's
