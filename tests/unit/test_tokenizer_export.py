@@ -235,7 +235,12 @@ def test_caches_in_memory_and_on_disk(
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"tokenizer.ggml.model": (STRING, "gpt2")}, "'gpt2' is not supported"),
+        ({"tokenizer.ggml.model": (STRING, "rwkv")}, "'rwkv' is not supported: RWKV's trie"),
+        ({"tokenizer.ggml.model": (STRING, "gpt2")}, "a BPE vocabulary without .*merges"),
+        (
+            {"tokenizer.ggml.model": (STRING, "gpt2"), "tokenizer.ggml.pre": (STRING, "kimi-k2")},
+            "pre-tokenizer 'kimi-k2' is not supported: llama.cpp splits it with a hand-written",
+        ),
         ({"tokenizer.ggml.model": None}, "has no tokenizer"),
         (
             {"tokenizer.ggml.scores": (ARRAY, (FLOAT32, [0.0] * 10))},
@@ -328,10 +333,10 @@ def test_export_tokenizer_command(
     assert config["chat_template"].startswith("{%- for message in messages -%}")
     cached = tmp_path / "xdg" / "llama-grpc" / "tokenizers"
     assert [p.name for p in cached.iterdir()] == [_cache_name(embedded)]
-    bad = _write(tmp_path / "bpe.gguf", **{"tokenizer.ggml.model": (STRING, "gpt2")})
+    bad = _write(tmp_path / "rwkv.gguf", **{"tokenizer.ggml.model": (STRING, "rwkv")})
     assert models_cli.main(["export-tokenizer", str(bad), str(tmp_path / "none")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "'gpt2' is not supported" in err
+    assert err.startswith("error: ") and "'rwkv' is not supported" in err
     assert not (tmp_path / "none").exists()
 
 
