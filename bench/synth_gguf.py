@@ -185,6 +185,30 @@ class Family:
     end_of_turn: tuple[str, ...]  # the texts of the tokens that end an assistant turn
     note: str = ""
     server_template: str = ""  # the server's --chat-template for it ("": the file's own)
+    # (door, what holds there instead) where a door of DOORS does not simply work; the tests
+    # of that door assert what the text says instead, and docs/families.md shows it
+    limits: tuple[tuple[str, str], ...] = ()
+
+    def limit(self, door: str) -> str | None:
+        if door not in DOORS:
+            raise KeyError(door)
+        return dict(self.limits).get(door)
+
+
+# The doors every family is tested through (door -> its column in docs/families.md): the
+# tokenizer export (tests/model/test_tokenizer_vocabs.py, by vocabulary), the v1 API
+# (tests/e2e/test_families.py) and `make gateway` with the OpenAI SDK
+# (tests/e2e/test_gateway_families.py).
+DOORS: dict[str, str] = {
+    "export": "tokenizer export",
+    "tokenize": "v1 Tokenize, Detokenize",
+    "messages": "v1 messages (its template)",
+    "generate_tokens": "v1 GenerateTokens",
+    "end_of_turn": "end of turn ends a stream",
+    "gateway_chat": "gateway chat: stream, stop, usage",
+    "gateway_forced_tools": "gateway tool_choice required / named",
+    "gateway_own_tools": "gateway tool call in its own format",
+}
 
 
 # DeepSeek's end of sentence, spelled with FULLWIDTH VERTICAL LINE (U+FF5C) and U+2581
@@ -207,12 +231,22 @@ FAMILIES: dict[str, Family] = {
                "deepseek-ai-DeepSeek-R1-Distill-Llama-8B", (DEEPSEEK_EOS,),
                "neither R1-Distill template's User and Assistant markers is a token of the "
                "deepseek-llm vocabulary (the real distills add them): they tokenize as text; "
-               "its BOS and end of sentence are tokens"),
+               "its BOS and end of sentence are tokens",
+               limits=(("gateway_forced_tools",
+                        "✘ SMG 1.13's deepseek_r1 reasoning parser takes the constrained call "
+                        "for thinking (no tool_calls; the JSON is in reasoning_content); "
+                        "GATEWAY_REASONING_PARSER=passthrough gets the calls"),)),
         Family("phi3", "phi3", "phi-3", "microsoft-Phi-3.5-mini-instruct", ("<|end|>",),
                "special tokens eat the whitespace after them (llama.cpp: RSTRIP when "
-               "general.name has phi3), so the template's newlines vanish"),
+               "general.name has phi3), so the template's newlines vanish",
+               limits=(("export",
+                        "✔ but a non-ASCII space right after a special token is stripped "
+                        "(llama.cpp strips ASCII only; docs/models.md)"),)),
         Family("gemma4", "gemma4", "gemma-4", "google-gemma-4-31B-it", ("<turn|>",),
-               "layer 0 sliding-window, layer 1 global"),
+               "layer 0 sliding-window, layer 1 global",
+               limits=(("gateway_forced_tools",
+                        "✔ unconstrained: SMG 1.13's gemma4 parser sends no constraint and "
+                        "reads the call from the model's own format (forced here by a regex)"),)),
     )
 }  # fmt: skip
 
@@ -446,6 +480,35 @@ def _write_tensors(writer: Any, tensors: list[Tensor], seed: int) -> None:
     writer.close()
 
 
+def doors_table() -> str:
+    """Which door each family goes through, as docs/families.md's second table: ✔, or what
+    holds instead (Family.limits; ✘ where it does not), and the SMG parsers `make gateway`
+    picks from its template (deploy/smg_parsers.py)."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # run as a script: deploy/ is beside bench/
+        sys.path.insert(0, root)
+    from deploy import smg_parsers
+
+    from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
+
+    rows = [
+        "| family | " + " | ".join(DOORS.values()) + " | SMG parsers (tool, reasoning) |",
+        "| --- |" + " --- |" * (len(DOORS) + 1),
+    ]
+    for f in FAMILIES.values():
+        template = BUILTIN_TEMPLATES[f.server_template] if f.server_template else None
+        if template is None:
+            import llama_sdist
+
+            template = llama_sdist.template(f.template)
+        parsers = smg_parsers.choose(template)
+        cells = [f"`{f.name}`"]
+        cells += [f.limit(door) or "✔" for door in DOORS]
+        cells.append(f"`{parsers.tool}`, `{parsers.reasoning}`")
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
 def families_table() -> str:
     """FAMILIES as the Markdown table of docs/families.md (`--families-table` prints it)."""
     rows = [
@@ -515,6 +578,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.families_table:
         print(families_table(), end="")
+        print()
+        print(doors_table(), end="")
         return 0
     if args.list_families:
         for f in FAMILIES.values():

@@ -11,14 +11,13 @@ import re
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import openai
 import pytest
-import pytest_asyncio
 from deploy.cluster import free_port
 from deploy.gateway import NO_WARM_UP, Gateway
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
@@ -61,19 +60,6 @@ def event_branches(gateway: Gateway) -> dict[str, float]:
     """SMG's cache_aware decisions so far, by branch (event_hit, event_miss, ...)."""
     prefix = 'smg_cache_aware_policy_branch_total{branch="'
     return {k[len(prefix) : -2]: v for k, v in gateway.metrics().items() if k.startswith(prefix)}
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def sdk(gateway: Gateway) -> AsyncIterator[Any]:
-    async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused") as client:
-        yield client
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def direct(gateway: Gateway) -> AsyncIterator[AsyncClient]:
-    """v1 on the first replica, for reference answers and its stats."""
-    async with AsyncClient(gateway.cluster.members[0].target, timeout=120) as client:
-        yield client
 
 
 async def test_chat_plain_and_streamed_agree(sdk: Any, gateway: Gateway) -> None:

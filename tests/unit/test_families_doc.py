@@ -17,6 +17,18 @@ def test_docs_families_md_holds_the_generated_table() -> None:
     """Paste `python bench/synth_gguf.py --families-table` into docs/families.md when this fails."""
     page = (ROOT / "docs" / "families.md").read_text(encoding="utf-8")
     assert synth_gguf.families_table() in page
+    assert synth_gguf.doors_table() in page
+
+
+def test_every_door_has_a_cell_and_limits_name_known_doors() -> None:
+    """One column per door; a family's limits name doors that exist (Family.limit raises on
+    another) and say ✔ or ✘ first."""
+    header = synth_gguf.doors_table().splitlines()[0]
+    assert all(title in header for title in synth_gguf.DOORS.values())
+    for family in synth_gguf.FAMILIES.values():
+        for door, text in family.limits:
+            assert family.limit(door) == text
+            assert text[0] in "✔✘", (family.name, door)
 
 
 def test_every_family_row_names_its_end_of_turn_tokens() -> None:

@@ -35,12 +35,17 @@ TokenizerExportError naming the reason: a tokenizer model other than the three (
 UGM/T5, RWKV, ...), a pre-tokenizer llama.cpp splits with code of its own (Kimi K2, AFMoE,
 Tiny Aya, SuperBPE, whitespace), two tokens with one text, missing byte tokens, a token
 llama.cpp could merge through a character or merge that is no token, added tokens that overlap
-(see _check_added), added tokens llama.cpp strips whitespace beside (Phi-3's; see
-_check_strips). Not detected: where two SentencePiece tokens have the same score, llama.cpp
-merges the leftmost pair first and the export the lower id's (BPE ranks are unique); a result
-differs only if two such pairs compete for one symbol. In Gemma 3 the only tied scores are the
-user-defined tokens' (never merged: they are split off first); Llama 2's tied runs of U+2581
-matched llama.cpp on 2,432 encodings of space runs and random strings.
+(see _check_added). One known difference is accepted rather than refused: added tokens llama.cpp
+strips whitespace beside (every special token of a model named Phi-3; some models' <mask>) get
+HuggingFace's lstrip/rstrip, which strip Unicode White_Space where llama.cpp strips ASCII
+whitespace only (C isspace): with specials parsed, "<|end|>\u3000x" keeps the U+3000 in
+llama.cpp and loses it here (see STRIP_DIFFERENCE). Refusing the vocabulary instead would take
+a whole family off the gateway for text no template writes. Not detected: where two
+SentencePiece tokens have the same score, llama.cpp merges the leftmost pair first and the
+export the lower id's (BPE ranks are unique); a result differs only if two such pairs compete
+for one symbol. In Gemma 3 the only tied scores are the user-defined tokens' (never merged:
+they are split off first); Llama 2's tied runs of U+2581 matched llama.cpp on 2,432 encodings
+of space runs and random strings.
 tests/model/test_tokenizer_vocabs.py checks every vocabulary of llama.cpp's own test data and
 every pre-tokenizer name against llama.cpp.
 
@@ -87,7 +92,7 @@ __all__ = [
     "tokenizer_zip", "write_files",
 ]  # fmt: skip
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Raised whenever the exported bytes change for the same model file (part of the disk cache's
 key)."""
 
@@ -181,20 +186,13 @@ def _check_added(vocab: GGUFVocab, types: list[int]) -> None:
                 )
 
 
-def _check_strips(vocab: GGUFVocab, attrs: Attributes) -> None:
-    """Refuse tokens llama.cpp strips whitespace beside (lstrip/rstrip: Phi-3's added tokens,
-    some models' <mask>): it strips ASCII whitespace only (C isspace), HuggingFace's lstrip and
-    rstrip any Unicode White_Space, so "<|end|>\u3000x" would differ, and no other
-    HuggingFace setting strips only ASCII (measured on phi-3: 67 of 300 random strings with
-    specials parsed differed)."""
-    stripped = sorted(attrs.lstrip | attrs.rstrip)
-    if stripped:
-        names = ", ".join(repr(vocab.tokens[i]) for i in stripped[:3])
-        raise TokenizerExportError(
-            f"llama.cpp strips the whitespace beside {len(stripped)} added tokens ({names}, ...) "
-            "of this model: ASCII whitespace only, where HuggingFace's lstrip/rstrip strip "
-            "Unicode whitespace too (U+00A0, U+2000-U+200A, U+3000, ...)"
-        )
+STRIP_DIFFERENCE = (
+    "llama.cpp strips only ASCII whitespace (C isspace) beside a token with its lstrip/rstrip "
+    "attribute, HuggingFace any Unicode White_Space: with specials parsed, a non-ASCII space "
+    "(U+00A0, U+2000-U+200A, U+3000, ...) next to such a token stays in llama.cpp's ids and is "
+    "dropped in the export's"
+)
+"""The one difference the export accepts (Phi-3's special tokens), stated in docs/models.md."""
 
 
 def _is_byte_text(text: str) -> bool:
@@ -235,11 +233,7 @@ def _merges(vocab: GGUFVocab, ids: Mapping[str, int], types: list[int]) -> list[
 def _added_tokens(vocab: GGUFVocab, attrs: Attributes) -> list[dict[str, Any]]:
     """Control and unknown tokens (special: parsed only with specials), user-defined ones (not
     special: always split off first), each matched in the raw text as llama.cpp does, with
-    llama.cpp's lstrip/rstrip attributes.
-
-    Not exact: llama.cpp strips only ASCII whitespace beside such a token (C isspace), while
-    HuggingFace strips any Unicode White_Space (U+00A0, U+2000-U+200A, U+3000, ...) too; the
-    export is refused where a token has them (see tokenizer_json)."""
+    llama.cpp's lstrip/rstrip attributes (with the one accepted difference, STRIP_DIFFERENCE)."""
     out = []
     for i, text in enumerate(vocab.tokens):
         kind = attrs.types[i]
@@ -248,8 +242,8 @@ def _added_tokens(vocab: GGUFVocab, attrs: Attributes) -> list[dict[str, Any]]:
                 "id": i,
                 "content": text,
                 "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
+                "lstrip": i in attrs.lstrip,
+                "rstrip": i in attrs.rstrip,
                 "normalized": False,
                 "special": kind != USER_DEFINED,
             })  # fmt: skip
@@ -339,7 +333,6 @@ def tokenizer_json(vocab: GGUFVocab) -> dict[str, Any]:
         )
     ids = _check(vocab, types)
     _check_added(vocab, types)
-    _check_strips(vocab, attrs)
     parts = _spm(vocab, ids, types) if vocab.kind == SPM else _bpe(vocab, ids, types)
     return {
         "version": "1.0",
