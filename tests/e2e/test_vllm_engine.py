@@ -140,9 +140,9 @@ async def test_regex_and_choice_constrain_the_output(
 
 
 async def test_structural_tag_is_free_until_its_trigger(vllm: Any, client: AsyncClient) -> None:
-    """A triggered tag (a lazy grammar): greedy writes " red, " as it would unconstrained, then
-    the trigger "blue" enters the tag, whose content obeys its schema; stop_after_first ends
-    the output after it (EOS: finish "stop")."""
+    """A triggered tag (a lazy grammar): greedy writes " red, ..." as it would unconstrained,
+    then the trigger "blue" enters the tag, whose content obeys its schema; stop_after_first
+    ends the output after it (EOS: finish "stop")."""
     shade = {
         "type": "object",
         "properties": {"shade": {"enum": ["navy", "sky"]}},
@@ -156,7 +156,13 @@ async def test_structural_tag_is_free_until_its_trigger(vllm: Any, client: Async
     )
     _, [done] = await run(vllm, request)
     assert done.finish_reason == "stop"
-    assert await _text(client, done) == ' red, blue{ "shade": "sky"}.'
+    # the free text is greedy's (" red, " alone; " red, red, and " after other modules' calls
+    # left the prompt cached: KV computed in another batch shape can flip a near tie)
+    text = await _text(client, done)
+    found = re.fullmatch(r"(.*?)blue(\{.*\})\.", text, re.S)
+    assert found is not None, text
+    assert "blue" not in found.group(1) and found.group(1).startswith(" red"), text
+    assert json.loads(found.group(2)) in ({"shade": "navy"}, {"shade": "sky"}), text
 
 
 async def test_n_samples_share_the_prompt_kv(vllm: Any, client: AsyncClient) -> None:
