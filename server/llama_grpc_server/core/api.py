@@ -34,6 +34,8 @@ class ModelInfo:
     n_params: int
     add_bos: bool
     chat_template: str = ""  # the template in use for messages: a built-in, "gguf" or none
+    n_embd: int = 0  # the dimension of its embeddings
+    pooling: str = ""  # the GGUF's pooling_type ("mean", "cls", "last", "none", "rank"; "": none)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 from llama_grpc_server import errors
-from llama_grpc_server.core import expiry, prefix_cache, stats
+from llama_grpc_server.core import embedding, expiry, prefix_cache, stats
 from llama_grpc_server.core.admission import Admission
 from llama_grpc_server.core.api import StatsSnapshot
 from llama_grpc_server.core.backpressure import BackPressure
@@ -103,6 +103,7 @@ class Scheduler:
         self._monotonic = monotonic
         self._samplers_to_open: list[SamplerSpec] = []
         self._tick = 0
+        self._last_pass_embedded = False  # generation and embedding passes alternate
         self._started_ns = clock_ns()
 
     def add(self, request: Request) -> None:
@@ -187,12 +188,14 @@ class Scheduler:
         self._admit()
         self.kv.resolve_waits()
         self.kv.persist_idle(self.clock_ns())
+        chunks, is_embedding = self._chunks()
         plan = StepPlan(
             tick=self._tick,
-            chunks=tuple(self._chunks()),
+            chunks=tuple(chunks),
             seq_ops=self.kv.take_ops(),
             open_samplers=tuple(self._samplers_to_open),
             close_samplers=tuple(self.endings.samplers_to_close),
+            is_embedding=is_embedding,
         )
         self._samplers_to_open, self.endings.samplers_to_close = [], []
         if not (plan.chunks or plan.seq_ops or plan.open_samplers or plan.close_samplers):
@@ -228,14 +231,20 @@ class Scheduler:
                 self._start(request)
 
     def _start(self, request: Request) -> None:
-        """A request's first admission: its outputs, its sampler, its speculation."""
+        """A request's first admission: its outputs, its sampler, its speculation (none for an
+        embedding request: it samples nothing)."""
         request.admitted_ns = self.clock_ns()
-        self._samplers_to_open.append(self.outputs.open(request))
-        self.drafts.admitted(request)
+        if not request.spec.is_embedding:
+            self._samplers_to_open.append(self.outputs.open(request))
+            self.drafts.admitted(request)
         self.counters.started += 1
         self.counters.prompt_tokens += request.num_prompt
 
-    def _chunks(self) -> list[Chunk]:
+    def _chunks(self) -> tuple[list[Chunk], bool]:
+        """The tick's chunks, and whether they make an embedding pass. llama.cpp outputs either
+        logits or embeddings in a pass, so embedding requests get passes of their own: every
+        other pass while streams generate (each then costing them about one decode tick:
+        core.embedding.pass_budget), every pass otherwise."""
         active = [
             r
             for s in self.slots
@@ -243,6 +252,45 @@ class Scheduler:
             and not r.is_blocked
             and not self.back_pressure.behind(r)
         ]
+        embedding_requests = [r for r in active if r.spec.is_embedding]
+        active = [r for r in active if not r.spec.is_embedding]
+        if embedding_requests and not (active and self._last_pass_embedded):
+            self._last_pass_embedded = True
+            return self._embedding_chunks(embedding_requests, is_generating=bool(active)), True
+        self._last_pass_embedded = False
+        return self._generation_chunks(active), False
+
+    def _embedding_chunks(self, requests: list[Request], *, is_generating: bool) -> list[Chunk]:
+        """Prompt tokens of embedding requests, least recently served first; no logits: the
+        runner reads every token's embedding."""
+        requests.sort(key=lambda r: r.last_served_tick)
+        budget = embedding.pass_budget(
+            self.costs.prefill_allowance(self.limits.chunk_size), is_generating=is_generating
+        )
+        pending = [(r.slot_id, r.num_pending) for r in requests]
+        allocation = embedding.share_pass(pending, budget, self.limits.chunk_size)
+        chunks: list[Chunk] = []
+        for request in requests:
+            n = allocation.get(request.slot_id, 0)
+            if n <= 0:
+                continue
+            start = request.num_computed
+            tokens = tuple(request.tokens[start : start + n])
+            chunks.append(
+                Chunk(
+                    request.slot_id,
+                    request.key,
+                    start,
+                    tokens,
+                    wants_logits=False,
+                    embedding=request.spec.embedding,
+                    num_input=request.num_prompt,
+                )
+            )
+            request.last_served_tick = self._tick
+        return chunks
+
+    def _generation_chunks(self, active: list[Request]) -> list[Chunk]:
         if not active:
             return []
         view = BatchView(
@@ -286,6 +334,8 @@ class Scheduler:
         if result.status != DECODE_OK:
             return self._fail_batch(plan, result.status)
         chunks = [c for c in plan.chunks if c.slot_id not in result.reset]
+        if plan.is_embedding:
+            return self._update_embedding(chunks, result)
         if chunks:  # a plan of KV edits only is no forward pass
             self._observe_tick(chunks, result)
         out: Emitted = []
@@ -305,6 +355,28 @@ class Scheduler:
                 out += self._accept(request, result.sampled[chunk.slot_id], logprob)
                 self.spec.observe_tokens(request)
         self.kv.num_used_cells()  # the tick's one count (GetStats reads it live: CellMap)
+        return out
+
+    def _update_embedding(self, chunks: Sequence[Chunk], result: StepResult) -> Emitted:
+        """An embedding pass: a request whose last input token was fed ends with the vectors
+        the runner pooled (its slot's KV is cleared: embedding requests leave no prefix
+        cache)."""
+        if chunks:  # counted as a pass, but not as prefill cost: it computes every token's
+            # logits (core.embedding.MAX_PASS_TOKENS) and would lower the prefill allowance
+            num_tokens = sum(len(c.tokens) for c in chunks)
+            self.counters.count_pass(num_tokens, 0, result.eval_ms, result.eval_cpu_ms)
+        out: Emitted = []
+        for chunk in chunks:
+            request = self.slots[chunk.slot_id].request
+            if request is None or request.key != chunk.request_id:
+                continue
+            self.kv.computed(chunk)
+            request.num_computed += len(chunk.tokens)
+            if request.num_pending == 0:
+                request.first_token_ns = self.clock_ns()
+                vectors = result.embeddings[chunk.slot_id]
+                out += self.endings.finish(request, FinishReason.EMBEDDED, embedding=vectors)
+        self.kv.num_used_cells()
         return out
 
     def _observe_tick(self, chunks: Sequence[Chunk], result: StepResult) -> None:

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import llama_cpp
+import numpy as np
 
+from llama_grpc_server.core.embedding import Vectors
 from llama_grpc_server.core.plan import (
     DECODE_OK,
     Chunk,
@@ -21,6 +23,7 @@ from llama_grpc_server.core.plan import (
 )
 from llama_grpc_server.engine import cpu_share
 from llama_grpc_server.engine.batch import Batch
+from llama_grpc_server.engine.embedding import Embedder
 from llama_grpc_server.engine.llama import LlamaModel
 from llama_grpc_server.engine.logprobs import LogprobComputer
 from llama_grpc_server.engine.sampler import NO_TOKEN, Candidates, RequestSampler, logits_rows
@@ -53,6 +56,7 @@ class Runner:
         self.logprobs = LogprobComputer(model.n_vocab)
         self._candidates: Candidates | None = None  # allocated for the first constraint
         self._threads = model.threads  # what the context decodes with now
+        self.embedder = Embedder()  # embedding requests' outputs until their last chunk
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.launch(plan)()
@@ -66,6 +70,7 @@ class Runner:
             if sampler is not None:
                 sampler.close()
             self.top_logprobs.pop(request_id, None)
+            self.embedder.forget(request_id)
         for spec in plan.open_samplers:
             self.samplers[spec.request_id] = self._open_sampler(spec)
             if spec.output.wants_logprobs:
@@ -78,6 +83,8 @@ class Runner:
         )
         if not chunks:
             return _done(StepResult(saved=saved, restored=restored, reset=reset))
+        if plan.is_embedding:
+            return _done(self._embed(chunks, saved, restored, reset))
         outputs = self.batch.fill(chunks)
         with cpu_share.forward_pass(self.model.threads) as threads:
             if threads != self._threads:  # fewer while another model loads (cpu_share)
@@ -120,6 +127,52 @@ class Runner:
             )
 
         return collect
+
+    def _embed(
+        self,
+        chunks: Sequence[Chunk],
+        saved: dict[int, bytes],
+        restored: dict[int, bool],
+        reset: frozenset[int],
+    ) -> StepResult:
+        """An embedding pass: every token an output, embeddings on for this llama_decode only
+        (llama_set_embeddings, as llama-server does per batch), the rows copied out by chunk.
+        With pooling NONE llama.cpp keeps them contiguous in batch order (llama_get_embeddings)."""
+        self.batch.fill(chunks, every_output=True)
+        llama_cpp.llama_set_embeddings(self.model.ctx, True)
+        try:
+            with cpu_share.forward_pass(self.model.threads) as threads:
+                if threads != self._threads:
+                    self.model.set_threads(*threads)
+                    self._threads = threads
+                cpu0 = time.thread_time_ns()
+                t0 = time.perf_counter_ns()
+                status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
+                t1 = time.perf_counter_ns()
+                eval_cpu_ms = (time.thread_time_ns() - cpu0) / 1e6
+            embeddings: dict[int, Vectors] = {}
+            if status == DECODE_OK:
+                n_tokens, n_embd = int(self.batch.struct.n_tokens), self.model.n_embd
+                pointer = llama_cpp.llama_get_embeddings(self.model.ctx)
+                rows = np.ctypeslib.as_array(pointer, shape=(n_tokens, n_embd))
+                start = 0
+                for chunk in chunks:
+                    end = start + len(chunk.tokens)
+                    vectors = self.embedder.add(chunk, rows[start:end])
+                    if vectors is not None:
+                        embeddings[chunk.slot_id] = vectors
+                    start = end
+        finally:
+            llama_cpp.llama_set_embeddings(self.model.ctx, False)
+        return StepResult(
+            status,
+            saved=saved,
+            restored=restored,
+            eval_ms=(t1 - t0) / 1e6,
+            reset=reset,
+            eval_cpu_ms=eval_cpu_ms,
+            embeddings=embeddings,
+        )
 
     def _sample(self, chunks: Sequence[Chunk], outputs: Sequence[int]) -> _Sampled:
         """The tokens of every chunk with outputs, by slot id (a speculative decode's first in
@@ -247,3 +300,4 @@ class Runner:
             sampler.close()
         self.samplers.clear()
         self.top_logprobs.clear()
+        self.embedder.clear()

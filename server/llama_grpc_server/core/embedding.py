@@ -1,0 +1,111 @@
+"""Embeddings: what a caller asked for (`EmbeddingParams`), which pooling a model gets by
+default, how one embedding pass's token budget is shared, and the vectors a request ends with
+(`Vectors`: float32 bytes). Pure Python: engine/embedding.py pools the per-token outputs in
+numpy on the engine thread.
+
+Why per-token outputs pooled by us rather than llama.cpp's own pooling: the context is created
+with pooling NONE, so one context serves generation and embeddings with every pooling per
+request, and a long input can be fed in chunks across passes (a causal model's token output does
+not depend on what follows it). mean / cls / last are what llama.cpp computes (the mean of the
+sequence's outputs, the first one, the last one)."""
+
+from __future__ import annotations
+
+import enum
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Tokens one embedding pass feeds at most. llama.cpp computes the logits of every token of an
+# embedding pass whatever the pooling (llama_context::decode: `output_all = cparams.embeddings`,
+# and the graph ends in the output matrix), and keeps an n_vocab-float row per output: for
+# Gemma 3's 262,144-token vocabulary 1 MiB per token, a buffer that never shrinks. 128 tokens
+# hold it at 128 MiB; measured on the 2-core box (Gemma 3 270M Q4_K_M, load ~7), a 128-token
+# embedding pass cost 1.6x a prefill of the same tokens, a 512-token one 1.8x.
+MAX_PASS_TOKENS = 128
+# While streams generate, an embedding pass comes at most every other forward pass and feeds
+# at least this many tokens (when the measured prefill allowance is smaller or unknown).
+MIN_PASS_TOKENS = 16
+
+
+class Pooling(enum.Enum):
+    """How a request's per-token outputs become its vectors."""
+
+    NONE = "none"  # one vector per token
+    MEAN = "mean"
+    CLS = "cls"  # the first token's
+    LAST = "last"
+
+
+# llama.cpp's pooling names (GGUF `<arch>.pooling_type`) that an embedding request may use as
+# the model's own; "rank" (a reranker's classifier head) is not an embedding.
+_MODEL_POOLINGS = {"mean": Pooling.MEAN, "cls": Pooling.CLS, "last": Pooling.LAST}
+
+
+def default_pooling(model_pooling: str) -> Pooling:
+    """The pooling of a request that names none: the model's own (GGUF pooling_type), or MEAN
+    for a model without one. A generation model such as Gemma 3 has no pooling_type, so
+    llama.cpp's default for it is NONE (a vector per token); one vector per input is what
+    /v1/embeddings callers expect (llama-server refuses pooling none there)."""
+    return _MODEL_POOLINGS.get(model_pooling, Pooling.MEAN)
+
+
+def can_embed(model_pooling: str) -> bool:
+    """Whether the model's outputs are embeddings at all: a reranker's (pooling "rank") are
+    relevance scores from a classifier head that per-token pooling cannot reproduce."""
+    return model_pooling != "rank"
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingParams:
+    """What an embedding request asked for; dimensions 0 keeps the model's."""
+
+    pooling: Pooling = Pooling.MEAN
+    normalize: bool = True
+    dimensions: int = 0
+
+
+def share_pass(pending: Sequence[tuple[int, int]], budget: int, chunk_size: int) -> dict[int, int]:
+    """One embedding pass's tokens by slot id: `pending` is (slot id, tokens still to feed) in
+    the order served (oldest first); each takes what it needs up to chunk_size while the budget
+    lasts, so short inputs finish in one pass and a long one cannot hold the others back."""
+    out: dict[int, int] = {}
+    for slot_id, num_pending in pending:
+        n = min(num_pending, chunk_size, budget)
+        if n <= 0:
+            break
+        out[slot_id] = n
+        budget -= n
+    return out
+
+
+def pass_budget(prefill_allowance: int, *, is_generating: bool) -> int:
+    """The tokens of an embedding pass: MAX_PASS_TOKENS on an engine that generates nothing;
+    beside generating streams the prefill allowance (tokens that cost about one decode tick),
+    within [MIN_PASS_TOKENS, MAX_PASS_TOKENS]."""
+    if not is_generating:
+        return MAX_PASS_TOKENS
+    return max(MIN_PASS_TOKENS, min(MAX_PASS_TOKENS, prefill_allowance))
+
+
+@dataclass(frozen=True, slots=True)
+class Vectors:
+    """A request's vectors: float32, row after row, in native byte order (little-endian on
+    every platform llama.cpp runs on); bytes so the engine thread hands them over with one copy
+    and nothing here needs numpy."""
+
+    dimensions: int
+    data: bytes
+
+    @property
+    def num_vectors(self) -> int:
+        return len(self.data) // (4 * self.dimensions) if self.dimensions else 0
+
+    def rows(self) -> list[list[float]]:
+        """Each vector as Python floats."""
+        values = array("f", self.data)
+        if sys.byteorder != "little":
+            values.byteswap()
+        d = self.dimensions
+        return [values[i : i + d].tolist() for i in range(0, len(values), d)]

@@ -1,0 +1,185 @@
+"""core.embedding (pooling, dimensions, normalisation, a pass's share) and embedding requests in
+the scheduler over the fake runner: their own passes, alternating with generation, chunked,
+preempted, their KV cleared after (no model)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from llama_grpc_server import errors
+from llama_grpc_server.core import embedding
+from llama_grpc_server.core.embedding import EmbeddingParams, Pooling, Vectors
+from llama_grpc_server.core.plan import Chunk
+from llama_grpc_server.core.request import (
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    Request,
+)
+from llama_grpc_server.engine.embedding import Embedder, pool
+from llama_grpc_server.testing import FakeRunner
+from tests.support.scheduler import drive, finals, make, outputs, req
+
+ROWS = np.array([[3.0, 0.0, 0.0, 4.0], [1.0, 2.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float32)
+
+
+def embed_req(rid: str, tokens: tuple[int, ...], **params: object) -> Request:
+    return Request(GenerationRequest(rid, tokens, embedding=EmbeddingParams(**params)))  # type: ignore[arg-type]
+
+
+def expected(tokens: tuple[int, ...], params: EmbeddingParams) -> np.ndarray:
+    return pool(FakeRunner.embedding_rows([], tokens), params)
+
+
+def array_of(vectors: Vectors | None) -> np.ndarray:
+    assert vectors is not None
+    return np.array(vectors.rows(), dtype=np.float32)
+
+
+@pytest.mark.parametrize(
+    ("pooling", "want"),
+    [
+        (Pooling.MEAN, [[4 / 3, 2 / 3, 2 / 3, 4 / 3]]),
+        (Pooling.CLS, [[3.0, 0.0, 0.0, 4.0]]),
+        (Pooling.LAST, [[0.0, 0.0, 0.0, 0.0]]),
+        (Pooling.NONE, ROWS.tolist()),
+    ],
+)
+def test_pooling_without_normalisation(pooling: Pooling, want: list[list[float]]) -> None:
+    """mean / cls / last / none of the per-token rows, unnormalised."""
+    got = pool(ROWS, EmbeddingParams(pooling, normalize=False))
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, np.array(want, np.float32), rtol=1e-6)
+
+
+def test_normalize_and_dimensions() -> None:
+    """L2 per vector (a zero vector stays zero); dimensions truncates before normalising."""
+    got = pool(ROWS, EmbeddingParams(Pooling.NONE))
+    np.testing.assert_allclose(got[:2], [[0.6, 0, 0, 0.8], [1 / 3, 2 / 3, 2 / 3, 0]], rtol=1e-6)
+    assert not got[2].any()
+    short = pool(ROWS, EmbeddingParams(Pooling.CLS, dimensions=2))
+    np.testing.assert_allclose(short, [[1.0, 0.0]])
+
+
+def test_embedder_pools_an_input_fed_in_several_chunks() -> None:
+    """The Embedder pools an input's rows once its last chunk is in, as if fed at once; a
+    chunk at position 0 starts the input afresh (a preemption re-feeds it)."""
+    params = EmbeddingParams()
+    embedder = Embedder()
+
+    def chunk(start: int, n: int) -> Chunk:
+        tokens = tuple(range(start, start + n))
+        return Chunk(0, "e", start, tokens, wants_logits=False, embedding=params, num_input=3)
+
+    assert embedder.add(chunk(0, 1), ROWS[:1] * 9) is None
+    assert embedder.add(chunk(0, 2), ROWS[:2]) is None  # preempted: fed again from 0
+    got = embedder.add(chunk(2, 1), ROWS[2:])
+    assert got is not None
+    assert got.num_vectors == 1
+    assert got.dimensions == 4
+    np.testing.assert_array_equal(array_of(got), pool(ROWS, params))
+
+
+def test_default_pooling_and_reranker() -> None:
+    """The model's own pooling, else mean; a reranker's is no embedding."""
+    assert embedding.default_pooling("cls") is Pooling.CLS
+    assert embedding.default_pooling("last") is Pooling.LAST
+    assert embedding.default_pooling("") is Pooling.MEAN
+    assert embedding.default_pooling("none") is Pooling.MEAN
+    assert not embedding.can_embed("rank")
+    assert embedding.can_embed("")
+
+
+def test_share_pass_and_budget() -> None:
+    """Oldest first, each up to chunk_size, within the budget; the budget beside streams."""
+    assert embedding.share_pass([(2, 5), (0, 40), (1, 9)], 30, 16) == {2: 5, 0: 16, 1: 9}
+    assert embedding.share_pass([(0, 40), (1, 9)], 20, 16) == {0: 16, 1: 4}
+    assert embedding.pass_budget(0, is_generating=False) == embedding.MAX_PASS_TOKENS
+    assert embedding.pass_budget(0, is_generating=True) == embedding.MIN_PASS_TOKENS
+    assert embedding.pass_budget(40, is_generating=True) == 40
+    assert embedding.pass_budget(10_000, is_generating=True) == embedding.MAX_PASS_TOKENS
+
+
+def test_embedding_request_gets_its_vectors_and_clears_its_kv() -> None:
+    """An input longer than chunk_size is fed in several embedding passes; its vector is the
+    one of all its rows at once; nothing is sampled and its slot keeps no cache."""
+    s, runner = make(n_parallel=2, chunk=16), FakeRunner()
+    tokens = tuple(range(5, 45))
+    s.add(embed_req("e", tokens))
+    events = drive(s, runner)
+    done = finals(events)["e"]
+    assert isinstance(done, Finished)
+    assert done.reason is FinishReason.EMBEDDED
+    np.testing.assert_allclose(
+        array_of(done.embedding), expected(tokens, EmbeddingParams()), rtol=1e-6
+    )
+    assert done.usage.prompt_tokens == 40
+    assert done.usage.completion_tokens == 0
+    assert [len(p.chunks[0].tokens) for p in runner.plans if p.chunks] == [16, 16, 8]
+    assert all(p.is_embedding for p in runner.plans if p.chunks)
+    assert not runner.samplers
+    assert not runner.kv[done.slot_id]
+    assert all(not slot.idle_cache for slot in s.slots)
+
+
+def test_embedding_passes_alternate_with_generation() -> None:
+    """Beside a generating request, embedding passes are passes of their own, every other
+    one; the stream's tokens are those it gets alone."""
+    s, runner = make(n_parallel=3, chunk=16), FakeRunner()
+    s.add(req("g", 4, 12))
+    for i in range(2):
+        s.add(embed_req(f"e{i}", tuple(range(10 + i, 60 + i))))
+    events = drive(s, runner)
+    kinds = [p.is_embedding for p in runner.plans if p.chunks]
+    for plan in runner.plans:
+        assert all(not c.wants_logits for c in plan.chunks) or not plan.is_embedding
+    first_generation = kinds.index(False)
+    decoding = kinds[first_generation:]
+    assert all(not (a and b) for a, b in itertools.pairwise(decoding)), (
+        "two embedding passes in a row while a stream generates"
+    )
+    solo, solo_runner = make(n_parallel=1, chunk=16), FakeRunner()
+    solo.add(req("g", 4, 12))
+    assert outputs(events)["g"] == outputs(drive(solo, solo_runner))["g"]
+    for i in range(2):
+        got = finals(events)[f"e{i}"]
+        assert isinstance(got, Finished)
+        np.testing.assert_allclose(
+            array_of(got.embedding),
+            expected(tuple(range(10 + i, 60 + i)), EmbeddingParams()),
+            rtol=1e-6,
+        )
+
+
+def test_preempted_embedding_request_starts_its_rows_again() -> None:
+    """A KV-full pass preempts the youngest request; an embedding request fed again from
+    position 0 gets the same vector (its earlier rows are not pooled twice)."""
+    s, runner = make(n_parallel=2, chunk=16, n_ctx=512), FakeRunner()
+    runner.kv_cells = 50  # each fits alone (40 cells), not both
+    s.add(req("g", 20, 20))
+    s.add(embed_req("e", tuple(range(5, 45))))
+    events = drive(s, runner)
+    done = finals(events)["e"]
+    assert isinstance(done, Finished)
+    np.testing.assert_allclose(
+        array_of(done.embedding), expected(tuple(range(5, 45)), EmbeddingParams())
+    )
+    assert s.counters.preemptions >= 1
+
+
+def test_input_over_the_context_is_refused() -> None:
+    """An input longer than n_ctx is refused at add with both numbers; one of n_ctx fits."""
+    s = make(n_ctx=64)
+    with pytest.raises(errors.PromptTooLong, match=r"input \(65 tokens\) exceeds the context"):
+        s.add(embed_req("long", tuple(range(1, 66))))
+    s.add(embed_req("fits", tuple(range(1, 65))))
+
+
+def test_embedding_spec_never_uses_the_caches() -> None:
+    """An embedding request neither reuses prefix KV nor goes to the response cache."""
+    spec = GenerationRequest("e", (1, 2), embedding=EmbeddingParams())
+    assert not spec.cache_prompt
+    assert not spec.cache_response
