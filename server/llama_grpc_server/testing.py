@@ -79,6 +79,7 @@ def fake_model_info(n_ctx: int = 512, n_parallel: int = 4) -> ModelInfo:
         size_bytes=0,
         n_params=0,
         add_bos=True,
+        n_embd=4,  # FakeRunner.embedding_rows
     )
 
 

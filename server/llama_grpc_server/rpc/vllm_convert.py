@@ -43,6 +43,7 @@ FINISH_REASONS: dict[FinishReason, str] = {
     FinishReason.MAX_TOKENS: LENGTH,
     FinishReason.CONTEXT_LENGTH: LENGTH,
     FinishReason.TIME_LIMIT: LENGTH,
+    FinishReason.EMBEDDED: STOP,  # an embedding input is done (Embed answers no finish reason)
 }
 SERVER_TYPE = "vllm-grpc"  # the protocol this service speaks, as vLLM's own servicer names it
 
