@@ -48,6 +48,7 @@ class Message(enum.StrEnum):
     UNKNOWN_POLICY = "unknown context overflow policy {value}"
     N_KEEP_WITHOUT_TRUNCATION = "n_keep only applies with OVERFLOW_POLICY_TRUNCATE_LEFT"
     UNKNOWN_PRIORITY = "unknown priority {value}"
+    EMPTY_TOKENS = "tokenized.input_ids must not be empty"
 
 
 def _invalid(field: str, message: Message, **values: Any) -> errors.InvalidRequest:
@@ -163,6 +164,37 @@ def request(
         cache_scope=scoped_cache_scope(tenant, ""),
         priority=plan.priority,
         embedding=plan.params,
+    )
+
+
+def engine_protocol_request(
+    token_ids: Sequence[int],
+    info: ModelInfo,
+    *,
+    request_id: str,
+    deadline: float | None,
+    tenant: str = "",
+) -> GenerationRequest:
+    """The vLLM engine protocol's Embed (the gateway's /v1/embeddings): one tokenized input,
+    the model's default pooling, L2-normalized, refused over the context: what a v1 Embed with
+    its defaults computes."""
+    field = "tokenized.input_ids"
+    if not embedding.can_embed(info.pooling):
+        raise errors.FailedPrecondition(
+            Message.NOT_AN_EMBEDDING_MODEL.format(model=info.model_name, pooling=info.pooling),
+            field="model",
+        )
+    if not token_ids:
+        raise _invalid(field, Message.EMPTY_TOKENS)
+    validation.check_token_ids(token_ids, info.n_vocab, field)
+    context_fit.check_embedding_fits(len(token_ids), info.n_ctx, field)
+    return GenerationRequest(
+        request_id=request_id,
+        prompt_tokens=tuple(token_ids),
+        deadline=deadline,
+        tenant=tenant,
+        cache_scope=scoped_cache_scope(tenant, ""),
+        embedding=EmbeddingParams(embedding.default_pooling(info.pooling)),
     )
 
 

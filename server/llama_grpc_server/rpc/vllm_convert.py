@@ -265,3 +265,15 @@ def load_only_batch(seq: int, load: LoadRecord, sample: int, timestamp: float) -
         timestamp=timestamp,
         load=engine_load(load, sample, load_only=True),
     )
+
+
+def embed_response(finished: Finished) -> vpb.EmbedResponse:
+    """A finished embedding input as the protocol's EmbedResponse (its one vector)."""
+    vectors = finished.embedding
+    if vectors is None or vectors.num_vectors != 1:
+        raise ValueError("an engine-protocol embedding has exactly one vector")
+    return vpb.EmbedResponse(
+        embedding=vectors.rows()[0],
+        prompt_tokens=finished.usage.prompt_tokens,
+        embedding_dim=vectors.dimensions,
+    )
