@@ -53,6 +53,7 @@ def test_bad_fields_are_named(message: pb.EmbedRequest, field: str) -> None:
 
 
 def test_too_many_inputs() -> None:
+    """More inputs than MAX_INPUTS: INVALID_ARGUMENT with both numbers."""
     with pytest.raises(errors.InvalidRequest, match="at most 2048"):
         embeddings.parse(embed(*["a"] * (embeddings.MAX_INPUTS + 1)), INFO)
 

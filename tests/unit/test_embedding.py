@@ -93,14 +93,27 @@ def test_default_pooling_and_reranker() -> None:
     assert embedding.can_embed("")
 
 
-def test_share_pass_and_budget() -> None:
-    """Oldest first, each up to chunk_size, within the budget; the budget beside streams."""
+def test_share_pass() -> None:
+    """Oldest first, each up to chunk_size, within the budget."""
     assert embedding.share_pass([(2, 5), (0, 40), (1, 9)], 30, 16) == {2: 5, 0: 16, 1: 9}
     assert embedding.share_pass([(0, 40), (1, 9)], 20, 16) == {0: 16, 1: 4}
-    assert embedding.pass_budget(0, is_generating=False) == embedding.MAX_PASS_TOKENS
-    assert embedding.pass_budget(0, is_generating=True) == embedding.MIN_PASS_TOKENS
-    assert embedding.pass_budget(40, is_generating=True) == 40
-    assert embedding.pass_budget(10_000, is_generating=True) == embedding.MAX_PASS_TOKENS
+
+
+def test_pass_budget_from_measured_costs() -> None:
+    """Alone: MAX_PASS_TOKENS. Beside streams: the tokens costing half a decode tick, within
+    [MIN_PASS_TOKENS, MAX_PASS_TOKENS]; MIN_PASS_TOKENS until both costs are measured. Passes
+    under MIN_COST_SAMPLE_TOKENS teach nothing."""
+    costs = embedding.PassCosts()
+    assert costs.budget(0.0, is_generating=False) == embedding.MAX_PASS_TOKENS
+    assert costs.budget(40.0, is_generating=True) == embedding.MIN_PASS_TOKENS
+    costs.observe(2, 100.0)
+    assert costs.token_ms == 0.0
+    costs.observe(100, 50.0)  # 0.5 ms per token
+    assert costs.budget(40.0, is_generating=True) == 40  # 20 ms of a 40 ms decode tick
+    assert costs.budget(0.0, is_generating=True) == embedding.MIN_PASS_TOKENS
+    assert costs.budget(10_000.0, is_generating=True) == embedding.MAX_PASS_TOKENS
+    costs.observe(10, 10.0)  # 1 ms per token: the average moves a fifth of the way
+    assert costs.token_ms == pytest.approx(0.6)
 
 
 def test_embedding_request_gets_its_vectors_and_clears_its_kv() -> None:
@@ -133,14 +146,19 @@ def test_embedding_passes_alternate_with_generation() -> None:
     for i in range(2):
         s.add(embed_req(f"e{i}", tuple(range(10 + i, 60 + i))))
     events = drive(s, runner)
-    kinds = [p.is_embedding for p in runner.plans if p.chunks]
-    for plan in runner.plans:
+    passes = [p for p in runner.plans if p.chunks]
+    for plan in passes:
         assert all(not c.wants_logits for c in plan.chunks) or not plan.is_embedding
-    first_generation = kinds.index(False)
-    decoding = kinds[first_generation:]
-    assert all(not (a and b) for a, b in itertools.pairwise(decoding)), (
+        assert all(c.request_id == "g" for c in plan.chunks) != plan.is_embedding
+    generating = [i for i, p in enumerate(passes) if not p.is_embedding]
+    kinds = [p.is_embedding for p in passes[generating[0] : generating[-1] + 1]]
+    assert all(not (a and b) for a, b in itertools.pairwise(kinds)), (
         "two embedding passes in a row while a stream generates"
     )
+    # nothing measured (the fake runner reports no costs): MIN_PASS_TOKENS beside the stream
+    assert {p.num_tokens for p in passes[: generating[-1]] if p.is_embedding} == {
+        embedding.MIN_PASS_TOKENS
+    }
     solo, solo_runner = make(n_parallel=1, chunk=16), FakeRunner()
     solo.add(req("g", 4, 12))
     assert outputs(events)["g"] == outputs(drive(solo, solo_runner))["g"]

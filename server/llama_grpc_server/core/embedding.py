@@ -21,12 +21,16 @@ from dataclasses import dataclass
 # embedding pass whatever the pooling (llama_context::decode: `output_all = cparams.embeddings`,
 # and the graph ends in the output matrix), and keeps an n_vocab-float row per output: for
 # Gemma 3's 262,144-token vocabulary 1 MiB per token, a buffer that never shrinks. 128 tokens
-# hold it at 128 MiB; measured on the 2-core box (Gemma 3 270M Q4_K_M, load ~7), a 128-token
-# embedding pass cost 1.6x a prefill of the same tokens, a 512-token one 1.8x.
+# hold it at 128 MiB. The logits make an embedding token dear: on the shared 2-core box (Gemma 3
+# 270M Q4_K_M, 1 thread, load ~5) a 128-token embedding pass took 2.0 s against 0.76 s for a
+# prefill of the same tokens (bench/embeddings.py: 2-2.7x at 16-128 tokens).
 MAX_PASS_TOKENS = 128
-# While streams generate, an embedding pass comes at most every other forward pass and feeds
-# at least this many tokens (when the measured prefill allowance is smaller or unknown).
-MIN_PASS_TOKENS = 16
+MIN_PASS_TOKENS = 4  # beside streams, however dear a token: below it a pass is mostly overhead
+# Beside generating streams an embedding pass comes every other pass and may cost this share of
+# a decode tick, so a stream's inter-token time is about (1 + STREAM_SHARE) x its time alone
+# (issue 41's target: p95 within 1.5x), and the embeddings get about a third of the engine.
+STREAM_SHARE = 0.5
+MIN_COST_SAMPLE_TOKENS = 4  # smaller passes are mostly fixed cost: not a per-token sample
 
 
 class Pooling(enum.Enum):
@@ -80,13 +84,31 @@ def share_pass(pending: Sequence[tuple[int, int]], budget: int, chunk_size: int)
     return out
 
 
-def pass_budget(prefill_allowance: int, *, is_generating: bool) -> int:
-    """The tokens of an embedding pass: MAX_PASS_TOKENS on an engine that generates nothing;
-    beside generating streams the prefill allowance (tokens that cost about one decode tick),
-    within [MIN_PASS_TOKENS, MAX_PASS_TOKENS]."""
-    if not is_generating:
-        return MAX_PASS_TOKENS
-    return max(MIN_PASS_TOKENS, min(MAX_PASS_TOKENS, prefill_allowance))
+@dataclass(slots=True)
+class PassCosts:
+    """A moving average of an embedding pass's milliseconds per token, and the token budget of
+    the next pass that it gives."""
+
+    token_ms: float = 0.0
+
+    def observe(self, num_tokens: int, eval_ms: float) -> None:
+        if num_tokens < MIN_COST_SAMPLE_TOKENS or eval_ms <= 0:
+            return
+        sample = eval_ms / num_tokens
+        self.token_ms = (
+            sample if self.token_ms <= 0 else self.token_ms + 0.2 * (sample - self.token_ms)
+        )
+
+    def budget(self, decode_tick_ms: float, *, is_generating: bool) -> int:
+        """MAX_PASS_TOKENS on an engine that generates nothing; beside generating streams the
+        tokens that cost STREAM_SHARE of a decode tick (MIN_PASS_TOKENS while either cost is
+        unmeasured), within [MIN_PASS_TOKENS, MAX_PASS_TOKENS]."""
+        if not is_generating:
+            return MAX_PASS_TOKENS
+        if decode_tick_ms <= 0 or self.token_ms <= 0:
+            return MIN_PASS_TOKENS
+        n = int(STREAM_SHARE * decode_tick_ms / self.token_ms)
+        return max(MIN_PASS_TOKENS, min(MAX_PASS_TOKENS, n))
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,6 +104,7 @@ class Scheduler:
         self._samplers_to_open: list[SamplerSpec] = []
         self._tick = 0
         self._last_pass_embedded = False  # generation and embedding passes alternate
+        self.embedding_costs = embedding.PassCosts()
         self._started_ns = clock_ns()
 
     def add(self, request: Request) -> None:
@@ -243,8 +244,8 @@ class Scheduler:
     def _chunks(self) -> tuple[list[Chunk], bool]:
         """The tick's chunks, and whether they make an embedding pass. llama.cpp outputs either
         logits or embeddings in a pass, so embedding requests get passes of their own: every
-        other pass while streams generate (each then costing them about one decode tick:
-        core.embedding.pass_budget), every pass otherwise."""
+        other pass while streams generate (each then costing them half a decode tick:
+        core.embedding.PassCosts), every pass otherwise."""
         active = [
             r
             for s in self.slots
@@ -264,9 +265,7 @@ class Scheduler:
         """Prompt tokens of embedding requests, least recently served first; no logits: the
         runner reads every token's embedding."""
         requests.sort(key=lambda r: r.last_served_tick)
-        budget = embedding.pass_budget(
-            self.costs.prefill_allowance(self.limits.chunk_size), is_generating=is_generating
-        )
+        budget = self.embedding_costs.budget(self.costs.decode_tick_ms, is_generating=is_generating)
         pending = [(r.slot_id, r.num_pending) for r in requests]
         allocation = embedding.share_pass(pending, budget, self.limits.chunk_size)
         chunks: list[Chunk] = []
@@ -362,9 +361,10 @@ class Scheduler:
         the runner pooled (its slot's KV is cleared: embedding requests leave no prefix
         cache)."""
         if chunks:  # counted as a pass, but not as prefill cost: it computes every token's
-            # logits (core.embedding.MAX_PASS_TOKENS) and would lower the prefill allowance
+            # logits (core.embedding.MAX_PASS_TOKENS): its own moving average
             num_tokens = sum(len(c.tokens) for c in chunks)
             self.counters.count_pass(num_tokens, 0, result.eval_ms, result.eval_cpu_ms)
+            self.embedding_costs.observe(num_tokens, result.eval_ms)
         out: Emitted = []
         for chunk in chunks:
             request = self.slots[chunk.slot_id].request
