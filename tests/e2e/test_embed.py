@@ -4,6 +4,7 @@ input's status naming its field while the server keeps serving."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from llama_grpc import (
     AsyncClient,
     ContextLengthExceededError,
+    DeadlineExceededError,
     EmbedResult,
     InvalidArgumentError,
     LlamaGrpcError,
@@ -105,3 +107,35 @@ async def test_unknown_pooling_is_refused_by_the_client() -> None:
     async with AsyncClient("127.0.0.1:1") as offline:
         with pytest.raises(ValueError, match="pooling must be one of"):
             await offline.embed("x", pooling="max")
+
+
+async def test_inputs_are_scheduler_requests_in_the_stats(client: AsyncClient) -> None:
+    """Each input is a request of the scheduler: started, finished and its prompt tokens
+    counted in GetStats; no slot keeps its KV."""
+    before = await client.stats()
+    result = await client.embed(TEXTS)
+    after = await client.stats()
+    assert after.requests_started - before.requests_started == len(TEXTS)
+    assert after.requests_finished - before.requests_finished == len(TEXTS)
+    assert after.prompt_tokens - before.prompt_tokens == result.prompt_tokens
+    assert await idle_slots(client)
+
+
+async def test_deadline_ends_the_inputs_and_frees_their_slots(client: AsyncClient) -> None:
+    """A deadline shorter than the batch: DEADLINE_EXCEEDED, every input's request ended (none
+    left queued or in a slot), and the next call is served."""
+    long_inputs = [[1000 + (i + j) % 50 for j in range(1500)] for i in range(8)]
+    with pytest.raises(DeadlineExceededError):
+        await client.embed(long_inputs, timeout=0.5)
+    assert await idle_slots(client)
+    assert (await client.stats()).queue_depth == 0
+    assert len((await client.embed("still serving")).embeddings) == 1
+
+
+async def idle_slots(client: AsyncClient, within_s: float = 20.0) -> bool:
+    """Until no slot is active (an ended request's slot is freed on the engine's next tick)."""
+    for _ in range(int(within_s / 0.05)):
+        if (await client.stats()).active_slots == 0:
+            return True
+        await asyncio.sleep(0.05)
+    return False
