@@ -163,8 +163,9 @@ class FakeRunner:
                 continue
             seq = self.kv[chunk.slot_id]
             assert chunk.start_pos == len(seq), "positions must continue the sequence"
-            if plan.is_embedding:
-                assert not chunk.wants_logits, "an embedding pass samples nothing"
+            if chunk.embedding is not None:
+                assert plan.is_embedding, "an embedding chunk outside an embedding pass"
+                assert not chunk.wants_logits, "an embedding chunk samples nothing"
                 rows = self.embedding_rows(seq, chunk.tokens)
                 vectors = self.embedder.add(chunk, rows)
                 if vectors is not None:

@@ -4,8 +4,6 @@ preempted, their KV cleared after (no model)."""
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
@@ -138,38 +136,46 @@ def test_embedding_request_gets_its_vectors_and_clears_its_kv() -> None:
     assert all(not slot.idle_cache for slot in s.slots)
 
 
-def test_embedding_passes_alternate_with_generation() -> None:
-    """Beside a generating request, embedding passes are passes of their own, every other
-    one; the stream's tokens are those it gets alone."""
+def test_decode_rows_ride_in_embedding_passes() -> None:
+    """Beside a generating request, an embedding pass carries its decode row (sampled from the
+    pass's logits) and never a prompt chunk: the prompt gets a generation pass of its own, then
+    every pass is an embedding pass with the decode row, within the budget (nothing measured
+    here: MIN_PASS_TOKENS). The stream's tokens are those it gets alone."""
     s, runner = make(n_parallel=3, chunk=16), FakeRunner()
-    s.add(req("g", 4, 12))
+    s.add(req("g", 20, 12))
     for i in range(2):
-        s.add(embed_req(f"e{i}", tuple(range(10 + i, 60 + i))))
+        s.add(embed_req(f"e{i}", tuple(range(10 + i, 18 + i))))
     events = drive(s, runner)
     passes = [p for p in runner.plans if p.chunks]
     for plan in passes:
-        assert all(not c.wants_logits for c in plan.chunks) or not plan.is_embedding
-        assert all(c.request_id == "g" for c in plan.chunks) != plan.is_embedding
-    generating = [i for i, p in enumerate(passes) if not p.is_embedding]
-    kinds = [p.is_embedding for p in passes[generating[0] : generating[-1] + 1]]
-    assert all(not (a and b) for a, b in itertools.pairwise(kinds)), (
-        "two embedding passes in a row while a stream generates"
-    )
-    # nothing measured (the fake runner reports no costs): MIN_PASS_TOKENS beside the stream
-    assert {p.num_tokens for p in passes[: generating[-1]] if p.is_embedding} == {
-        embedding.MIN_PASS_TOKENS
-    }
+        generation = [c for c in plan.chunks if c.embedding is None]
+        if plan.is_embedding:
+            assert all(c.is_decode for c in generation), "a prompt chunk in an embedding pass"
+        else:
+            assert all(c.embedding is None for c in plan.chunks)
+    g_passes = [i for i, p in enumerate(passes) if any(c.request_id == "g" for c in p.chunks)]
+    riding = [passes[i] for i in g_passes if passes[i].is_embedding]
+    assert riding, "no decode row rode in an embedding pass"
+    for plan in riding:
+        assert sum(len(c.tokens) for c in plan.chunks if c.embedding) == (embedding.MIN_PASS_TOKENS)
     solo, solo_runner = make(n_parallel=1, chunk=16), FakeRunner()
-    solo.add(req("g", 4, 12))
+    solo.add(req("g", 20, 12))
     assert outputs(events)["g"] == outputs(drive(solo, solo_runner))["g"]
     for i in range(2):
         got = finals(events)[f"e{i}"]
         assert isinstance(got, Finished)
-        np.testing.assert_allclose(
-            array_of(got.embedding),
-            expected(tuple(range(10 + i, 60 + i)), EmbeddingParams()),
-            rtol=1e-6,
-        )
+        want = expected(tuple(range(10 + i, 18 + i)), EmbeddingParams())
+        np.testing.assert_allclose(array_of(got.embedding), want, rtol=1e-6)
+
+
+def test_embedding_cost_is_learned_beside_decode_rows() -> None:
+    """A pass of embedding tokens alone teaches its time per token; a pass with decode rows
+    teaches its time less a decode tick's (the fake runner's cost: 1 ms per token)."""
+    s, runner = make(n_parallel=2, chunk=16), FakeRunner()
+    runner.cost_ms = float
+    s.add(embed_req("e", tuple(range(5, 45))))
+    drive(s, runner)
+    assert s.embedding_costs.token_ms == pytest.approx(1.0)
 
 
 def test_preempted_embedding_request_starts_its_rows_again() -> None:

@@ -22,15 +22,17 @@ from dataclasses import dataclass
 # and the graph ends in the output matrix), and keeps an n_vocab-float row per output: for
 # Gemma 3's 262,144-token vocabulary 1 MiB per token, a buffer that never shrinks. 128 tokens
 # hold it at 128 MiB. The logits make an embedding token dear: on the shared 2-core box (Gemma 3
-# 270M Q4_K_M, 1 thread, load ~5) a 128-token embedding pass took 2.0 s against 0.76 s for a
-# prefill of the same tokens (bench/embeddings.py: 2-2.7x at 16-128 tokens).
+# 270M Q4_K_M, 1 thread, load ~4) a 128-token embedding pass took 1.28 s against 0.58 s for a
+# prefill of the same tokens (bench/embeddings.py: 1.9-2.2x at 16-128 tokens).
 MAX_PASS_TOKENS = 128
-MIN_PASS_TOKENS = 4  # beside streams, however dear a token: below it a pass is mostly overhead
-# Beside generating streams an embedding pass comes every other pass and may cost this share of
-# a decode tick, so a stream's inter-token time is about (1 + STREAM_SHARE) x its time alone
-# (issue 41's target: p95 within 1.5x), and the embeddings get about a third of the engine.
+# Beside generating streams, decode rows ride in the embedding pass (Scheduler._chunks) and its
+# embedding tokens may add this share of a decode tick, so a stream's inter-token time is about
+# (1 + STREAM_SHARE) x its time alone (issue 41's target: p95 within 1.5x). Passes of their own,
+# alternating with decode ticks, could not get there: any pass costs about a decode tick of
+# weight reads before its first token (measured: 2.6x at p95 with 4-token passes).
 STREAM_SHARE = 0.5
-MIN_COST_SAMPLE_TOKENS = 4  # smaller passes are mostly fixed cost: not a per-token sample
+MIN_PASS_TOKENS = 1
+MIN_COST_SAMPLE_TOKENS = 4  # smaller samples are mostly noise
 
 
 class Pooling(enum.Enum):
@@ -86,8 +88,8 @@ def share_pass(pending: Sequence[tuple[int, int]], budget: int, chunk_size: int)
 
 @dataclass(slots=True)
 class PassCosts:
-    """A moving average of an embedding pass's milliseconds per token, and the token budget of
-    the next pass that it gives."""
+    """A moving average of an embedding token's milliseconds (a pass's time per token, less a
+    decode tick's when decode rows rode along), and the token budget of the next pass."""
 
     token_ms: float = 0.0
 
@@ -100,8 +102,8 @@ class PassCosts:
         )
 
     def budget(self, decode_tick_ms: float, *, is_generating: bool) -> int:
-        """MAX_PASS_TOKENS on an engine that generates nothing; beside generating streams the
-        tokens that cost STREAM_SHARE of a decode tick (MIN_PASS_TOKENS while either cost is
+        """MAX_PASS_TOKENS on an engine that generates nothing; beside decode rows the tokens
+        that add STREAM_SHARE of a decode tick (MIN_PASS_TOKENS while either cost is
         unmeasured), within [MIN_PASS_TOKENS, MAX_PASS_TOKENS]."""
         if not is_generating:
             return MAX_PASS_TOKENS

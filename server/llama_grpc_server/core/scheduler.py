@@ -242,10 +242,13 @@ class Scheduler:
         self.counters.prompt_tokens += request.num_prompt
 
     def _chunks(self) -> tuple[list[Chunk], bool]:
-        """The tick's chunks, and whether they make an embedding pass. llama.cpp outputs either
-        logits or embeddings in a pass, so embedding requests get passes of their own: every
-        other pass while streams generate (each then costing them half a decode tick:
-        core.embedding.PassCosts), every pass otherwise."""
+        """The tick's chunks, and whether they make an embedding pass. llama.cpp turns
+        embeddings on for a whole pass, and then computes every token's logits too: so an
+        embedding pass carries the embedding requests' tokens and the decoding requests' rows
+        (sampled from those logits), never a generation prompt chunk (its every token's logits
+        would be paid for). While generation prompts wait, embedding and generation passes
+        alternate; otherwise every pass is an embedding pass while embeddings wait, its
+        embedding tokens costing the streams about half a decode tick (core.embedding)."""
         active = [
             r
             for s in self.slots
@@ -255,15 +258,26 @@ class Scheduler:
         ]
         embedding_requests = [r for r in active if r.spec.is_embedding]
         active = [r for r in active if not r.spec.is_embedding]
-        if embedding_requests and not (active and self._last_pass_embedded):
-            self._last_pass_embedded = True
-            return self._embedding_chunks(embedding_requests, is_generating=bool(active)), True
-        self._last_pass_embedded = False
-        return self._generation_chunks(active), False
+        is_prefilling = any(not r.is_decoding for r in active)
+        if not embedding_requests or (is_prefilling and self._last_pass_embedded):
+            self._last_pass_embedded = False
+            return self._generation_chunks(active), False
+        self._last_pass_embedded = True
+        decoding = [r for r in active if r.is_decoding]
+        for request in decoding:
+            request.last_served_tick = self._tick
+        rows = [
+            Chunk(r.slot_id, r.key, r.num_computed, (r.tokens[r.num_computed],), True)
+            for r in decoding
+        ]
+        embedding_chunks = self._embedding_chunks(embedding_requests, is_generating=bool(active))
+        return rows + embedding_chunks, True
 
     def _embedding_chunks(self, requests: list[Request], *, is_generating: bool) -> list[Chunk]:
-        """Prompt tokens of embedding requests, least recently served first; no logits: the
-        runner reads every token's embedding."""
+        """Prompt tokens of embedding requests, least recently served first, within the
+        pass's budget (core.embedding.PassCosts: while generation requests run, what costs
+        their streams half a decode tick); no logits asked: the runner reads every token's
+        output."""
         requests.sort(key=lambda r: r.last_served_tick)
         budget = self.embedding_costs.budget(self.costs.decode_tick_ms, is_generating=is_generating)
         pending = [(r.slot_id, r.num_pending) for r in requests]
@@ -333,11 +347,12 @@ class Scheduler:
         if result.status != DECODE_OK:
             return self._fail_batch(plan, result.status)
         chunks = [c for c in plan.chunks if c.slot_id not in result.reset]
-        if plan.is_embedding:
-            return self._update_embedding(chunks, result)
-        if chunks:  # a plan of KV edits only is no forward pass
-            self._observe_tick(chunks, result)
         out: Emitted = []
+        if plan.is_embedding:
+            out += self._update_embedding(chunks, result)
+            chunks = [c for c in chunks if c.embedding is None]  # the decode rows riding along
+        elif chunks:  # a plan of KV edits only is no forward pass
+            self._observe_tick(chunks, result)
         for chunk in chunks:
             request = self.slots[chunk.slot_id].request
             if request is None or request.key != chunk.request_id:
@@ -357,18 +372,24 @@ class Scheduler:
         return out
 
     def _update_embedding(self, chunks: Sequence[Chunk], result: StepResult) -> Emitted:
-        """An embedding pass: a request whose last input token was fed ends with the vectors
-        the runner pooled (its slot's KV is cleared: embedding requests leave no prefix
-        cache)."""
-        if chunks:  # counted as a pass, but not as prefill cost: it computes every token's
-            # logits (core.embedding.MAX_PASS_TOKENS): its own moving average
-            num_tokens = sum(len(c.tokens) for c in chunks)
+        """An embedding pass's embedding chunks: a request whose last input token was fed ends
+        with the vectors the runner pooled (its slot's KV is cleared: embedding requests leave
+        no prefix cache). The pass is counted, and teaches the embedding cost (not the prefill
+        or decode costs: it computes every token's logits): its time less a decode tick's when
+        decode rows rode along."""
+        num_tokens = sum(len(c.tokens) for c in chunks)
+        num_embedding = sum(len(c.tokens) for c in chunks if c.embedding is not None)
+        if chunks:
             self.counters.count_pass(num_tokens, 0, result.eval_ms, result.eval_cpu_ms)
-            self.embedding_costs.observe(num_tokens, result.eval_ms)
+            if num_embedding == num_tokens:
+                self.embedding_costs.observe(num_embedding, result.eval_ms)
+            elif self.costs.decode_tick_ms > 0:
+                marginal_ms = result.eval_ms - self.costs.decode_tick_ms
+                self.embedding_costs.observe(num_embedding, marginal_ms)
         out: Emitted = []
         for chunk in chunks:
             request = self.slots[chunk.slot_id].request
-            if request is None or request.key != chunk.request_id:
+            if chunk.embedding is None or request is None or request.key != chunk.request_id:
                 continue
             self.kv.computed(chunk)
             request.num_computed += len(chunk.tokens)

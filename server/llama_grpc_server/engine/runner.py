@@ -136,9 +136,11 @@ class Runner:
         reset: frozenset[int],
     ) -> StepResult:
         """An embedding pass: every token an output, embeddings on for this llama_decode only
-        (llama_set_embeddings, as llama-server does per batch), the rows copied out by chunk.
-        With pooling NONE llama.cpp keeps them contiguous in batch order (llama_get_embeddings)."""
-        self.batch.fill(chunks, every_output=True)
+        (llama_set_embeddings, as llama-server does per batch), the embedding chunks' rows
+        copied out (with pooling NONE llama.cpp keeps them contiguous in batch order:
+        llama_get_embeddings). Decode rows riding in the pass are sampled from the logits
+        llama.cpp computes for every token of it (row i = batch index i)."""
+        outputs = self.batch.fill(chunks, every_output=True)
         llama_cpp.llama_set_embeddings(self.model.ctx, True)
         try:
             with cpu_share.forward_pass(self.model.threads) as threads:
@@ -151,6 +153,8 @@ class Runner:
                 t1 = time.perf_counter_ns()
                 eval_cpu_ms = (time.thread_time_ns() - cpu0) / 1e6
             embeddings: dict[int, Vectors] = {}
+            got = _Sampled()
+            t2 = t1
             if status == DECODE_OK:
                 n_tokens, n_embd = int(self.batch.struct.n_tokens), self.model.n_embd
                 pointer = llama_cpp.llama_get_embeddings(self.model.ctx)
@@ -158,25 +162,37 @@ class Runner:
                 start = 0
                 for chunk in chunks:
                     end = start + len(chunk.tokens)
-                    vectors = self.embedder.add(chunk, rows[start:end])
-                    if vectors is not None:
-                        embeddings[chunk.slot_id] = vectors
+                    if chunk.embedding is not None:
+                        vectors = self.embedder.add(chunk, rows[start:end])
+                        if vectors is not None:
+                            embeddings[chunk.slot_id] = vectors
                     start = end
+                got = self._sample(chunks, outputs, every_output=True)
+                t2 = time.perf_counter_ns()
         finally:
             llama_cpp.llama_set_embeddings(self.model.ctx, False)
         return StepResult(
             status,
-            saved=saved,
-            restored=restored,
-            eval_ms=(t1 - t0) / 1e6,
+            got.sampled,
+            saved,
+            restored,
+            (t1 - t0) / 1e6,
+            (t2 - t1) / 1e6,
+            logprobs=got.logprobs,
+            failed=got.failed,
             reset=reset,
             eval_cpu_ms=eval_cpu_ms,
+            draft_sampled=got.draft_sampled,
+            draft_logprobs=got.draft_logprobs,
             embeddings=embeddings,
         )
 
-    def _sample(self, chunks: Sequence[Chunk], outputs: Sequence[int]) -> _Sampled:
+    def _sample(
+        self, chunks: Sequence[Chunk], outputs: Sequence[int], *, every_output: bool = False
+    ) -> _Sampled:
         """The tokens of every chunk with outputs, by slot id (a speculative decode's first in
-        `sampled`, the rest in `draft_sampled`)."""
+        `sampled`, the rest in `draft_sampled`). `every_output`: a pass whose every token was
+        an output (an embedding pass), so a chunk's logits rows start at its batch index."""
         out = _Sampled()
         ctx = self.model.ctx
         rows = None  # every output's logits, viewed once if a plain greedy request needs them
@@ -186,10 +202,16 @@ class Runner:
                 continue
             sampler = self.samplers[chunk.request_id]
             chunk_rows = None
+            if every_output:
+                ordinal = index
             if sampler.is_plain_greedy:
                 if rows is None:
-                    n_outputs = sum(
-                        c.num_outputs for c, i in zip(chunks, outputs, strict=True) if i >= 0
+                    n_outputs = (
+                        sum(len(c.tokens) for c in chunks)
+                        if every_output
+                        else sum(
+                            c.num_outputs for c, i in zip(chunks, outputs, strict=True) if i >= 0
+                        )
                     )
                     rows = logits_rows(ctx, n_outputs, self.model.n_vocab)
                 chunk_rows = rows[ordinal : ordinal + chunk.num_outputs]
