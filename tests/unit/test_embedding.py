@@ -112,6 +112,8 @@ def test_pass_budget_from_measured_costs() -> None:
     assert costs.budget(10_000.0, is_generating=True) == embedding.MAX_PASS_TOKENS
     costs.observe(10, 10.0)  # 1 ms per token: the average moves a fifth of the way
     assert costs.token_ms == pytest.approx(0.6)
+    costs.observe(1, 1.6, is_marginal=True)  # beside decode rows: one token teaches
+    assert costs.token_ms == pytest.approx(0.8)
 
 
 def test_embedding_request_gets_its_vectors_and_clears_its_kv() -> None:

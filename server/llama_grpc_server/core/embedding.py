@@ -32,7 +32,13 @@ MAX_PASS_TOKENS = 128
 # weight reads before its first token (measured: 2.6x at p95 with 4-token passes).
 STREAM_SHARE = 0.5
 MIN_PASS_TOKENS = 1
-MIN_COST_SAMPLE_TOKENS = 4  # smaller samples are mostly noise
+# A pass of embedding tokens alone teaches their cost from this many tokens (fewer: mostly the
+# pass's fixed cost). A pass with decode rows teaches from one token: its marginal cost (the
+# pass less a decode tick) is what the budget bounds, and there llama.cpp's matmul makes some
+# row counts dear (3 rows cost ~10 ms more than 4 on the x86-64-v3 build; core.drafts pads for
+# it): measured, a 1-row stream with 2 embedding tokens per pass ran at 2.0x, not 1.5x, while
+# the budget had learned only from 128-token passes.
+MIN_COST_SAMPLE_TOKENS = 4
 
 
 class Pooling(enum.Enum):
@@ -93,8 +99,10 @@ class PassCosts:
 
     token_ms: float = 0.0
 
-    def observe(self, num_tokens: int, eval_ms: float) -> None:
-        if num_tokens < MIN_COST_SAMPLE_TOKENS or eval_ms <= 0:
+    def observe(self, num_tokens: int, eval_ms: float, *, is_marginal: bool = False) -> None:
+        """`eval_ms` of `num_tokens` embedding tokens: a whole pass's, or with is_marginal the
+        part of a pass beyond its decode rows' tick."""
+        if num_tokens < (1 if is_marginal else MIN_COST_SAMPLE_TOKENS) or eval_ms <= 0:
             return
         sample = eval_ms / num_tokens
         self.token_ms = (

@@ -385,7 +385,7 @@ class Scheduler:
                 self.embedding_costs.observe(num_embedding, result.eval_ms)
             elif self.costs.decode_tick_ms > 0:
                 marginal_ms = result.eval_ms - self.costs.decode_tick_ms
-                self.embedding_costs.observe(num_embedding, marginal_ms)
+                self.embedding_costs.observe(num_embedding, marginal_ms, is_marginal=True)
         out: Emitted = []
         for chunk in chunks:
             request = self.slots[chunk.slot_id].request
