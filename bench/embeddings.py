@@ -7,7 +7,8 @@
    (~12 tokens) and of 1 and 16 ~512-token inputs, through the engine (EngineLoop, as an Embed call
    submits them);
 3. starvation: the inter-token latency (p50/p95) of a generating stream alone and beside a
-   flood of embedding requests (16 in flight at all times).
+   flood of embedding requests (16 in flight at all times): its decode rows ride in the
+   embedding passes, whose embedding tokens add about half a decode tick.
 
     python bench/embeddings.py [--threads 2] [--flood-inputs 16]
 
@@ -174,6 +175,8 @@ async def engine_runs(threads: int, flood_inputs: int) -> dict[str, Any]:
     engine = build_engine(settings)
     try:
         out: dict[str, Any] = {"throughput": {}}
+        warm = engine.tokenize(seeded_text(8, 1), add_special=True, parse_special=False)
+        await embed_one(engine, warm, "warm-up")  # the first embedding pass allocates buffers
         for words, label, batches in ((8, "short", BATCHES), (380, "512_tokens", LONG_BATCHES)):
             for batch in batches:
                 row = await throughput(engine, words, batch, seed=batch * 1000 + words)
