@@ -103,7 +103,7 @@ class Scheduler:
         self._monotonic = monotonic
         self._samplers_to_open: list[SamplerSpec] = []
         self._tick = 0
-        self._last_pass_embedded = False  # generation and embedding passes alternate
+        self._last_pass_embedded = False  # while a generation prompt waits, the passes alternate
         self.embedding_costs = embedding.PassCosts()
         self._started_ns = clock_ns()
 
