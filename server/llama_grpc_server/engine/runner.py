@@ -156,17 +156,7 @@ class Runner:
             got = _Sampled()
             t2 = t1
             if status == DECODE_OK:
-                n_tokens, n_embd = int(self.batch.struct.n_tokens), self.model.n_embd
-                pointer = llama_cpp.llama_get_embeddings(self.model.ctx)
-                rows = np.ctypeslib.as_array(pointer, shape=(n_tokens, n_embd))
-                start = 0
-                for chunk in chunks:
-                    end = start + len(chunk.tokens)
-                    if chunk.embedding is not None:
-                        vectors = self.embedder.add(chunk, rows[start:end])
-                        if vectors is not None:
-                            embeddings[chunk.slot_id] = vectors
-                    start = end
+                embeddings = self._take_embeddings(chunks)
                 got = self._sample(chunks, outputs, every_output=True)
                 t2 = time.perf_counter_ns()
         finally:
@@ -186,6 +176,23 @@ class Runner:
             draft_logprobs=got.draft_logprobs,
             embeddings=embeddings,
         )
+
+    def _take_embeddings(self, chunks: Sequence[Chunk]) -> dict[int, Vectors]:
+        """The embedding chunks' per-token outputs to the Embedder; the vectors of the inputs
+        whose last chunk this was, by slot id."""
+        n_tokens, n_embd = int(self.batch.struct.n_tokens), self.model.n_embd
+        pointer = llama_cpp.llama_get_embeddings(self.model.ctx)
+        rows = np.ctypeslib.as_array(pointer, shape=(n_tokens, n_embd))
+        out: dict[int, Vectors] = {}
+        start = 0
+        for chunk in chunks:
+            end = start + len(chunk.tokens)
+            if chunk.embedding is not None:
+                vectors = self.embedder.add(chunk, rows[start:end])
+                if vectors is not None:
+                    out[chunk.slot_id] = vectors
+            start = end
+        return out
 
     def _sample(
         self, chunks: Sequence[Chunk], outputs: Sequence[int], *, every_output: bool = False
