@@ -50,6 +50,24 @@ async def test_batch_of_texts_and_token_ids_in_order(client: AsyncClient) -> Non
     assert batch.embeddings[0].prompt_tokens == len(ids)
 
 
+async def test_a_batch_of_64_mixed_lengths_comes_back_in_order(client: AsyncClient) -> None:
+    """64 token-id inputs of 2 to 9 tokens (more than the call keeps submitted, 2 x
+    --parallel): each answer has its own input's length, and sampled ones equal the same input
+    embedded alone (within llama.cpp's batch drift) more than any other sampled input."""
+    inputs = [[2, *(1000 + 37 * i + j for j in range(1 + i % 8))] for i in range(64)]
+    batch = await client.embed(inputs)
+    assert [e.prompt_tokens for e in batch.embeddings] == [len(i) for i in inputs]
+    sampled = (5, 30, 63)
+    alone = (await client.embed([inputs[i] for i in sampled])).embeddings
+    for k, i in enumerate(sampled):
+        own = cosine(batch.embeddings[i].vector, alone[k].vector)
+        assert own >= 0.998
+        others = [
+            cosine(batch.embeddings[i].vector, a.vector) for j, a in enumerate(alone) if j != k
+        ]
+        assert own > max(others)
+
+
 async def test_pooling_none_dimensions_and_unnormalized(client: AsyncClient) -> None:
     """pooling none gives a vector per token; dimensions keeps that many components, unit
     length; normalize=False gives the raw mean (not unit length)."""
