@@ -12,8 +12,11 @@
 
     python bench/embeddings.py [--threads 2] [--flood-inputs 16]
 
-Not yet: llama-server --embedding on the same model and threads (bench/setup_peers.sh builds it;
-issue 41 asks for the comparison at every batch size).
+4. a peer in the same run: llama-cpp-python's own `Llama(embedding=True).embed` (the same
+   llama.cpp, in-process, no server), which packs up to n_batch tokens of as many inputs as
+   fit into one llama_decode (n_seq_max up to 256), on the same inputs and threads.
+
+Not yet: llama-server --embedding (bench/setup_peers.sh builds it, ~20 min on 2 cores).
 """
 
 from __future__ import annotations
@@ -203,6 +206,37 @@ async def engine_runs(threads: int, flood_inputs: int) -> dict[str, Any]:
         engine.close()
 
 
+def peer_throughput(threads: int) -> dict[str, Any]:
+    """llama-cpp-python's Llama.embed on the same batches: inputs/s (one call per batch)."""
+    model = llama_cpp.Llama(
+        str(default_model_path()),
+        embedding=True,
+        pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+        n_ctx=8192,
+        n_batch=512,
+        n_ubatch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=True,
+        verbose=False,
+    )
+    out: dict[str, Any] = {}
+    try:
+        model.embed("warm-up")
+        for words, label, batches in ((8, "short", BATCHES), (380, "512_tokens", LONG_BATCHES)):
+            for batch in batches:
+                seed = batch * 1000 + words
+                texts = [seeded_text(words, seed + i) for i in range(batch)]
+                t0 = time.perf_counter()
+                model.embed(texts, normalize=True)
+                wall = time.perf_counter() - t0
+                out[f"{label}_batch_{batch}"] = {"inputs": batch, "inputs_per_s": batch / wall}
+                progress(f"peer Llama.embed {label} x{batch}: {batch / wall:.1f} inputs/s")
+    finally:
+        model.close()
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -211,6 +245,7 @@ def main() -> int:
     args = parser.parse_args()
     data: dict[str, Any] = {"machine": machine_facts(args.threads)}
     data["pass_costs"] = pass_costs(args.threads, args.samples)
+    data["peer_llama_cpp_python_embed"] = peer_throughput(args.threads)
     data.update(asyncio.run(engine_runs(args.threads, args.flood_inputs)))
     write_json("embeddings", finish_facts(data))
     return 0

@@ -98,22 +98,24 @@ def test_share_pass() -> None:
 
 
 def test_pass_budget_from_measured_costs() -> None:
-    """Alone: MAX_PASS_TOKENS. Beside streams: the tokens costing half a decode tick, within
-    [MIN_PASS_TOKENS, MAX_PASS_TOKENS]; MIN_PASS_TOKENS until both costs are measured. Passes
-    under MIN_COST_SAMPLE_TOKENS teach nothing."""
+    """Alone: MAX_PASS_TOKENS. Beside streams: the tokens whose marginal cost (learned beside
+    decode rows, from one token) is half a decode tick, within [MIN_PASS_TOKENS,
+    MAX_PASS_TOKENS]; MIN_PASS_TOKENS until both are measured, whatever passes of embedding
+    tokens alone cost (under MIN_COST_SAMPLE_TOKENS they teach nothing)."""
     costs = embedding.PassCosts()
     assert costs.budget(0.0, is_generating=False) == embedding.MAX_PASS_TOKENS
-    assert costs.budget(40.0, is_generating=True) == embedding.MIN_PASS_TOKENS
     costs.observe(2, 100.0)
     assert costs.token_ms == 0.0
-    costs.observe(100, 50.0)  # 0.5 ms per token
+    costs.observe(100, 50.0)
+    assert costs.token_ms == 0.5
+    assert costs.budget(40.0, is_generating=True) == embedding.MIN_PASS_TOKENS
+    costs.observe(1, 0.5, is_marginal=True)  # 0.5 ms per token beside decode rows
     assert costs.budget(40.0, is_generating=True) == 40  # 20 ms of a 40 ms decode tick
     assert costs.budget(0.0, is_generating=True) == embedding.MIN_PASS_TOKENS
     assert costs.budget(10_000.0, is_generating=True) == embedding.MAX_PASS_TOKENS
-    costs.observe(10, 10.0)  # 1 ms per token: the average moves a fifth of the way
-    assert costs.token_ms == pytest.approx(0.6)
-    costs.observe(1, 1.6, is_marginal=True)  # beside decode rows: one token teaches
-    assert costs.token_ms == pytest.approx(0.8)
+    costs.observe(2, 2.0, is_marginal=True)  # 1 ms per token: a fifth of the way
+    assert costs.marginal_ms == pytest.approx(0.6)
+    assert costs.token_ms == 0.5
 
 
 def test_embedding_request_gets_its_vectors_and_clears_its_kv() -> None:
