@@ -10,7 +10,7 @@
    flood of embedding requests (16 in flight at all times): its decode rows ride in the
    embedding passes, whose embedding tokens add about half a decode tick.
 
-    python bench/embeddings.py [--threads 2] [--flood-inputs 16]
+    python bench/embeddings.py [--threads 1] [--flood-inputs 16] [--reps 3] [--itl-only]
 
 4. a peer in the same run: llama-cpp-python's own `Llama(embedding=True).embed` (the same
    llama.cpp, in-process, no server), which packs up to n_batch tokens of as many inputs as
@@ -170,7 +170,37 @@ def itl(gaps: list[float]) -> dict[str, float]:
     return {"p50_ms": percentile(gaps, 0.5), "p95_ms": percentile(gaps, 0.95), "n": len(gaps)}
 
 
-async def engine_runs(threads: int, flood_inputs: int) -> dict[str, Any]:
+async def itl_reps(engine: EngineLoop, flood_inputs: int, reps: int) -> dict[str, Any]:
+    """Alone and beside the flood, alternating, `reps` times (other work on a shared box moves
+    the tail between any two runs): each rep's p50/p95 and ratios, and their medians."""
+    rows = []
+    for rep in range(reps):
+        alone = await stream_itl(engine, f"alone-{rep}")
+        beside, flood_done = await beside_flood(engine, flood_inputs)
+        rows.append(
+            {
+                "alone": itl(alone),
+                "beside_flood": itl(beside),
+                "flood_inputs_embedded_meanwhile": flood_done,
+                "p95_ratio": percentile(beside, 0.95) / percentile(alone, 0.95),
+                "p50_ratio": percentile(beside, 0.5) / percentile(alone, 0.5),
+            }
+        )
+        progress(
+            f"rep {rep}: ITL p95 ratio {rows[-1]['p95_ratio']:.2f}, "
+            f"p50 ratio {rows[-1]['p50_ratio']:.2f}"
+        )
+    return {
+        "flood_inputs_in_flight": flood_inputs,
+        "reps": rows,
+        "median_p95_ratio": statistics.median(r["p95_ratio"] for r in rows),
+        "median_p50_ratio": statistics.median(r["p50_ratio"] for r in rows),
+    }
+
+
+async def engine_runs(
+    threads: int, flood_inputs: int, reps: int, *, itl_only: bool = False
+) -> dict[str, Any]:
     settings = Settings(
         model=ModelSettings(n_ctx=8192, n_batch=512, n_threads=threads),
         scheduler=SchedulerSettings(n_parallel=4, max_queue=256),
@@ -181,22 +211,11 @@ async def engine_runs(threads: int, flood_inputs: int) -> dict[str, Any]:
         warm = engine.tokenize(seeded_text(8, 1), add_special=True, parse_special=False)
         await embed_one(engine, warm, "warm-up")  # the first embedding pass allocates buffers
         for words, label, batches in ((8, "short", BATCHES), (380, "512_tokens", LONG_BATCHES)):
-            for batch in batches:
+            for batch in () if itl_only else batches:
                 row = await throughput(engine, words, batch, seed=batch * 1000 + words)
                 out["throughput"][f"{label}_batch_{batch}"] = row
                 progress(f"{label} x{batch}: {row['inputs_per_s']:.1f} inputs/s")
-        alone = await stream_itl(engine, "alone")
-        beside, flood_done = await beside_flood(engine, flood_inputs)
-        out["itl"] = {
-            "alone": itl(alone),
-            "beside_flood": itl(beside),
-            "flood_inputs_in_flight": flood_inputs,
-            "flood_inputs_embedded_meanwhile": flood_done,
-            "p95_ratio": percentile(beside, 0.95) / percentile(alone, 0.95),
-            "p50_ratio": percentile(beside, 0.5) / percentile(alone, 0.5),
-        }
-        alone_ms, beside_ms = out["itl"]["alone"]["p95_ms"], out["itl"]["beside_flood"]["p95_ms"]
-        progress(f"ITL p95 alone {alone_ms:.1f} ms, beside the flood {beside_ms:.1f} ms")
+        out["itl"] = await itl_reps(engine, flood_inputs, reps)
         out["stats"] = {
             "ticks": engine.stats().ticks,
             "avg_batch_size": engine.stats().avg_batch_size,
@@ -239,15 +258,19 @@ def peer_throughput(threads: int) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--samples", type=int, default=7)
     parser.add_argument("--flood-inputs", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=3, help="alternating ITL reps")
+    parser.add_argument("--itl-only", action="store_true", help="only the ITL reps")
     args = parser.parse_args()
     data: dict[str, Any] = {"machine": machine_facts(args.threads)}
-    data["pass_costs"] = pass_costs(args.threads, args.samples)
-    data["peer_llama_cpp_python_embed"] = peer_throughput(args.threads)
-    data.update(asyncio.run(engine_runs(args.threads, args.flood_inputs)))
-    write_json("embeddings", finish_facts(data))
+    if not args.itl_only:
+        data["pass_costs"] = pass_costs(args.threads, args.samples)
+        data["peer_llama_cpp_python_embed"] = peer_throughput(args.threads)
+    runs = engine_runs(args.threads, args.flood_inputs, args.reps, itl_only=args.itl_only)
+    data.update(asyncio.run(runs))
+    write_json("embeddings_itl" if args.itl_only else "embeddings", finish_facts(data))
     return 0
 
 
