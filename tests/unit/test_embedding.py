@@ -10,6 +10,7 @@ import pytest
 from llama_grpc_server import errors
 from llama_grpc_server.core import embedding
 from llama_grpc_server.core.embedding import EmbeddingParams, Pooling, Vectors
+from llama_grpc_server.core.kv_events import Tier
 from llama_grpc_server.core.plan import Chunk
 from llama_grpc_server.core.request import (
     Finished,
@@ -211,3 +212,23 @@ def test_embedding_spec_never_uses_the_caches() -> None:
     spec = GenerationRequest("e", (1, 2), embedding=EmbeddingParams())
     assert not spec.cache_prompt
     assert not spec.cache_response
+
+
+def test_embedding_kv_is_never_announced_as_a_prefix() -> None:
+    """The KV events (SubscribeKvEvents) never announce an embedding request's blocks: its KV
+    is cleared when it ends, so a router must not route to it; a generation request's blocks
+    are announced as before."""
+    s, runner = make(n_parallel=2, chunk=16), FakeRunner()
+    s.add(embed_req("e", tuple(range(5, 69))))
+    s.add(req("g", 40, 4))
+    while s.has_work:
+        plan, _ = s.schedule()
+        if plan is not None:
+            s.update(plan, runner.execute(plan))
+        s.publish_kv_events(0.0)
+        held = s.kv.events.tiers[Tier.DEVICE].keys()
+        embedding_slot = next(
+            (x.slot_id for x in s.slots if x.request and x.request.spec.is_embedding), None
+        )
+        assert embedding_slot not in held
+    assert s.kv.events.log.num_logged_blocks > 0  # g's prompt blocks were announced
