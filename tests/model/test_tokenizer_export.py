@@ -19,39 +19,14 @@ from llama_grpc_server.engine.llama import LlamaModel
 from llama_grpc_server.models import cli as models_cli
 from llama_grpc_server.models import tokenizer_export
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_path
+from tests.support.tokenizer_corpus import CJK, CODE, DIGITS, EMOJI, PROSE, WHITESPACE
 
-PROSE = (
-    "The quick brown fox jumps over the lazy dog. It's 2024, and naïve café owners "
-    "can't stop saying “déjà vu” — or so they said... Mr. O'Neil's co-worker re-entered."
-)
-CODE = (
-    "def f(x):\n\tif x:\n\t\treturn  x  *  2   # two spaces, then three\n"
-    "    else:\n        return None\n\n\n\nclass  A :\n\t\t\tpass\t \t\n"
-    '    s = "a\\tb"  ;  y = {"k": [1, 2, 3]}\r\n'
-)
-CJK = "日本語のテキストと中文文本\uff0c还有한국어 텍스트。漢字仮名交じり文「括弧」"
-EMOJI = "I ❤️ 🦙 and 👩‍👩‍👧‍👦 🇫🇷 ✨🤖👍🏽 ∑∫≠½ é e\u0301 \u00a0nbsp \u200bzw"
-DIGITS = "3.14159 2718281828 1,000,000 0x1F 007 12345678901234567890 -42 +1e-9"
 SPECIAL_AS_TEXT = (
     "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
     "<bos><bos>text<eos> <pad><unk><mask> a</s>b </s>",
     "<unused0><unused6241> [multimodal] <start_of_image>",
     "<start_of_turn <end_of_turn>> <<bos>> <bo s>",
     "<table><tr><td>cell</td></tr></table> <div>  <h1>Title</h1></div>",
-)
-WHITESPACE = (
-    "",
-    " ",
-    "  ",
-    "   leading spaces",
-    "trailing spaces   ",
-    "\n",
-    "\n\n\n\nfour newlines then text\n\n",
-    "\n" * 40 + "forty newlines",
-    " " * 40 + "forty spaces",
-    "\t" * 40 + "forty tabs",
-    " \n \t \r\n \u3000 \u2581 \u2581\u2581 mixed",
-    "a" * 50 + " " + "b" * 3,
 )
 
 

@@ -476,3 +476,21 @@ def test_chat_template_option_reaches_the_model_settings() -> None:
     assert load_settings([], {}).model.chat_template == ""
     with pytest.raises(ConfigError, match=r"--chat-template.*must be one of gemma, chatml"):
         load_settings(["--chat-template", "llama3"], {})
+
+
+def test_the_template_in_use_and_why() -> None:
+    """The configured built-in, else the model file's own, else the family's built-in (Gemma's
+    for every Gemma architecture), else none; template_origin says which, for the log."""
+    from llama_grpc_server.core.chat import template_in_use, template_origin
+
+    assert template_in_use("chatml", True, "gemma3") == "chatml"
+    assert template_in_use("", True, "gemma3") == "gguf"
+    assert [template_in_use("", False, arch) for arch in ("gemma", "gemma2", "gemma3")] == [
+        "gemma"
+    ] * 3
+    assert template_in_use("", False, "llama") == ""
+    assert template_in_use("", False) == ""
+    assert template_origin("chatml", False, "gemma3") == "configured (--chat-template)"
+    assert template_origin("", True, "llama") == "the model file's own"
+    assert template_origin("", False, "gemma3").startswith("built-in, the gemma3 family's")
+    assert template_origin("", False, "phi3").startswith("none")

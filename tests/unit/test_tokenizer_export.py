@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
+from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
 from llama_grpc_server.models import catalog, tokenizer_export
 from llama_grpc_server.models import cli as models_cli
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
@@ -234,7 +235,12 @@ def test_caches_in_memory_and_on_disk(
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"tokenizer.ggml.model": (STRING, "gpt2")}, "'gpt2' is not supported"),
+        ({"tokenizer.ggml.model": (STRING, "rwkv")}, "'rwkv' is not supported: RWKV's trie"),
+        ({"tokenizer.ggml.model": (STRING, "gpt2")}, "a BPE vocabulary without .*merges"),
+        (
+            {"tokenizer.ggml.model": (STRING, "gpt2"), "tokenizer.ggml.pre": (STRING, "kimi-k2")},
+            "pre-tokenizer 'kimi-k2' is not supported: llama.cpp splits it with a hand-written",
+        ),
         ({"tokenizer.ggml.model": None}, "has no tokenizer"),
         (
             {"tokenizer.ggml.scores": (ARRAY, (FLOAT32, [0.0] * 10))},
@@ -327,8 +333,27 @@ def test_export_tokenizer_command(
     assert config["chat_template"].startswith("{%- for message in messages -%}")
     cached = tmp_path / "xdg" / "llama-grpc" / "tokenizers"
     assert [p.name for p in cached.iterdir()] == [_cache_name(embedded)]
-    bad = _write(tmp_path / "bpe.gguf", **{"tokenizer.ggml.model": (STRING, "gpt2")})
+    bad = _write(tmp_path / "rwkv.gguf", **{"tokenizer.ggml.model": (STRING, "rwkv")})
     assert models_cli.main(["export-tokenizer", str(bad), str(tmp_path / "none")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "'gpt2' is not supported" in err
+    assert err.startswith("error: ") and "'rwkv' is not supported" in err
     assert not (tmp_path / "none").exists()
+
+
+def test_export_tokenizer_command_writes_the_template_a_server_would_use(tmp_path: Path) -> None:
+    """Without --chat-template the files carry the template `llama-grpc serve` would render
+    messages with (core.chat.template_in_use): the file's own, else its family's built-in (a
+    Gemma file with none gets Gemma's), else none; --chat-template overrides both."""
+
+    def exported(name: str, *argv: str, **meta: Value | None) -> dict[str, Any]:
+        path = _write(tmp_path / f"{name}.gguf", **meta)
+        out = tmp_path / name
+        assert models_cli.main(["export-tokenizer", str(path), str(out), "--no-cache", *argv]) == 0
+        return dict(json.loads((out / "tokenizer_config.json").read_text()))
+
+    gemma = {"general.architecture": (STRING, "gemma3"), "tokenizer.chat_template": None}
+    assert exported("own")["chat_template"] == "{{ messages }}"
+    assert exported("family", **gemma)["chat_template"] == BUILTIN_TEMPLATES["gemma"]
+    chatml = exported("chatml", "--chat-template", "chatml", **gemma)
+    assert chatml["chat_template"] == BUILTIN_TEMPLATES["chatml"]
+    assert "chat_template" not in exported("none", **{"tokenizer.chat_template": None})

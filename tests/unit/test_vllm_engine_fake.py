@@ -207,7 +207,10 @@ NO_GRAMMAR = "the regex uses {}, which cannot be compiled to a grammar"
 # (sampling params, the field under sampling_params., the message; None: not checked)
 BAD = [
     ({"prompt_logprobs": 1}, "prompt_logprobs", "prompt_logprobs are not supported"),
-    ({"structural_tag": "{}"}, "structural_tag", "structural_tag constraints are not supported"),
+    ({"structural_tag": "{}"}, "structural_tag",
+     "the structural tag needs 'format' (or legacy 'structures')"),
+    ({"structural_tag": '{"format": {"type": "qwen_xml_parameter", "json_schema": {}}}'},
+     "structural_tag", "format: format type 'qwen_xml_parameter' is not supported"),
     ({"logprobs": -1}, "logprobs", LOGPROBS.format(-1)),
     ({"logprobs": 21}, "logprobs", LOGPROBS.format(21)),
     ({"n": 17}, "n", "n must be at most 16, got 17"),

@@ -34,6 +34,7 @@ class ModelInfo:
     n_params: int
     add_bos: bool
     chat_template: str = ""  # the template in use for messages: a built-in, "gguf" or none
+    chat_template_origin: str = ""  # why that one (core.chat.template_origin), for the log
     n_embd: int = 0  # the dimension of its embeddings
     pooling: str = ""  # the GGUF's pooling_type ("mean", "cls", "last", "none", "rank"; "": none)
 

@@ -46,8 +46,34 @@ class ChatMessage:
     content: str
 
 
-def template_in_use(configured: str, has_model_template: bool) -> str:
-    """The server's template: the configured built-in, else the model's own, else "" (none)."""
+# The built-in a model without a template of its own gets, by its architecture
+# (general.architecture): Gemma's turn format is the same for every Gemma generation with one
+# (the embedded Gemma 3 270M is a base model and ships none). Other families get none: a guess
+# of a template the model was not trained on would answer, wrongly; a refusal names the fix.
+FAMILY_TEMPLATES: dict[str, str] = {
+    "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma",
+}  # fmt: skip
+
+
+def template_in_use(configured: str, has_model_template: bool, architecture: str = "") -> str:
+    """The server's template: the configured built-in, else the model's own, else its family's
+    built-in (FAMILY_TEMPLATES), else "" (none)."""
     if configured:
         return configured
-    return GGUF_TEMPLATE if has_model_template else ""
+    if has_model_template:
+        return GGUF_TEMPLATE
+    return FAMILY_TEMPLATES.get(architecture, "")
+
+
+def template_origin(configured: str, has_model_template: bool, architecture: str = "") -> str:
+    """Why template_in_use chose what it chose, for the start-up log."""
+    if configured:
+        return "configured (--chat-template)"
+    if has_model_template:
+        return "the model file's own"
+    if architecture in FAMILY_TEMPLATES:
+        return (
+            f"built-in, the {architecture} family's: the model file has none "
+            "(--chat-template overrides it)"
+        )
+    return "none: the model file has none and its family no built-in (see --chat-template)"

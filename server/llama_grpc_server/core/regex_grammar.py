@@ -58,6 +58,16 @@ def choice_to_gbnf(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(_literal(c) for c in dict.fromkeys(choices)) + "\n"
 
 
+def gbnf_literal(text: str) -> str:
+    """`text` as a GBNF string literal (core/structural_tag.py builds grammars with it too)."""
+    return _literal(text)
+
+
+def gbnf_char(c: str) -> str:
+    """One character as GBNF writes it inside a string literal or a class."""
+    return _char(c)
+
+
 def _char(c: str) -> str:
     """One character as GBNF writes it inside a string literal or a class."""
     if c.isascii() and (c.isalnum() or c in " _,;:!?#%&'/=<>@`~"):

@@ -134,11 +134,15 @@ class SpeculativeParams:
 @dataclass(frozen=True, slots=True)
 class Constraint:
     """A GBNF grammar the output must match (a JSON Schema arrives converted to one); `field`
-    is where an error about it points."""
+    is where an error about it points. With `triggers` the grammar is lazy (a structural tag,
+    core/structural_tag.py): the output is free until one of these strings appears, and the
+    grammar applies from there on, starting with one of `starts`."""
 
     gbnf: str
     root: str = "root"
     field: str = "params.grammar.gbnf"
+    triggers: tuple[str, ...] = ()
+    starts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

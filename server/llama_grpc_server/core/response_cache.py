@@ -74,7 +74,8 @@ KEYED: Mapping[type, tuple[str, ...]] = {
         "min_tokens",
     ),
     OutputParams: ("logprobs", "top_logprobs"),
-    Constraint: ("gbnf", "root", "field"),  # field: where an error points, kept to be simple
+    # field: where an error points, kept to be simple; triggers: when a lazy grammar applies
+    Constraint: ("gbnf", "root", "field", "triggers", "starts"),
 }
 # The request fields left out of the key, and why none of them changes the output.
 UNKEYED: Mapping[type, Mapping[str, str]] = {

@@ -5,6 +5,7 @@ grammar sampler that engine/sampler.py drives. Safe from any thread (reads the v
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import sys
 import tempfile
@@ -15,6 +16,7 @@ from typing import Any
 import llama_cpp
 from llama_cpp import llama_grammar
 
+from llama_grpc_server.core.structural_tag import trigger_pattern
 from llama_grpc_server.engine import logs
 
 MAX_MESSAGE_CHARS = 300
@@ -26,9 +28,30 @@ class GrammarError(ValueError):
     """The grammar or schema is invalid; str() is the parser's message."""
 
 
-def init_grammar(vocab: Any, gbnf: str, root: str) -> Any:
-    """A llama_sampler for the grammar, or a NULL pointer when llama.cpp rejects it."""
-    return llama_cpp.llama_sampler_init_grammar(vocab, gbnf.encode("utf-8"), root.encode("utf-8"))
+def init_grammar(vocab: Any, gbnf: str, root: str, triggers: tuple[str, ...] = ()) -> Any:
+    """A llama_sampler for the grammar, or a NULL pointer when llama.cpp rejects it. With
+    `triggers` it is lazy: it masks nothing until one of them appears in the sampled text
+    (core/structural_tag.trigger_pattern; its std::regex is built from escaped literals only, since
+    a bad pattern would throw through ctypes)."""
+    if not triggers:
+        return llama_cpp.llama_sampler_init_grammar(
+            vocab, gbnf.encode("utf-8"), root.encode("utf-8")
+        )
+    patterns = (ctypes.c_char_p * 1)(trigger_pattern(triggers).encode("utf-8"))
+    no_tokens = (llama_cpp.llama_token * 1)()
+    return llama_cpp.llama_sampler_init_grammar_lazy_patterns(
+        vocab, gbnf.encode("utf-8"), root.encode("utf-8"), patterns, 1, no_tokens, 0
+    )
+
+
+def token_piece(vocab: Any, token: int) -> bytes:
+    """A token's text as the grammar sees it (llama.cpp's piece cache renders special tokens)."""
+    buf = ctypes.create_string_buffer(256)
+    n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, True)
+    if n < 0:
+        buf = ctypes.create_string_buffer(-n)
+        n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, True)
+    return buf.raw[: max(n, 0)]
 
 
 def check_grammar(vocab: Any, gbnf: str, root: str) -> None:

@@ -13,7 +13,7 @@ import llama_cpp
 
 from llama_grpc_server.config import ModelSettings
 from llama_grpc_server.core.api import ModelInfo
-from llama_grpc_server.core.chat import ChatMessage, template_in_use
+from llama_grpc_server.core.chat import ChatMessage, template_in_use, template_origin
 from llama_grpc_server.engine import cpu_share, grammar
 from llama_grpc_server.engine.chat import ChatRenderer
 from llama_grpc_server.engine.offload import resolve_n_gpu_layers
@@ -82,6 +82,7 @@ class LlamaModel:
         )
         self.pieces = self._piece_table()
         self.gguf_chat_template = _gguf_chat_template(self.model)
+        self.architecture = _meta(self.model, "general.architecture")
         self.chat = ChatRenderer(
             self.gguf_chat_template,
             bos_token=self._special_text(llama_cpp.llama_vocab_bos(self.vocab)),
@@ -143,9 +144,25 @@ class LlamaModel:
             capacity = -n
 
     def detokenize(self, token_ids: Sequence[int], *, render_special: bool) -> str:
-        if not render_special:
-            return b"".join(self.pieces[t] for t in token_ids).decode("utf-8", errors="replace")
-        return b"".join(self.special_piece(t) for t in token_ids).decode("utf-8", errors="replace")
+        """llama_detokenize's text of the ids as a whole, special tokens kept (as text or as
+        nothing). Not the pieces joined: llama.cpp drops the space a SentencePiece vocabulary
+        with add_space_prefix (phi-3, llama-spm) puts before the first word, and a BPE
+        vocabulary with clean_spaces (llama-bpe: Llama 3) drops the space before . , ? ! and
+        some apostrophes, as HuggingFace decode does. Joined pieces differed on both (tests/e2e/
+        test_families.py: " Hello world" for phi-3's "Hello world"). The stream's deltas are
+        pieces joined (core/text.py): a continuation keeps its spaces."""
+        if not token_ids:
+            return ""
+        tokens = (llama_cpp.llama_token * len(token_ids))(*token_ids)
+        capacity = 8 * len(token_ids) + 64
+        while True:
+            buf = ctypes.create_string_buffer(capacity)
+            n = llama_cpp.llama_detokenize(
+                self.vocab, tokens, len(token_ids), buf, capacity, False, render_special
+            )
+            if n >= 0:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            capacity = -n
 
     def special_piece(self, token_id: int) -> bytes:
         buf = ctypes.create_string_buffer(256)
@@ -190,7 +207,10 @@ class LlamaModel:
             n_embd=self.n_embd,
             pooling=self.pooling,
             chat_template=template_in_use(
-                self.settings.chat_template, bool(self.gguf_chat_template)
+                self.settings.chat_template, bool(self.gguf_chat_template), self.architecture
+            ),
+            chat_template_origin=template_origin(
+                self.settings.chat_template, bool(self.gguf_chat_template), self.architecture
             ),
         )
 

@@ -3,7 +3,10 @@ numpy argmax fast path for plain greedy requests (0.04 ms vs 0.44 ms per token f
 A grammar-constrained request keeps its grammar sampler outside the chain: the chain proposes a
 token, the grammar checks just that one, and only when it is refused does the grammar mask the
 whole vocabulary (llama.cpp's own trick: a full mask costs milliseconds at 262k tokens). The
-grammar is only ever told about tokens it allowed, so llama.cpp never aborts on it."""
+grammar is only ever told about tokens it allowed, so llama.cpp never aborts on it. A lazy
+grammar (a structural tag) allows everything until its trigger, so before it a
+core.structural_tag.TriggerGuard vets the token instead: the one that sets the grammar off must
+hand it text it accepts (llama.cpp replays that text unchecked and aborts on a refusal)."""
 
 from __future__ import annotations
 
@@ -15,10 +18,15 @@ import llama_cpp
 import numpy as np
 
 from llama_grpc_server.core.request import Constraint, SamplingParams
-from llama_grpc_server.engine.grammar import init_grammar
+from llama_grpc_server.core.structural_tag import TriggerGuard
+from llama_grpc_server.engine.grammar import init_grammar, token_piece
 
 NO_TOKEN = -1
 _DEAD_END = "the grammar allows no token here that the sampler can pick (logit_bias may ban them)"
+# Before a lazy grammar's trigger: how many proposed tokens the guard may refuse in one step
+# before the request fails (each refusal re-runs the chain without that token; a refusal needs a
+# token that completes a trigger and goes on with other text in its own piece, so one is rare).
+MAX_GUARD_REFUSALS = 64
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
@@ -75,10 +83,12 @@ class RequestSampler:
         "_candidates",
         "_chain",
         "_grammar",
+        "_guard",
         "_min_tokens",
         "_n_vocab",
         "_num_sampled",
         "_suppressed",
+        "_vocab",
         "error",
     )
 
@@ -101,10 +111,16 @@ class RequestSampler:
         self._num_sampled = 0
         self._chain: Any = None
         self._grammar: Any = None
+        self._guard: TriggerGuard | None = None
+        self._vocab = vocab
         self._candidates = candidates
         self.error = ""
         if constraint is not None:
-            self._grammar = init_grammar(vocab, constraint.gbnf, constraint.root)
+            self._grammar = init_grammar(
+                vocab, constraint.gbnf, constraint.root, constraint.triggers
+            )
+            if constraint.triggers:
+                self._guard = TriggerGuard(constraint.triggers, constraint.starts)
             if not self._grammar:
                 self._grammar = None
                 self.error = "the grammar could not be compiled"
@@ -150,7 +166,14 @@ class RequestSampler:
         cand.load(row)
         llama_cpp.llama_sampler_apply(self._chain, cand.ref)
         token = cand.selected
-        if token == NO_TOKEN or not cand.allows(grammar, token):
+        guard = self._guard
+        if guard is not None and guard.is_awaiting:
+            token = self._guarded(guard, row, token)
+            if token == NO_TOKEN:
+                self.error = _DEAD_END
+                return NO_TOKEN
+            guard.accept(token_piece(self._vocab, token))
+        elif token == NO_TOKEN or not cand.allows(grammar, token):
             cand.load(row)
             llama_cpp.llama_sampler_apply(grammar, cand.ref)
             is_any_allowed = cand.has_allowed
@@ -162,6 +185,24 @@ class RequestSampler:
                 return NO_TOKEN
         llama_cpp.llama_sampler_accept(grammar, token)
         llama_cpp.llama_sampler_accept(self._chain, token)
+        return token
+
+    def _guarded(
+        self, guard: TriggerGuard, row: np.ndarray[Any, np.dtype[np.float32]], token: int
+    ) -> int:
+        """The chain's choice, or its next choice without the tokens the guard refused (the
+        lazy grammar masks nothing yet, so the chain alone decides)."""
+        cand, refused = self._candidates, []
+        if cand is None:
+            raise RuntimeError("a constrained sampler needs Candidates")
+        while token != NO_TOKEN and not guard.allows(token_piece(self._vocab, token)):
+            refused.append(token)
+            if len(refused) > MAX_GUARD_REFUSALS:
+                return NO_TOKEN
+            cand.load(row)
+            cand.data["logit"][refused] = -math.inf
+            llama_cpp.llama_sampler_apply(self._chain, cand.ref)
+            token = cand.selected
         return token
 
     def close(self) -> None:

@@ -424,7 +424,13 @@ class ModelPool:
         info = engine.model_info
         entry.aliases |= _aliases(info.model_name, info.model_path)
         entry.size_bytes = entry.size_bytes or info.size_bytes
-        log.info("model_loaded", model=entry.name, seconds=round(entry.load_seconds, 3))
+        log.info(
+            "model_loaded",
+            model=entry.name,
+            seconds=round(entry.load_seconds, 3),
+            chat_template=info.chat_template or "none",
+            chat_template_origin=info.chat_template_origin,
+        )
         self._watch(entry, engine)
         if self._on_loaded is not None:
             self._on_loaded(entry.spec, engine)

@@ -2,35 +2,52 @@
 
 An LLM gateway (SMG) tokenizes with HuggingFace `tokenizers` and sends token ids to its workers,
 so the tokenizer it runs must split text exactly as llama.cpp's `llama_tokenize` does, or prefix
-caching and stop tokens silently break. The files are built from the GGUF metadata alone (the
-PyPI `gguf` reader; no llama_cpp, no torch, no transformers) and checked by loading them with
-`tokenizers`:
+caching and stop tokens silently break. The files are built from the GGUF metadata alone
+(gguf_vocab.py reads it and applies llama.cpp's defaults and token attributes; no llama_cpp, no
+torch, no transformers) and checked by loading them with `tokenizers`:
 
-- `tokenizer.json`: the vocabulary as a BPE model whose merges rebuild llama.cpp's SentencePiece
-  merging (`tokenizer.ggml.model` "llama": GGUF files such as Gemma's store no merges). llama.cpp
-  merges any two adjacent symbols whose concatenation is a token, highest score first, the
-  leftmost on a tie; so every way of splitting a token into two tokens is a merge, ranked by the
-  token's score (then its id). Control (and unknown) tokens are special added tokens, matched in
-  the raw text only when specials are parsed; user-defined tokens (Gemma: runs of newlines,
-  spaces and tabs, HTML tags) are added tokens matched in the raw text always, before the rest
-  is normalized (space -> U+2581, a leading U+2581 when `add_space_prefix`), just as
-  llama.cpp's partition does. Bytes with no token fall back to the <0xNN> tokens. The
-  post-processor adds BOS/EOS as `add_bos_token` / `add_eos_token` say.
+- `tokenizer.json`, by `tokenizer.ggml.model`:
+  - "llama" (SentencePiece-style: Gemma 3, Llama 2, ...): the vocabulary as a BPE model whose
+    merges rebuild llama.cpp's SentencePiece merging (such GGUF files store no merges).
+    llama.cpp merges any two adjacent symbols whose concatenation is a token, highest score
+    first, the leftmost on a tie; so every way of splitting a token into two tokens is a merge,
+    ranked by the token's score (then its id). The text is normalized (space -> U+2581, a
+    leading U+2581 when `add_space_prefix`); bytes with no token fall back to <0xNN> tokens.
+  - "gpt2" (byte-level BPE: Llama 3, Qwen, DeepSeek, GPT-2, StarCoder, ...) and "gemma4"
+    (BPE on raw UTF-8 with U+2581 spaces): the file's merges, and llama.cpp's pre-tokenizer
+    for `tokenizer.ggml.pre` as regex splits (tokenizer_bpe.py, bpe_pretokenizers.py).
+  Control (and unknown) tokens are special added tokens, matched in the raw text only when
+  specials are parsed; user-defined tokens (Gemma: runs of newlines, spaces and tabs, HTML tags)
+  are added tokens matched in the raw text always, before the rest is normalized and split, just
+  as llama.cpp's partition does. llama.cpp's types by text count (EOG and FIM tokens become
+  control tokens, gpt-oss's channel tokens user-defined). The post-processor adds BOS/EOS as
+  `add_bos_token` / `add_eos_token` say (llama.cpp's default for the model and pre-tokenizer,
+  then the file's keys). The decoder gives llama_token_to_piece's text, token after token.
 - `tokenizer_config.json` (special tokens, `add_bos_token`, `chat_template`: the GGUF's own or
-  the one given), `special_tokens_map.json`, `config.json` and `generation_config.json` (BOS,
-  EOS, the end-of-generation ids, the context length).
+  the one given; `clean_up_tokenization_spaces` false: the text is the engine's, see
+  tokenizer_bpe.decoder), `special_tokens_map.json`, `config.json` and `generation_config.json`
+  (BOS, EOS, llama.cpp's end-of-generation ids, the context length).
 
 `encode(text, add_special_tokens=B)` then equals `llama_tokenize(text, add_special=B,
 parse_special=True)`; with `tokenizer.encode_special_tokens = True` it equals
 `parse_special=False`. A vocabulary the exporter cannot reproduce exactly raises
-TokenizerExportError naming the reason: another tokenizer model (BPE "gpt2", UGM, WPM...), two
-tokens with one text, missing byte tokens, a token llama.cpp could merge through a character
-that is no token, added tokens that overlap (see _check_added). Not detected: where two tokens
-have the same score, llama.cpp merges the leftmost pair first and the export the lower id's (BPE
-ranks are unique); a result differs only if two such pairs compete for one symbol. In Gemma 3
-the only tied scores are the user-defined tokens' (never merged: they are split off first);
-Llama 2's tied runs of U+2581 matched llama.cpp on 2,432 encodings of space runs and random
-strings.
+TokenizerExportError naming the reason: a tokenizer model other than the three (WPM/BERT,
+UGM/T5, RWKV, ...), a pre-tokenizer llama.cpp splits with code of its own (Kimi K2, AFMoE,
+Tiny Aya, SuperBPE, whitespace), two tokens with one text, missing byte tokens, a token
+llama.cpp could merge through a character or merge that is no token, added tokens that overlap
+(see _check_added). One known difference is accepted rather than refused: added tokens llama.cpp
+strips whitespace beside (every special token of a model named Phi-3; some models' <mask>) get
+HuggingFace's lstrip/rstrip, which strip Unicode White_Space where llama.cpp strips ASCII
+whitespace only (C isspace): with specials parsed, "<|end|>\u3000x" keeps the U+3000 in
+llama.cpp and loses it here (see STRIP_DIFFERENCE). Refusing the vocabulary instead would take
+a whole family off the gateway for text no template writes. Not detected: where two
+SentencePiece tokens have the same score, llama.cpp merges the leftmost pair first and the
+export the lower id's (BPE ranks are unique); a result differs only if two such pairs compete
+for one symbol. In Gemma 3 the only tied scores are the user-defined tokens' (never merged:
+they are split off first); Llama 2's tied runs of U+2581 matched llama.cpp on 2,432 encodings
+of space runs and random strings.
+tests/model/test_tokenizer_vocabs.py checks every vocabulary of llama.cpp's own test data and
+every pre-tokenizer name against llama.cpp.
 
 Exports are cached per model file sha256 (in memory, and on disk under `cache_dir` when given);
 `tokenizer_zip` gives the files as one zip archive with deterministic bytes (what the engine
@@ -51,10 +68,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llama_grpc_server.models import tokenizer_bpe
+from llama_grpc_server.models.bpe_pretokenizers import PRE_TYPES
 from llama_grpc_server.models.files import file_sha256
-from llama_grpc_server.models.gguf_header import GGUFError, read_header
+from llama_grpc_server.models.gguf_vocab import (
+    ADDED,
+    BYTE,
+    SPM,
+    TYPES,
+    UGM,
+    USER_DEFINED,
+    WPM,
+    Attributes,
+    GGUFVocab,
+    TokenizerExportError,
+    attributes,
+    read_vocab,
+)
 
-FORMAT_VERSION = 1
+__all__ = [
+    "FILES", "FORMAT_VERSION", "GGUFVocab", "TokenizerExportError", "clear_cache",
+    "default_cache_dir", "export_files", "exporter_id", "read_vocab", "tokenizer_json",
+    "tokenizer_zip", "write_files",
+]  # fmt: skip
+
+FORMAT_VERSION = 3
 """Raised whenever the exported bytes change for the same model file (part of the disk cache's
 key)."""
 
@@ -67,159 +105,19 @@ FILES = (CONFIG, GENERATION_CONFIG, SPECIAL_TOKENS_MAP, TOKENIZER_JSON, TOKENIZE
 
 SPACE_MARK = "\u2581"  # SentencePiece's visible space (llama_escape_whitespace)
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
-
-# llama.cpp's token types (tokenizer.ggml.token_type; llama_token_type in llama.h)
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-_TYPES = frozenset({NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE})
-_ADDED = frozenset({CONTROL, UNKNOWN, USER_DEFINED})  # llama.cpp's cache_special_tokens
-
-# Texts llama.cpp (llama-vocab.cpp, as bundled with llama-cpp-python 0.3.36) marks as
-# end-of-generation whatever the file says; it makes each a control token too.
-EOG_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]",
-    "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
-})  # fmt: skip
-
-
-class TokenizerExportError(ValueError):
-    """The model's vocabulary cannot be exported so that it tokenizes exactly as llama.cpp."""
-
-
-@dataclass(frozen=True, slots=True)
-class GGUFVocab:
-    """The tokenizer part of a GGUF file's metadata (llama.cpp's defaults applied)."""
-
-    model: str  # tokenizer.ggml.model
-    tokens: tuple[str, ...]
-    scores: tuple[float, ...]
-    types: tuple[int, ...]
-    bos_id: int | None
-    eos_id: int | None
-    unk_id: int | None
-    pad_id: int | None
-    other_eog_ids: tuple[int, ...]  # EOT, EOM and the FIM pad/repo/separator tokens, if set
-    add_bos: bool
-    add_eos: bool
-    add_space_prefix: bool
-    chat_template: str | None
-    architecture: str
-    name: str
-    context_length: int
-
-    def text(self, token_id: int | None) -> str | None:
-        return None if token_id is None else self.tokens[token_id]
-
-    def eog_ids(self) -> tuple[int, ...]:
-        """llama.cpp's end-of-generation set: EOS, EOT, EOM, FIM pad/rep/sep and the tokens
-        named EOG_TEXTS."""
-        ids = set(self.other_eog_ids) | ({self.eos_id} if self.eos_id is not None else set())
-        ids |= {i for i, text in enumerate(self.tokens) if text in EOG_TEXTS}
-        return tuple(sorted(ids))
-
-
-# -- reading -------------------------------------------------------------------------------------
-
-
-def _keys() -> Any:
-    """gguf's names of the tokenizer keys (gguf imports numpy: only when exporting)."""
-    import gguf
-
-    return gguf.Keys.Tokenizer
-
-
-def _token_id(meta: Mapping[str, Any], key: str, n_tokens: int, default: int | None) -> int | None:
-    value = meta.get(key, default)
-    if value is None or isinstance(value, bool) or not isinstance(value, int):
-        return None
-    if value < 0 or value == 0xFFFFFFFF:  # noqa: PLR2004  # LLAMA_TOKEN_NULL as uint32
-        return None
-    if value >= n_tokens:
-        raise TokenizerExportError(f"{key} = {value} is outside the vocabulary ({n_tokens})")
-    return value
-
-
-def _numbers(
-    meta: Mapping[str, Any], key: str, n_tokens: int, path: str | os.PathLike[str]
-) -> tuple[float, ...]:
-    values = meta.get(key)
-    if (
-        not isinstance(values, tuple)
-        or len(values) != n_tokens
-        or not all(isinstance(v, int | float) for v in values)
-    ):
-        raise TokenizerExportError(f"{path}: {key} must list all {n_tokens} tokens")
-    return tuple(float(v) for v in values)
-
-
-def _flag(meta: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = meta.get(key)
-    return value if isinstance(value, bool) else default
-
-
-def read_vocab(path: str | os.PathLike[str]) -> GGUFVocab:
-    """The tokenizer metadata of the GGUF file at `path`; TokenizerExportError when it has none
-    or it is not one this module can export. Read with gguf_header (the vocabulary arrays
-    whole): gguf.GGUFReader takes ~23 s to open a 262k-token vocabulary, this ~0.3 s."""
-    keys = _keys()
-    try:
-        header = read_header(path, full=(keys.LIST, keys.SCORES, keys.TOKEN_TYPE))
-    except GGUFError as exc:
-        raise TokenizerExportError(str(exc)) from None
-    meta = header.metadata
-    model = meta.get(keys.MODEL)
-    if model is None:
-        raise TokenizerExportError(f"{path}: the file has no tokenizer ({keys.MODEL})")
-    if model != "llama":
-        raise TokenizerExportError(
-            f"{path}: {keys.MODEL} {model!r} is not supported: only 'llama' "
-            "(SentencePiece-style, as in Gemma and Llama 2) can be exported exactly"
-        )
-    listed = meta.get(keys.LIST)
-    if not isinstance(listed, tuple) or not all(isinstance(t, str) for t in listed):
-        raise TokenizerExportError(f"{path}: {keys.LIST} is not a list of strings")
-    tokens = tuple(str(t) for t in listed)
-    n = len(tokens)
-    scores = _numbers(meta, keys.SCORES, n, path)
-    types = tuple(int(t) for t in _numbers(meta, keys.TOKEN_TYPE, n, path))
-    template = meta.get(keys.CHAT_TEMPLATE)
-    context = meta.get(f"{header.architecture}.context_length")
-    return GGUFVocab(
-        model=str(model),
-        tokens=tokens,
-        scores=scores,
-        types=types,
-        # llama.cpp's SPM defaults: BOS 1, EOS 2, UNK 0; BOS added, EOS not, a prefix space
-        bos_id=_token_id(meta, keys.BOS_ID, n, 1),
-        eos_id=_token_id(meta, keys.EOS_ID, n, 2),
-        unk_id=_token_id(meta, keys.UNK_ID, n, 0),
-        pad_id=_token_id(meta, keys.PAD_ID, n, None),
-        other_eog_ids=tuple(
-            i
-            for key in (keys.EOT_ID, keys.EOM_ID, keys.FIM_PAD_ID, keys.FIM_REP_ID, keys.FIM_SEP_ID)
-            if (i := _token_id(meta, key, n, None)) is not None
-        ),
-        add_bos=_flag(meta, keys.ADD_BOS, True),
-        add_eos=_flag(meta, keys.ADD_EOS, False),
-        add_space_prefix=_flag(meta, keys.ADD_PREFIX, True),
-        chat_template=template if isinstance(template, str) and template else None,
-        architecture=header.architecture,
-        name=header.name,
-        context_length=context if isinstance(context, int) and not isinstance(context, bool) else 0,
-    )
+_REFUSED_KINDS = {
+    # measured on ggml-vocab-bert-bge: "한국어" -> ▁ᄒ ᄀ ᄋ, "का" -> ▁क, "x\u0378y" -> [UNK]
+    WPM: "llama.cpp's WordPiece normalizer replaces each decomposable character by the first "
+    "code point of its NFD (a Hangul syllable by its leading consonant), drops spacing marks "
+    "and keeps unassigned code points, which HuggingFace's normalizers cannot reproduce",
+    # read in llm_tokenizer_ugm (llama-vocab.cpp); llama.cpp ships no Unigram vectors
+    UGM: "llama.cpp's Unigram lattice leaves control tokens out (HuggingFace's Unigram scores "
+    "every vocabulary entry, so '</s>' written in text could become that token) and takes the "
+    "unknown-token penalty from the normal tokens' lowest score; not reproduced",
+}
 
 
 # -- the tokenizer -------------------------------------------------------------------------------
-
-
-def _effective_types(vocab: GGUFVocab) -> list[int]:
-    """Token types as llama.cpp uses them: the EOG-named tokens become control tokens."""
-    types = list(vocab.types)
-    for i, text in enumerate(vocab.tokens):
-        if text in EOG_TEXTS:
-            types[i] = CONTROL
-    return types
 
 
 def _check(vocab: GGUFVocab, types: list[int]) -> dict[str, int]:
@@ -233,9 +131,14 @@ def _check(vocab: GGUFVocab, types: list[int]) -> dict[str, int]:
             )
         if not text:
             raise TokenizerExportError(f"token {i} is empty")
-        if types[i] not in _TYPES:
+        if types[i] not in TYPES:
             raise TokenizerExportError(f"token {i} ({text!r}) has unknown type {types[i]}")
         ids[text] = i
+    return ids
+
+
+def _check_bytes(vocab: GGUFVocab, ids: Mapping[str, int], types: list[int]) -> None:
+    """SentencePiece byte fallback needs all 256 <0xNN> tokens, and byte tokens spelled so."""
     missing = [b for b in range(256) if f"<0x{b:02X}>" not in ids]
     if missing:
         raise TokenizerExportError(
@@ -245,7 +148,6 @@ def _check(vocab: GGUFVocab, types: list[int]) -> dict[str, int]:
     for i, text in enumerate(vocab.tokens):
         if types[i] == BYTE and ids.get(text) == i and not _is_byte_text(text):
             raise TokenizerExportError(f"byte token {i} is {text!r}, not <0xNN>")
-    return ids
 
 
 def _check_added(vocab: GGUFVocab, types: list[int]) -> None:
@@ -256,7 +158,7 @@ def _check_added(vocab: GGUFVocab, types: list[int]) -> None:
     skips a special match without looking inside it for a user-defined token. They agree unless
     two added tokens overlap (A's end is B's start, B at least as long, not two runs of one
     character), or a user-defined token overlaps a special token or lies inside one."""
-    added = [(t, k) for t, k in zip(vocab.tokens, types, strict=True) if k in _ADDED]
+    added = [(t, k) for t, k in zip(vocab.tokens, types, strict=True) if k in ADDED]
     starts: dict[str, list[tuple[str, int]]] = {}
     for text, kind in added:
         for cut in range(1, len(text)):
@@ -282,6 +184,15 @@ def _check_added(vocab: GGUFVocab, types: list[int]) -> None:
                     f"user-defined token {text!r} lies inside special token {inside!r}: "
                     "HuggingFace would not split it off there when specials are not parsed"
                 )
+
+
+STRIP_DIFFERENCE = (
+    "llama.cpp strips only ASCII whitespace (C isspace) beside a token with its lstrip/rstrip "
+    "attribute, HuggingFace any Unicode White_Space: with specials parsed, a non-ASCII space "
+    "(U+00A0, U+2000-U+200A, U+3000, ...) next to such a token stays in llama.cpp's ids and is "
+    "dropped in the export's"
+)
+"""The one difference the export accepts (Phi-3's special tokens), stated in docs/models.md."""
 
 
 def _is_byte_text(text: str) -> bool:
@@ -319,20 +230,22 @@ def _merges(vocab: GGUFVocab, ids: Mapping[str, int], types: list[int]) -> list[
     return [(left, right) for _, _, _, left, right in ranked]
 
 
-def _added_tokens(vocab: GGUFVocab, types: list[int]) -> list[dict[str, Any]]:
+def _added_tokens(vocab: GGUFVocab, attrs: Attributes) -> list[dict[str, Any]]:
     """Control and unknown tokens (special: parsed only with specials), user-defined ones (not
-    special: always split off first), each matched in the raw text as llama.cpp does."""
+    special: always split off first), each matched in the raw text as llama.cpp does, with
+    llama.cpp's lstrip/rstrip attributes (with the one accepted difference, STRIP_DIFFERENCE)."""
     out = []
     for i, text in enumerate(vocab.tokens):
-        if types[i] in _ADDED:
+        kind = attrs.types[i]
+        if kind in ADDED:
             out.append({
                 "id": i,
                 "content": text,
                 "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
+                "lstrip": i in attrs.lstrip,
+                "rstrip": i in attrs.rstrip,
                 "normalized": False,
-                "special": types[i] != USER_DEFINED,
+                "special": kind != USER_DEFINED,
             })  # fmt: skip
     return out
 
@@ -362,11 +275,9 @@ def _post_processor(vocab: GGUFVocab) -> dict[str, Any]:
     }
 
 
-def tokenizer_json(vocab: GGUFVocab) -> dict[str, Any]:
-    """The tokenizer.json document for `vocab` (see the module docstring)."""
-    types = _effective_types(vocab)
-    ids = _check(vocab, types)
-    _check_added(vocab, types)
+def _spm(vocab: GGUFVocab, ids: Mapping[str, int], types: list[int]) -> dict[str, Any]:
+    """The SentencePiece parts: normalizer, decoder and the BPE model (see the docstring)."""
+    _check_bytes(vocab, ids, types)
     if vocab.unk_id is None:
         raise TokenizerExportError("the vocabulary has no unknown token")
     normalizers: list[dict[str, Any]] = []
@@ -381,13 +292,8 @@ def tokenizer_json(vocab: GGUFVocab) -> dict[str, Any]:
     if vocab.add_space_prefix:
         decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
     return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": _added_tokens(vocab, types),
         "normalizer": {"type": "Sequence", "normalizers": normalizers},
         "pre_tokenizer": None,
-        "post_processor": _post_processor(vocab),
         "decoder": {"type": "Sequence", "decoders": decoders},
         "model": {
             "type": "BPE",
@@ -401,6 +307,43 @@ def tokenizer_json(vocab: GGUFVocab) -> dict[str, Any]:
             "vocab": ids,
             "merges": [list(pair) for pair in _merges(vocab, ids, types)],
         },
+    }
+
+
+def _bpe(vocab: GGUFVocab, ids: Mapping[str, int], types: list[int]) -> dict[str, Any]:
+    """The BPE parts (tokenizer_bpe.py): llama.cpp's pre-tokenizer, its merges."""
+    name = tokenizer_bpe.pre_name(vocab)
+    pre_type = PRE_TYPES[name.pre_type]
+    added = [t for t, kind in zip(vocab.tokens, types, strict=True) if kind in ADDED]
+    return {
+        "normalizer": tokenizer_bpe.normalizer(name),
+        "pre_tokenizer": tokenizer_bpe.pre_tokenizer(pre_type),
+        "decoder": tokenizer_bpe.decoder(pre_type, name, added, vocab.tokens),
+        "model": tokenizer_bpe.model(vocab, ids, name, pre_type),
+    }
+
+
+def tokenizer_json(vocab: GGUFVocab) -> dict[str, Any]:
+    """The tokenizer.json document for `vocab` (see the module docstring)."""
+    attrs = attributes(vocab)
+    types = list(attrs.types)
+    if vocab.kind in _REFUSED_KINDS:
+        raise TokenizerExportError(
+            f"tokenizer.ggml.model {vocab.model!r} is not supported: {_REFUSED_KINDS[vocab.kind]}"
+        )
+    ids = _check(vocab, types)
+    _check_added(vocab, types)
+    parts = _spm(vocab, ids, types) if vocab.kind == SPM else _bpe(vocab, ids, types)
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": _added_tokens(vocab, attrs),
+        "normalizer": parts["normalizer"],
+        "pre_tokenizer": parts["pre_tokenizer"],
+        "post_processor": _post_processor(vocab),
+        "decoder": parts["decoder"],
+        "model": parts["model"],
     }
 
 
@@ -429,7 +372,7 @@ def _special_tokens(vocab: GGUFVocab) -> dict[str, str]:
 
 def _base_files(vocab: GGUFVocab) -> dict[str, bytes]:
     """Every file, tokenizer_config.json with the GGUF's own chat template (if any)."""
-    eog = list(vocab.eog_ids())
+    eog = list(attributes(vocab).eog_ids)
     ids = {
         "bos_token_id": vocab.bos_id,
         "eos_token_id": vocab.eos_id,
@@ -518,9 +461,12 @@ def default_cache_dir(env: Mapping[str, str] = os.environ) -> Path:
 
 @functools.cache
 def exporter_id() -> str:
-    """A digest of this module's and gguf_header's source: a changed exporter never reads an
-    older one's files from the disk cache, whether or not FORMAT_VERSION was raised."""
-    sources = (Path(__file__), Path(__file__).with_name("gguf_header.py"))
+    """A digest of the exporter's sources (this module, gguf_header, gguf_vocab and the BPE
+    modules): a changed exporter never reads an older one's files from the disk cache, whether
+    or not FORMAT_VERSION was raised."""
+    here = Path(__file__)
+    names = ("gguf_header.py", "gguf_vocab.py", "bpe_pretokenizers.py", "tokenizer_bpe.py")
+    sources = (here, *(here.with_name(name) for name in names))
     return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
 
 

@@ -15,7 +15,8 @@ Each SamplingParams field is honoured or refused (INVALID_ARGUMENT naming it):
   this protocol carries token ids, which they do not change (the gateway detokenizes).
 - grammar_from_first_token: constraints always start at the first generated token here.
 - constraints: json_schema, grammar (GBNF), json_object, regex and choice (core.regex_grammar)
-  become one GBNF grammar; structural_tag is refused.
+  become one GBNF grammar; structural_tag (core.structural_tag) one too, lazy for triggered
+  tags: free text until a trigger, the tag's grammar from there on.
 - prompt_logprobs, multimodal inputs, KV transfer and data-parallel ranks are refused.
 """
 
@@ -40,6 +41,7 @@ from llama_grpc_server.core.request import (
     SamplingParams,
     StoppingParams,
 )
+from llama_grpc_server.core.structural_tag import structural_tag_to_gbnf
 from llama_grpc_server.rpc import validation
 from llama_grpc_server.rpc.validation import SAMPLING_RANGES, Draft, SamplingField
 
@@ -318,11 +320,11 @@ def _constraint(params: vpb.SamplingParams, grammars: GrammarCompiler | None) ->
         return None
     field = _field(kind)
     if kind == "structural_tag":
-        raise _invalid(field, "structural_tag constraints are not supported")
+        return _structural_tag(field, params.structural_tag, grammars)
+    convert_schema = None if grammars is None else grammars.json_schema_to_grammar
     if kind == "json_object":
-        json_object = None if grammars is None else grammars.json_schema_to_grammar
         return validation.compiled_constraint(
-            field, JSON_OBJECT_SCHEMA, grammars, convert=json_object
+            field, JSON_OBJECT_SCHEMA, grammars, convert=convert_schema
         )
     if kind == "choice":
         choices = list(params.choice.choices)
@@ -330,10 +332,25 @@ def _constraint(params: vpb.SamplingParams, grammars: GrammarCompiler | None) ->
         return validation.compiled_constraint(
             field, text, grammars, convert=lambda _: choice_to_gbnf(choices)
         )
-    text = getattr(params, kind)
-    if kind == "json_schema":
-        convert = None if grammars is None else grammars.json_schema_to_grammar
-        return validation.compiled_constraint(field, text, grammars, convert=convert)
-    if kind == "regex":
-        return validation.compiled_constraint(field, text, grammars, convert=regex_to_gbnf)
-    return validation.compiled_constraint(field, text, grammars)  # grammar: GBNF as it is
+    # grammar: GBNF as it is
+    convert = {"json_schema": convert_schema, "regex": regex_to_gbnf}.get(kind)
+    return validation.compiled_constraint(field, getattr(params, kind), grammars, convert=convert)
+
+
+def _structural_tag(field: str, text: str, grammars: GrammarCompiler | None) -> Constraint:
+    """The structural tag as a checked grammar, lazy when it starts at a trigger; anything it
+    cannot be is INVALID_ARGUMENT naming the field, the part (`format.tags[0].content`) in the
+    message."""
+    compiled = None
+
+    def convert(tag: str) -> str:
+        nonlocal compiled
+        if grammars is None:  # compiled_constraint refuses first; never reached
+            raise ValueError("no grammar compiler")
+        compiled = structural_tag_to_gbnf(tag, grammars.json_schema_to_grammar)
+        return compiled.gbnf
+
+    constraint = validation.compiled_constraint(field, text, grammars, convert=convert)
+    if compiled is None or not compiled.triggers:
+        return constraint
+    return dataclasses.replace(constraint, triggers=compiled.triggers, starts=compiled.starts)

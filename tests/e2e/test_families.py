@@ -1,0 +1,238 @@
+"""Every v1 door on every model family (issue 39): a real server per family (bench/synth_gguf.py's
+tiny random-weight models with the family's real vocabulary and chat template; gemma3 is the
+embedded model), one at a time. Tokenize and Detokenize equal llama.cpp's own tokenizer on the
+same file; the prompt the server builds from `messages` is, id for id, the family's template
+rendered here and tokenized by llama.cpp; GenerateTokens runs a token-id prompt; GetModelInfo
+names llama.cpp's special tokens; each end-of-turn token, chosen with logit_bias after a text a
+grammar dictates (the output is noise otherwise), ends the stream there as EOS, unseen."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
+from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSettings, Settings
+from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
+from llama_grpc_server.engine.build import build_engine
+from llama_grpc_server.rpc.server import start_server
+from tests.support.families import (
+    CONVERSATION,
+    CORPUS,
+    FAMILIES,
+    Family,
+    Reference,
+    family_model,
+    template_source,
+)
+
+from .conftest import GREEDY
+
+N_CTX = 512
+ANSWER = "Blue 🦙 中文"  # characters that byte-level vocabularies split across tokens
+DETOKENIZE_SAMPLE = 512  # ids spread over the whole vocabulary, detokenized in one request
+
+
+@dataclass
+class Served:
+    family: Family
+    path: Path
+    llama: Reference  # llama.cpp's tokenizer on the same file, loaded by the test
+    stub: pb_grpc.LlmServiceStub
+
+    @property
+    def template(self) -> str:
+        """The Jinja source the server renders `messages` with."""
+        return template_source(self.family) or BUILTIN_TEMPLATES[self.family.server_template]
+
+    def corpus(self) -> list[str]:
+        """CORPUS and the family's special tokens written as text: alone, around words, and a
+        turn as its template writes one."""
+        bos = self.llama.token_text(self.llama.bos_id)
+        eots = self.family.end_of_turn
+        specials = [*eots, f"{bos}Hi{eots[0]}", f"x{eots[0]}\ny", f"{eots[0]}{eots[0]} tail"]
+        return [*CORPUS, *specials]
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module", params=list(FAMILIES))
+async def served(request: pytest.FixtureRequest) -> AsyncIterator[Served]:
+    family = FAMILIES[request.param]
+    path = family_model(family.name)
+    conf = Settings(
+        model=ModelSettings(
+            model_path=str(path),
+            n_ctx=N_CTX,
+            n_batch=256,
+            n_threads=1,
+            chat_template=family.server_template,
+        ),
+        scheduler=SchedulerSettings(n_parallel=1, default_sampling=GREEDY),
+        server=ServerSettings(port=0, grace_s=1.0),
+    )
+    llama = Reference(path)
+    try:
+        async with start_server(conf, lambda: build_engine(conf)) as running:
+            assert await running.wait_loaded()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+                yield Served(family, path, llama, pb_grpc.LlmServiceStub(channel))
+    finally:
+        llama.close()
+
+
+async def test_tokenize_equals_llama_cpp(served: Served) -> None:
+    """v1 Tokenize gives llama_tokenize's ids for every text, in all four add_special x
+    parse_special modes, and each token's piece as llama_token_to_piece renders it."""
+    for text, add_special, parse_special in itertools.product(
+        served.corpus(), (False, True), (False, True)
+    ):
+        got = await served.stub.Tokenize(
+            pb.TokenizeRequest(
+                text=text, add_special=add_special, parse_special=parse_special, return_pieces=True
+            )
+        )
+        want = served.llama.tokenize(text, add_special=add_special, parse_special=parse_special)
+        assert list(got.token_ids) == want, (text, add_special, parse_special)
+        assert list(got.pieces) == [served.llama.piece(t) for t in want], text
+
+
+async def test_detokenize_equals_llama_cpp(served: Served) -> None:
+    """v1 Detokenize gives llama_detokenize's text (special tokens kept, rendered or not) for the
+    corpus' ids and for ids spread over the whole vocabulary."""
+    llama = served.llama
+    step = max(1, llama.n_vocab // DETOKENIZE_SAMPLE)
+    cases = [
+        llama.tokenize(t, add_special=add, parse_special=True)
+        for t in served.corpus()
+        for add in (False, True)
+    ]
+    cases.append(list(range(0, llama.n_vocab, step)))
+    for ids, render_special in itertools.product(cases, (False, True)):
+        got = await served.stub.Detokenize(
+            pb.DetokenizeRequest(token_ids=ids, render_special=render_special)
+        )
+        assert got.text == llama.detokenize(ids, render_special=render_special), (
+            ids[:8],
+            render_special,
+        )
+
+
+def chat_messages() -> list[pb.ChatMessage]:
+    return [pb.ChatMessage(role=m["role"], content=m["content"]) for m in CONVERSATION]
+
+
+async def test_messages_prompt_is_the_family_template(served: Served) -> None:
+    """The prompt the server builds from `messages` is the family's template rendered here and
+    tokenized by llama.cpp, id for id. The server shows only the count (usage.prompt_tokens);
+    the ids show through its prefix cache (one slot): right after the chat request, a token-id
+    prompt of those ids plus one more finds all of them cached, and it could not, had any id
+    differed (the cache reuses the longest common prefix, and the chat request's one generated
+    token is never decoded into the slot)."""
+    want = served.llama.chat_prompt(CONVERSATION, served.template)
+    assert len(want) < N_CTX // 2
+    chat = await served.stub.Generate(
+        pb.GenerateRequest(
+            messages=chat_messages(),
+            params=pb.GenerationParams(stopping=pb.StoppingCriteria(max_tokens=1)),
+        )
+    )
+    assert chat.usage.prompt_tokens == len(want)
+    extra = want[-1]  # any id: the comparison covers len(want) ids either way
+    probe = await collect_tokens(served, [*want, extra], max_tokens=1)
+    assert probe.usage.prompt_tokens == len(want) + 1
+    assert probe.usage.cached_prompt_tokens == len(want)
+
+
+async def test_generate_tokens_runs_a_token_prompt(served: Served) -> None:
+    """GenerateTokens: a token-id prompt in, 6 ids of the vocabulary out, MAX_TOKENS; greedy,
+    so a second run gives the same ids."""
+    llama = served.llama
+    prompt = llama.tokenize("Hello world, how are you?", add_special=True, parse_special=False)
+    first = await collect_tokens(served, prompt, max_tokens=6, ignore_eos=True)
+    again = await collect_tokens(served, prompt, max_tokens=6, ignore_eos=True)
+    assert first.done.finish_reason == pb.FINISH_REASON_MAX_TOKENS
+    assert len(first.ids) == 6 and all(0 <= t < llama.n_vocab for t in first.ids)
+    assert first.done.usage.prompt_tokens == len(prompt)
+    assert again.ids == first.ids
+
+
+async def test_model_info_names_llama_cpp_special_tokens(served: Served) -> None:
+    """GetModelInfo (what a gateway takes its stop tokens from) gives llama.cpp's BOS, EOS,
+    add_bos and end-of-generation ids, the end-of-turn tokens among them, and the template."""
+    llama = served.llama
+    info = await served.stub.GetModelInfo(pb.GetModelInfoRequest())
+    eog = [t for t in range(llama.n_vocab) if llama.is_eog(t)]
+    assert (info.n_vocab, info.bos_token_id, info.eos_token_id, info.add_bos) == (
+        llama.n_vocab,
+        llama.bos_id,
+        llama.eos_id,
+        llama.add_bos,
+    )
+    assert list(info.eog_token_ids) == eog
+    assert {llama.token_id(text) for text in served.family.end_of_turn} <= set(eog)
+    assert info.chat_template == (served.family.server_template or "gguf")
+
+
+async def test_end_of_turn_ends_the_stream(served: Served) -> None:
+    """Each end-of-turn token ends a chat stream where it comes: a grammar makes the model write
+    ANSWER first (it allows end-of-generation only once complete) and logit_bias makes that
+    end-of-turn token the one chosen then (the output is noise otherwise). The text is ANSWER,
+    the reason EOS naming the token, which no delta carries."""
+    for eot_text in served.family.end_of_turn:
+        eot = served.llama.token_id(eot_text)
+        params = pb.GenerationParams(
+            sampling=pb.SamplingParams(logit_bias={eot: 100.0}),
+            stopping=pb.StoppingCriteria(max_tokens=32),
+            grammar=pb.Grammar(gbnf=f'root ::= "{ANSWER}"'),
+        )
+        ids: list[int] = []
+        text = ""
+        done: pb.GenerationDone | None = None
+        async for event in served.stub.StreamGenerate(
+            pb.StreamGenerateRequest(messages=chat_messages(), params=params)
+        ):
+            if event.HasField("delta"):
+                ids += event.delta.token_ids
+                text += event.delta.text
+            else:
+                done = event.done
+        assert done is not None
+        assert (text, done.finish_reason) == (ANSWER, pb.FINISH_REASON_EOS), eot_text
+        assert done.finish.matched_token_id == eot
+        assert eot not in ids and done.usage.completion_tokens == len(ids)  # EOS is not output
+
+
+@dataclass
+class TokensOut:
+    ids: list[int]
+    done: pb.GenerationDone
+
+    @property
+    def usage(self) -> pb.Usage:
+        return self.done.usage
+
+
+async def collect_tokens(
+    served: Served, prompt: Sequence[int], *, max_tokens: int, ignore_eos: bool = False
+) -> TokensOut:
+    request = pb.GenerateTokensRequest(
+        token_ids=list(prompt),
+        params=pb.GenerationParams(
+            stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=ignore_eos)
+        ),
+    )
+    ids: list[int] = []
+    done: pb.GenerationDone | None = None
+    async for event in served.stub.GenerateTokens(request):
+        if event.HasField("delta"):
+            ids += event.delta.token_ids
+        else:
+            done = event.done
+    assert done is not None
+    return TokensOut(ids, done)
