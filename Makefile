@@ -18,7 +18,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 .PHONY: install wheelhouse llama-cmake-args FORCE run serve test test-data test-unit test-model test-e2e check docs prometheus lint format types \
 	proto proto-check \
 	proto-lint proto-breaking check-min-deps model cluster gateway bench bench-single bench-concurrency bench-strategies bench-prefix \
-	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-gateway bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-soak bench-backpressure \
+	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-gateway bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-soak bench-backpressure bench-embeddings \
 	bench-gpu-bundle bench-gpu-cpu clean
 
 install: $(STAMP)
@@ -290,6 +290,8 @@ bench-soak: $(BENCH_STAMP)
 bench-backpressure: $(BENCH_STAMP)
 	$(PY) bench/backpressure.py $(ARGS)
 	$(PY) bench/summary.py
+bench-embeddings: $(BENCH_STAMP)
+	$(PY) bench/embeddings.py $(ARGS)
 bench-peers: $(BENCH_STAMP)
 	PYTHON=$(PYTHON) bench/setup_peers.sh
 	$(PY) bench/peers.py $(ARGS)

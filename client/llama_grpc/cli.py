@@ -114,6 +114,20 @@ def run_tokenize(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def run_embed(client: Client, args: argparse.Namespace) -> int:
+    """Print the inputs' embeddings as JSON (EmbedResult: one entry per input, in order)."""
+    result = client.embed(
+        args.texts,
+        pooling=args.pooling,
+        normalize=not args.no_normalize,
+        dimensions=args.dimensions,
+        truncate=args.truncate,
+        model=args.model,
+    )
+    print(json.dumps(dataclasses.asdict(result)))  # one line: vectors are long
+    return 0
+
+
 def run_detokenize(client: Client, args: argparse.Namespace) -> int:
     """Print the text of the given token ids."""
     print(client.detokenize(args.token_ids, render_special=args.render_special, model=args.model))
@@ -241,7 +255,19 @@ def build_parser(default_target: str = DEFAULT_TARGET) -> argparse.ArgumentParse
     detokenize = _add_command(commands, "detokenize", run_detokenize, [connection])
     detokenize.add_argument("token_ids", type=int, nargs="+")
     detokenize.add_argument("--render-special", action="store_true")
-    for command in (tokenize, detokenize):
+    embed = _add_command(commands, "embed", run_embed, [connection])
+    embed.add_argument("texts", nargs="+", metavar="TEXT", help="one input per argument")
+    embed.add_argument(
+        "--pooling",
+        choices=("mean", "cls", "last", "none"),
+        help="default: the model's own, else mean; none = a vector per token",
+    )
+    embed.add_argument("--dimensions", type=int, help="keep the first N components")
+    embed.add_argument("--no-normalize", action="store_true", help="raw vectors, not L2-unit")
+    embed.add_argument(
+        "--truncate", action="store_true", help="drop the oldest tokens of an over-long input"
+    )
+    for command in (tokenize, detokenize, embed):
         command.add_argument("--model", help="the model's name (default: the default model)")
     for name, run in (("stats", run_stats), ("info", run_info)):
         command = _add_command(commands, name, run, [connection])

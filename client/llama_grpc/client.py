@@ -253,6 +253,56 @@ def tokenize_request(
     )
 
 
+EmbedInputs = str | Sequence[str | Sequence[int]]
+_POOLINGS = {
+    None: pb.POOLING_UNSPECIFIED,
+    "mean": pb.POOLING_MEAN,
+    "cls": pb.POOLING_CLS,
+    "last": pb.POOLING_LAST,
+    "none": pb.POOLING_NONE,
+}
+
+
+class EmbedParams(CallOptions, total=False):
+    """Keyword parameters of embed(); None (or leaving one out) means the server default."""
+
+    # "mean", "cls", "last" or "none" (a vector per token); default: the model's own, else mean
+    pooling: str | None
+    normalize: bool | None  # L2 (server default: True)
+    dimensions: int | None  # keep the first N components (then normalize)
+    # An input over the context: False (default) refuses it, True drops its oldest tokens
+    # (after a leading BOS and n_keep more).
+    truncate: bool | None
+    n_keep: int | None
+    add_special: bool | None  # add BOS to text inputs (server default: True)
+    model: str | None
+
+
+def embed_request(inputs: EmbedInputs, params: EmbedParams) -> pb.EmbedRequest:
+    """Build an EmbedRequest: a text is one input, a list holds texts and token id lists."""
+    pooling = params.get("pooling")
+    if pooling not in _POOLINGS:
+        raise ValueError(f"pooling must be one of mean, cls, last, none; got {pooling!r}")
+    request = pb.EmbedRequest(
+        model=params.get("model") or "",
+        pooling=_POOLINGS[pooling],
+        dimensions=params.get("dimensions") or 0,
+    )
+    for item in [inputs] if isinstance(inputs, str) else inputs:
+        if isinstance(item, str):
+            request.inputs.add(text=item)
+        else:
+            request.inputs.add().tokens.ids.extend(item)
+    if params.get("normalize") is not None:
+        request.normalize = bool(params["normalize"])
+    if params.get("add_special") is not None:
+        request.add_special = bool(params["add_special"])
+    if params.get("truncate"):
+        request.context_overflow.policy = pb.OVERFLOW_POLICY_TRUNCATE_LEFT
+        request.context_overflow.n_keep = params.get("n_keep") or 0
+    return request
+
+
 def _to_metadata(metadata: MetadataLike | None) -> _Metadata:
     items: Iterable[tuple[str, str]] = (
         metadata.items() if isinstance(metadata, Mapping) else metadata or ()
@@ -658,6 +708,13 @@ class _Surface:
         return _Unary(lambda stub: stub.Tokenize, request, options, pieces)
 
     @staticmethod
+    def embed(
+        inputs: EmbedInputs, params: EmbedParams
+    ) -> _Unary[pb.EmbedRequest, pb.EmbedResponse, t.EmbedResult]:
+        request = embed_request(inputs, params)
+        return _Unary(lambda stub: stub.Embed, request, params, _value(t.embed_result_from_proto))
+
+    @staticmethod
     def detokenize(
         token_ids: Sequence[int], render_special: bool, model: str | None, options: CallOptions
     ) -> _Unary[pb.DetokenizeRequest, pb.DetokenizeResponse, str]:
@@ -854,6 +911,10 @@ class Client:
             _Surface.tokenize(text, add_special, parse_special, return_pieces, model, options)
         )
 
+    def embed(self, inputs: EmbedInputs, **params: Unpack[EmbedParams]) -> t.EmbedResult:
+        """Embeddings of `inputs` (a text, or a list of texts and token id lists), in order."""
+        return self._unary(_Surface.embed(inputs, params))
+
     def detokenize(
         self,
         token_ids: Sequence[int],
@@ -1036,6 +1097,10 @@ class AsyncClient:
         return await self._unary(
             _Surface.tokenize(text, add_special, parse_special, return_pieces, model, options)
         )
+
+    async def embed(self, inputs: EmbedInputs, **params: Unpack[EmbedParams]) -> t.EmbedResult:
+        """Embeddings of `inputs` (a text, or a list of texts and token id lists), in order."""
+        return await self._unary(_Surface.embed(inputs, params))
 
     async def detokenize(
         self,

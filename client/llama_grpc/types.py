@@ -275,6 +275,34 @@ class ModelInfo:
     add_bos: bool
     # The template chat messages are rendered with ("gemma", "chatml", "gguf"), "" for none.
     chat_template: str = ""
+    n_embd: int = 0  # the length of its embeddings
+    pooling: str = ""  # the GGUF's pooling_type ("mean", "cls", "last", "none", "rank"; "": none)
+
+
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """The embedding of one input: one vector, or one per token with pooling "none"."""
+
+    vectors: tuple[tuple[float, ...], ...]
+    prompt_tokens: int
+    truncated_tokens: int = 0  # dropped by truncate=True
+
+    @property
+    def vector(self) -> tuple[float, ...]:
+        """The (first) vector."""
+        return self.vectors[0]
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedResult:
+    """Embed's answer: one Embedding per input, in input order."""
+
+    embeddings: tuple[Embedding, ...]
+    dimensions: int
+    pooling: str  # "mean", "cls", "last" or "none": the one used
+    prompt_tokens: int  # every input's tokens
+    truncated_prompt_tokens: int
+    request_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,6 +458,23 @@ def stats_from_proto(message: pb.GetStatsResponse) -> Stats:
 def model_info_from_proto(message: pb.GetModelInfoResponse) -> ModelInfo:
     """Convert a GetModelInfoResponse; unset optional token ids become None."""
     return ModelInfo(**_same_named_fields(message, ModelInfo))
+
+
+def embed_result_from_proto(message: pb.EmbedResponse) -> EmbedResult:
+    """Convert an EmbedResponse; the pooling enum as its lower-case name ("mean")."""
+    return EmbedResult(
+        embeddings=tuple(
+            Embedding(
+                tuple(tuple(v.values) for v in e.vectors), e.prompt_tokens, e.truncated_tokens
+            )
+            for e in message.embeddings
+        ),
+        dimensions=message.dimensions,
+        pooling=pb.Pooling.Name(message.pooling).removeprefix("POOLING_").lower(),
+        prompt_tokens=message.usage.prompt_tokens,
+        truncated_prompt_tokens=message.usage.truncated_prompt_tokens,
+        request_id=message.request_id,
+    )
 
 
 def load_report_from_proto(message: pb.LoadReport) -> LoadReport:

@@ -22,9 +22,12 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from llama_grpc_server import errors
 from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot
 from llama_grpc_server.core.chat import ROLES, ChatMessage
+from llama_grpc_server.core.embedding import Vectors
 from llama_grpc_server.core.kv_events import KvEventLog
 from llama_grpc_server.core.plan import (
     DECODE_KV_FULL,
@@ -37,6 +40,7 @@ from llama_grpc_server.core.plan import (
 from llama_grpc_server.core.request import Event, Failed, GenerationRequest, TokenDelta
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.core.tenants import TenantLimits
+from llama_grpc_server.engine.embedding import Embedder
 from llama_grpc_server.loop import EngineLoop, EngineStream
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -75,6 +79,7 @@ def fake_model_info(n_ctx: int = 512, n_parallel: int = 4) -> ModelInfo:
         size_bytes=0,
         n_params=0,
         add_bos=True,
+        n_embd=4,  # FakeRunner.embedding_rows
     )
 
 
@@ -108,6 +113,7 @@ class FakeRunner:
         # eval_ms reported for a forward pass of this many tokens (None: 0, nothing measured),
         # e.g. to drive the speculation cost model.
         self.cost_ms: Callable[[int], float] | None = None
+        self.embedder = Embedder()  # the real pooling (engine/embedding.py: numpy only)
 
     def next_token(self, context: list[int]) -> int:
         return (sum(context) * 31 + len(context) * 7) % self.n_vocab
@@ -131,6 +137,7 @@ class FakeRunner:
         self.plans.append(plan)
         for request_id in plan.close_samplers:
             self.samplers.discard(request_id)
+            self.embedder.forget(request_id)
             self.scripts.pop(request_id, None)
             self.num_sampled.pop(request_id, None)
         for spec in plan.open_samplers:
@@ -150,11 +157,19 @@ class FakeRunner:
             time.sleep(self.delay_s)
         sampled: dict[int, int] = {}
         more: dict[int, tuple[int, ...]] = {}
+        embeddings: dict[int, Vectors] = {}
         for chunk in plan.chunks:
             if chunk.slot_id in reset:
                 continue
             seq = self.kv[chunk.slot_id]
             assert chunk.start_pos == len(seq), "positions must continue the sequence"
+            if chunk.embedding is not None:
+                assert plan.is_embedding, "an embedding chunk outside an embedding pass"
+                assert not chunk.wants_logits, "an embedding chunk samples nothing"
+                rows = self.embedding_rows(seq, chunk.tokens)
+                vectors = self.embedder.add(chunk, rows)
+                if vectors is not None:
+                    embeddings[chunk.slot_id] = vectors
             seq.extend(chunk.tokens)
             self.fed[chunk.request_id] += len(chunk.tokens)
             if chunk.wants_logits:
@@ -171,7 +186,19 @@ class FakeRunner:
             reset=frozenset(reset),
             draft_sampled=more,
             eval_ms=eval_ms,
+            embeddings=embeddings,
         )
+
+    @staticmethod
+    def embedding_rows(context: Sequence[int], tokens: Sequence[int]) -> np.ndarray[Any, Any]:
+        """A token's output is a function of it, its position and everything before it (a
+        causal model's): [token, position, sum of the tokens up to it, 1]."""
+        rows = np.empty((len(tokens), 4), dtype=np.float32)
+        total = sum(context)
+        for i, token in enumerate(tokens):
+            total += token
+            rows[i] = (token, len(context) + i, total, 1.0)
+        return rows
 
     def _verify(self, chunk: Chunk, seq: list[int]) -> tuple[int, ...]:
         """Sample each output position in order (for a speculative decode: while the draft

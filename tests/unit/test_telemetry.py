@@ -181,6 +181,21 @@ def test_done_event_fields_from_finished() -> None:
     assert event.as_dict()["prefix_cache_ratio"] == 0.6
 
 
+def test_an_embedding_has_no_ttft() -> None:
+    """request_done of an embedding request: its reason, its prompt tokens and latency, but no
+    time to first token (it generates none: the TTFT histograms stay generation's)."""
+    finished = Finished(
+        reason=FinishReason.EMBEDDED,
+        usage=Usage(prompt_tokens=12, completion_tokens=0, cached_prompt_tokens=0),
+        timings=Timings(queue_ms=1.0, ttft_ms=9.0, prefill_ms=8.0, decode_ms=0.0, total_ms=9.0),
+        seed=0,
+        slot_id=0,
+    )
+    event = telemetry.request_event(live_request(), finished, now_ns=0)
+    assert (event.finish_reason, event.ttft_ms, event.duration_ms) == ("embedded", None, 9.0)
+    assert (event.prompt_tokens, event.generated_tokens, event.prompt_eval_rate) == (12, 0, 0.0)
+
+
 def test_failed_before_first_token_has_no_ttft() -> None:
     """request_failed for a request cancelled while queued: reason, no TTFT, no rates, the
     whole wait as queue time and duration."""

@@ -501,7 +501,6 @@ async def test_a_model_file_the_exporter_cannot_read_is_a_failed_precondition(
 
 async def test_unserved_rpcs_say_so(vllm: Any) -> None:
     calls = [
-        (vllm.Embed(vpb.EmbedRequest()), "Embed is not supported: this worker generates text"),
         (vllm.StartProfile(cpb.StartProfileRequest()), "profiling is not supported"),
         (vllm.StopProfile(cpb.StopProfileRequest()), "profiling is not supported"),
     ]

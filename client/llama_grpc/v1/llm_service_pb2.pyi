@@ -68,6 +68,10 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """The sequence reached the context size."""
     FINISH_REASON_TIME_LIMIT: _FinishReason.ValueType  # 6
     """`stopping.time_limit_ms` elapsed."""
+    FINISH_REASON_EMBEDDED: _FinishReason.ValueType  # 7
+    """An embedding input was computed (the engine's ending of an Embed input; never on a
+    generation RPC).
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """Why generation ended."""
@@ -85,6 +89,10 @@ FINISH_REASON_CONTEXT_LENGTH: FinishReason.ValueType  # 5
 """The sequence reached the context size."""
 FINISH_REASON_TIME_LIMIT: FinishReason.ValueType  # 6
 """`stopping.time_limit_ms` elapsed."""
+FINISH_REASON_EMBEDDED: FinishReason.ValueType  # 7
+"""An embedding input was computed (the engine's ending of an Embed input; never on a
+generation RPC).
+"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 class _SpeculativeMode:
@@ -166,6 +174,40 @@ OVERFLOW_POLICY_TRUNCATE_LEFT: OverflowPolicy.ValueType  # 2
 server's default_max_tokens); a leading BOS and the first n_keep tokens after it are kept.
 """
 Global___OverflowPolicy: _TypeAlias = OverflowPolicy  # noqa: Y015
+
+class _Pooling:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PoolingEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Pooling.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    POOLING_UNSPECIFIED: _Pooling.ValueType  # 0
+    """The model's own (its GGUF pooling_type), or POOLING_MEAN for a model without one, such as
+    a generation model (Gemma 3).
+    """
+    POOLING_MEAN: _Pooling.ValueType  # 1
+    POOLING_CLS: _Pooling.ValueType  # 2
+    """The first token's output."""
+    POOLING_LAST: _Pooling.ValueType  # 3
+    """The last token's output."""
+    POOLING_NONE: _Pooling.ValueType  # 4
+    """No pooling: one vector per input token."""
+
+class Pooling(_Pooling, metaclass=_PoolingEnumTypeWrapper):
+    """How an input's per-token outputs become its vectors."""
+
+POOLING_UNSPECIFIED: Pooling.ValueType  # 0
+"""The model's own (its GGUF pooling_type), or POOLING_MEAN for a model without one, such as
+a generation model (Gemma 3).
+"""
+POOLING_MEAN: Pooling.ValueType  # 1
+POOLING_CLS: Pooling.ValueType  # 2
+"""The first token's output."""
+POOLING_LAST: Pooling.ValueType  # 3
+"""The last token's output."""
+POOLING_NONE: Pooling.ValueType  # 4
+"""No pooling: one vector per input token."""
+Global___Pooling: _TypeAlias = Pooling  # noqa: Y015
 
 @_typing.final
 class ModelStatus(_message.Message):
@@ -1878,6 +1920,216 @@ class LoadReport(_message.Message):
 Global___LoadReport: _TypeAlias = LoadReport  # noqa: Y015
 
 @_typing.final
+class TokenIds(_message.Message):
+    """Token ids, as one input of Embed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenIds: _TypeAlias = TokenIds  # noqa: Y015
+
+@_typing.final
+class EmbedInput(_message.Message):
+    """One input of Embed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """Tokenized with the model's vocabulary (EmbedRequest.add_special; special tokens are not
+    parsed).
+    """
+    @_builtins.property
+    def tokens(self) -> Global___TokenIds: ...
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        tokens: Global___TokenIds | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "text", b"text", "tokens", b"tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "text", b"text", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "tokens"]  # noqa: Y015
+    _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
+
+Global___EmbedInput: _TypeAlias = EmbedInput  # noqa: Y015
+
+@_typing.final
+class EmbedRequest(_message.Message):
+    """Input for Embed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    POOLING_FIELD_NUMBER: _builtins.int
+    NORMALIZE_FIELD_NUMBER: _builtins.int
+    DIMENSIONS_FIELD_NUMBER: _builtins.int
+    CONTEXT_OVERFLOW_FIELD_NUMBER: _builtins.int
+    ADD_SPECIAL_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The model to use; empty means the default one."""
+    pooling: Global___Pooling.ValueType
+    normalize: _builtins.bool
+    """L2-normalize each vector (default true, as llama-server)."""
+    dimensions: _builtins.int
+    """Keep the first `dimensions` components of each vector (then normalize): Matryoshka
+    embeddings. 0 keeps the model's; more than the model's is INVALID_ARGUMENT.
+    """
+    add_special: _builtins.bool
+    """Add BOS and the like to text inputs (default true)."""
+    priority: Global___Priority.ValueType
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EmbedInput]:
+        """At least one; each non-empty."""
+
+    @_builtins.property
+    def context_overflow(self) -> Global___ContextOverflow:
+        """An input longer than the context: REJECT (INVALID_ARGUMENT naming inputs[i], the default)
+        or TRUNCATE_LEFT (its oldest tokens dropped, after a leading BOS and n_keep more).
+        """
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        inputs: _abc.Iterable[Global___EmbedInput] | None = ...,
+        pooling: Global___Pooling.ValueType = ...,
+        normalize: _builtins.bool | None = ...,
+        dimensions: _builtins.int = ...,
+        context_overflow: Global___ContextOverflow | None = ...,
+        add_special: _builtins.bool | None = ...,
+        priority: Global___Priority.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_normalize", b"_normalize", "add_special", b"add_special", "context_overflow", b"context_overflow", "normalize", b"normalize"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_normalize", b"_normalize", "add_special", b"add_special", "context_overflow", b"context_overflow", "dimensions", b"dimensions", "inputs", b"inputs", "model", b"model", "normalize", b"normalize", "pooling", b"pooling", "priority", b"priority"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__add_special: _TypeAlias = _typing.Literal["add_special"]  # noqa: Y015
+    _WhichOneofArgType__add_special: _TypeAlias = _typing.Literal["_add_special", b"_add_special"]  # noqa: Y015
+    _WhichOneofReturnType__normalize: _TypeAlias = _typing.Literal["normalize"]  # noqa: Y015
+    _WhichOneofArgType__normalize: _TypeAlias = _typing.Literal["_normalize", b"_normalize"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special) -> _WhichOneofReturnType__add_special | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize) -> _WhichOneofReturnType__normalize | None: ...
+
+Global___EmbedRequest: _TypeAlias = EmbedRequest  # noqa: Y015
+
+@_typing.final
+class EmbeddingVector(_message.Message):
+    """One vector."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VALUES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        values: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmbeddingVector: _TypeAlias = EmbeddingVector  # noqa: Y015
+
+@_typing.final
+class InputEmbedding(_message.Message):
+    """The embedding of one input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VECTORS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    TRUNCATED_TOKENS_FIELD_NUMBER: _builtins.int
+    prompt_tokens: _builtins.int
+    """The input's tokens that were embedded."""
+    truncated_tokens: _builtins.int
+    """Tokens dropped by OVERFLOW_POLICY_TRUNCATE_LEFT."""
+    @_builtins.property
+    def vectors(self) -> _containers.RepeatedCompositeFieldContainer[Global___EmbeddingVector]:
+        """One vector; one per token with POOLING_NONE."""
+
+    def __init__(
+        self,
+        *,
+        vectors: _abc.Iterable[Global___EmbeddingVector] | None = ...,
+        prompt_tokens: _builtins.int = ...,
+        truncated_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_tokens", b"prompt_tokens", "truncated_tokens", b"truncated_tokens", "vectors", b"vectors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputEmbedding: _TypeAlias = InputEmbedding  # noqa: Y015
+
+@_typing.final
+class EmbedResponse(_message.Message):
+    """Output of Embed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    DIMENSIONS_FIELD_NUMBER: _builtins.int
+    POOLING_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    dimensions: _builtins.int
+    """The vectors' length."""
+    pooling: Global___Pooling.ValueType
+    """The pooling used (POOLING_UNSPECIFIED resolved)."""
+    request_id: _builtins.str
+    @_builtins.property
+    def embeddings(self) -> _containers.RepeatedCompositeFieldContainer[Global___InputEmbedding]:
+        """One per input, in input order."""
+
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """prompt_tokens: the inputs' tokens, in all; truncated_prompt_tokens likewise."""
+
+    def __init__(
+        self,
+        *,
+        embeddings: _abc.Iterable[Global___InputEmbedding] | None = ...,
+        dimensions: _builtins.int = ...,
+        pooling: Global___Pooling.ValueType = ...,
+        usage: Global___Usage | None = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dimensions", b"dimensions", "embeddings", b"embeddings", "pooling", b"pooling", "request_id", b"request_id", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmbedResponse: _TypeAlias = EmbedResponse  # noqa: Y015
+
+@_typing.final
 class GetModelInfoRequest(_message.Message):
     """Input for GetModelInfo."""
 
@@ -1921,6 +2173,8 @@ class GetModelInfoResponse(_message.Message):
     N_PARAMS_FIELD_NUMBER: _builtins.int
     ADD_BOS_FIELD_NUMBER: _builtins.int
     CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    N_EMBD_FIELD_NUMBER: _builtins.int
+    POOLING_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     model_path: _builtins.str
     n_ctx_train: _builtins.int
@@ -1939,6 +2193,10 @@ class GetModelInfoResponse(_message.Message):
     """The chat template `messages` are rendered with: "gemma", "chatml", "gguf" (the model's own),
     or "" when there is none (requests with messages then fail with FAILED_PRECONDITION).
     """
+    n_embd: _builtins.int
+    """The length of the model's embeddings (Embed's largest `dimensions`)."""
+    pooling: _builtins.str
+    """The GGUF's pooling_type: "mean", "cls", "last", "none", "rank", or "" when it has none."""
     @_builtins.property
     def eog_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -1960,10 +2218,12 @@ class GetModelInfoResponse(_message.Message):
         n_params: _builtins.int = ...,
         add_bos: _builtins.bool = ...,
         chat_template: _builtins.str = ...,
+        n_embd: _builtins.int = ...,
+        pooling: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "_eos_token_id", b"_eos_token_id", "bos_token_id", b"bos_token_id", "eos_token_id", b"eos_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "_eos_token_id", b"_eos_token_id", "add_bos", b"add_bos", "bos_token_id", b"bos_token_id", "chat_template", b"chat_template", "description", b"description", "eog_token_ids", b"eog_token_ids", "eos_token_id", b"eos_token_id", "has_chat_template", b"has_chat_template", "model_name", b"model_name", "model_path", b"model_path", "n_batch", b"n_batch", "n_ctx", b"n_ctx", "n_ctx_train", b"n_ctx_train", "n_parallel", b"n_parallel", "n_params", b"n_params", "n_vocab", b"n_vocab", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "_eos_token_id", b"_eos_token_id", "add_bos", b"add_bos", "bos_token_id", b"bos_token_id", "chat_template", b"chat_template", "description", b"description", "eog_token_ids", b"eog_token_ids", "eos_token_id", b"eos_token_id", "has_chat_template", b"has_chat_template", "model_name", b"model_name", "model_path", b"model_path", "n_batch", b"n_batch", "n_ctx", b"n_ctx", "n_ctx_train", b"n_ctx_train", "n_embd", b"n_embd", "n_parallel", b"n_parallel", "n_params", b"n_params", "n_vocab", b"n_vocab", "pooling", b"pooling", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bos_token_id: _TypeAlias = _typing.Literal["bos_token_id"]  # noqa: Y015
     _WhichOneofArgType__bos_token_id: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id"]  # noqa: Y015

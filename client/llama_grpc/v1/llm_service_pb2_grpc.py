@@ -98,6 +98,11 @@ class LlmServiceStub:
                 request_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.UnloadModelRequest.SerializeToString,
                 response_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.UnloadModelResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/llama_grpc.v1.LlmService/Embed',
+                request_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class LlmServiceServicer:
@@ -201,6 +206,15 @@ class LlmServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings of a batch of inputs (text or token ids), answered in input order. Each input is
+        a prefill-only request of the model's scheduler (the same queue, tenants, deadlines and
+        stats as generation), computed in embedding passes of its own between generation passes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LlmServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -263,6 +277,11 @@ def add_LlmServiceServicer_to_server(servicer, server):
                     servicer.UnloadModel,
                     request_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.UnloadModelRequest.FromString,
                     response_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.UnloadModelResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.EmbedRequest.FromString,
+                    response_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -593,6 +612,33 @@ class LlmService:
             '/llama_grpc.v1.LlmService/UnloadModel',
             llama__grpc_dot_v1_dot_llm__service__pb2.UnloadModelRequest.SerializeToString,
             llama__grpc_dot_v1_dot_llm__service__pb2.UnloadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llama_grpc.v1.LlmService/Embed',
+            llama__grpc_dot_v1_dot_llm__service__pb2.EmbedRequest.SerializeToString,
+            llama__grpc_dot_v1_dot_llm__service__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

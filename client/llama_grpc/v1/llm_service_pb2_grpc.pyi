@@ -77,6 +77,11 @@ class LlmServiceStub:
     requests in flight, unless `force`: they then end with UNAVAILABLE (MODEL_UNLOADED). A later
     request for the model loads it again.
     """
+    Embed: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.EmbedRequest, _llm_service_pb2.EmbedResponse]
+    """Embeddings of a batch of inputs (text or token ids), answered in input order. Each input is
+    a prefill-only request of the model's scheduler (the same queue, tenants, deadlines and
+    stats as generation), computed in embedding passes of its own between generation passes.
+    """
 
 @_typing.type_check_only
 class LlmServiceAsyncStub(LlmServiceStub):
@@ -126,6 +131,11 @@ class LlmServiceAsyncStub(LlmServiceStub):
     """Admin: unload a model and free its memory. FAILED_PRECONDITION (MODEL_BUSY) while it has
     requests in flight, unless `force`: they then end with UNAVAILABLE (MODEL_UNLOADED). A later
     request for the model loads it again.
+    """
+    Embed: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.EmbedRequest, _llm_service_pb2.EmbedResponse]  # type: ignore[assignment]
+    """Embeddings of a batch of inputs (text or token ids), answered in input order. Each input is
+    a prefill-only request of the model's scheduler (the same queue, tenants, deadlines and
+    stats as generation), computed in embedding passes of its own between generation passes.
     """
 
 class LlmServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -245,6 +255,17 @@ class LlmServiceServicer(metaclass=_abc_1.ABCMeta):
         """Admin: unload a model and free its memory. FAILED_PRECONDITION (MODEL_BUSY) while it has
         requests in flight, unless `force`: they then end with UNAVAILABLE (MODEL_UNLOADED). A later
         request for the model loads it again.
+        """
+
+    @_abc_1.abstractmethod
+    def Embed(
+        self,
+        request: _llm_service_pb2.EmbedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_llm_service_pb2.EmbedResponse, _abc.Awaitable[_llm_service_pb2.EmbedResponse]]:
+        """Embeddings of a batch of inputs (text or token ids), answered in input order. Each input is
+        a prefill-only request of the model's scheduler (the same queue, tenants, deadlines and
+        stats as generation), computed in embedding passes of its own between generation passes.
         """
 
 def add_LlmServiceServicer_to_server(servicer: LlmServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -61,6 +61,9 @@ class Admission:
 
     def check_fits(self, spec: GenerationRequest) -> None:
         """Reject at once what can never fit the context (the numbers are in the message)."""
+        if spec.is_embedding:
+            context_fit.check_embedding_fits(len(spec.prompt_tokens), self._n_ctx)
+            return
         context_fit.check_fits(len(spec.prompt_tokens), spec.stopping.max_tokens, self._n_ctx)
 
     def add(self, request: Request) -> None:

@@ -35,6 +35,8 @@ class ModelInfo:
     add_bos: bool
     chat_template: str = ""  # the template in use for messages: a built-in, "gguf" or none
     chat_template_origin: str = ""  # why that one (core.chat.template_origin), for the log
+    n_embd: int = 0  # the dimension of its embeddings
+    pooling: str = ""  # the GGUF's pooling_type ("mean", "cls", "last", "none", "rank"; "": none)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ class Message(enum.StrEnum):
         "n_keep ({n_keep}) leaves no room for the newest prompt tokens: the context "
         "({n_ctx} tokens) minus max_tokens ({max_tokens}) allows {budget} prompt tokens"
     )
+    INPUT_OVER_CONTEXT = "input ({prompt_tokens} tokens) exceeds the context ({n_ctx} tokens)"
     NO_ROOM_FOR_PROMPT = (
         "max_tokens ({max_tokens}) leaves no room for a prompt in the context ({n_ctx} tokens)"
     )
@@ -78,6 +79,12 @@ def fit_max_tokens(
 def check_fits(num_prompt: int, max_tokens: int, n_ctx: int) -> None:
     """The rule as the scheduler checks it at submit (max_tokens already resolved)."""
     fit_max_tokens(num_prompt, max_tokens, default_max_tokens=max_tokens, n_ctx=n_ctx)
+
+
+def check_embedding_fits(num_tokens: int, n_ctx: int, field: str = "inputs") -> None:
+    """An embedding input generates nothing: it fits when its tokens fit the context."""
+    if num_tokens > n_ctx:
+        raise _too_long(Message.INPUT_OVER_CONTEXT, field, prompt_tokens=num_tokens, n_ctx=n_ctx)
 
 
 def truncate_left(

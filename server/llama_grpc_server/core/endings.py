@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from llama_grpc_server import errors
 from llama_grpc_server.core.admission import Admission
 from llama_grpc_server.core.drafts import Drafts
+from llama_grpc_server.core.embedding import Vectors
 from llama_grpc_server.core.kv_manager import KvCacheManager
 from llama_grpc_server.core.outputs import Outputs
 from llama_grpc_server.core.request import (
@@ -54,8 +55,8 @@ class Endings:
                 else:
                     slot.idle_cache = []
                     self.kv.clear(slot)
-        if self.outputs.close(request.key):
-            self.samplers_to_close.append(request.key)
+        if self.outputs.close(request.key) or request.spec.is_embedding:
+            self.samplers_to_close.append(request.key)  # an embedding's rows in the runner
         self.drafts.forget(request.key)
         self.admission.timed.discard(request.key)
         request.state = RequestState.FINISHED
@@ -68,6 +69,7 @@ class Endings:
         *,
         matched_stop: str = "",
         matched_token_id: int | None = None,
+        embedding: Vectors | None = None,
     ) -> Emitted:
         out: Emitted = []
         if reason is not FinishReason.STOP_SEQUENCE:
@@ -89,6 +91,7 @@ class Endings:
             matched_stop=matched_stop,
             matched_token_id=matched_token_id,
             slot_id=slot_id,
+            embedding=embedding,
         )
         return [*out, (request, done)]
 

@@ -399,6 +399,6 @@ class KvCacheManager:
         for slot in self.slots:
             request = slot.request
             tokens = request.tokens if request is not None else slot.idle_cache
-            self.events.hold(
-                Tier.DEVICE, slot.slot_id, slot.cache_scope, tokens, slot.num_kv_tokens
-            )
+            # an embedding request's KV is cleared when it ends: never a prefix to route to
+            n = 0 if request is not None and request.spec.is_embedding else slot.num_kv_tokens
+            self.events.hold(Tier.DEVICE, slot.slot_id, slot.cache_scope, tokens, n)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from llama_grpc_server.core.embedding import EmbeddingParams, Vectors
 from llama_grpc_server.core.request import (
     MAX_DRAFT_TOKENS,
     Constraint,
@@ -69,6 +70,11 @@ class Chunk:
     wants_logits: bool
     num_draft: int = 0  # draft tokens after the decode token (speculative decoding)
     is_pad: bool = False  # the draft token is a pad: never sampled, never accepted
+    # An embedding request's chunk (StepPlan.is_embedding): what it asked for, and its whole
+    # input's length (the runner pools its outputs once the chunk ending there is fed; one
+    # starting at 0 starts the input afresh, as after a preemption).
+    embedding: EmbeddingParams | None = None
+    num_input: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -108,6 +114,10 @@ class StepPlan:
     seq_ops: tuple[SeqOp, ...] = ()
     open_samplers: tuple[SamplerSpec, ...] = ()
     close_samplers: tuple[str, ...] = ()  # request keys
+    # An embedding pass (core.embedding): the chunks are embedding requests' prompt tokens,
+    # every token an output, llama.cpp's embeddings read instead of logits sampled (the
+    # runner turns llama_set_embeddings on for this pass only). Never mixed with generation.
+    is_embedding: bool = False
 
     @property
     def num_decode(self) -> int:
@@ -192,6 +202,9 @@ class StepResult:
     # the request asked for them.
     draft_sampled: dict[int, tuple[int, ...]] = field(default_factory=dict)
     draft_logprobs: dict[int, tuple[SampledLogprob, ...]] = field(default_factory=dict)
+    # An embedding pass's finished inputs: slot_id -> the request's vectors (for chunks that
+    # fed an input's last token).
+    embeddings: dict[int, Vectors] = field(default_factory=dict)
 
     def tokens_of(self, slot_id: int) -> tuple[int, ...]:
         """Every token sampled for a slot, in order (none when it sampled nothing)."""

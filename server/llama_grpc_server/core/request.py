@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from llama_grpc_server.core.embedding import EmbeddingParams, Vectors
 from llama_grpc_server.errors import ServiceError
 
 
@@ -16,6 +17,7 @@ class FinishReason(enum.Enum):
     MAX_TOKENS = "max_tokens"
     CONTEXT_LENGTH = "context_length"
     TIME_LIMIT = "time_limit"
+    EMBEDDED = "embedded"  # an embedding request: its vectors are made (Finished.embedding)
 
 
 class Priority(enum.IntEnum):
@@ -167,10 +169,25 @@ class GenerationRequest:
     cache_response: bool = True
     # Prompt-lookup speculative decoding (core.speculative); unset fields take the server's.
     speculative: SpeculativeParams = SpeculativeParams()
+    # An embedding request (core.embedding): prefill only, every prompt token's output pooled
+    # into Finished.embedding; nothing is sampled or generated.
+    embedding: EmbeddingParams | None = None
+
+    def __post_init__(self) -> None:
+        # An embedding request needs every token's output, so no prefix KV is reused (reused
+        # cells have none) and its KV is not kept as a prefix cache; the response cache keys
+        # generation settings, not embedding ones.
+        if self.embedding is not None:
+            object.__setattr__(self, "cache_prompt", False)
+            object.__setattr__(self, "cache_response", False)
 
     @property
     def key(self) -> str:
         return request_key(self.tenant, self.request_id)
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.embedding is not None
 
 
 def request_key(tenant: str, request_id: str) -> str:
@@ -246,6 +263,8 @@ class Finished:
     matched_stop: str = ""
     matched_token_id: int | None = None
     slot_id: int = -1
+    # An embedding request's vectors (one, or one per token with pooling none); None otherwise.
+    embedding: Vectors | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,10 +88,16 @@ UNKEYED: Mapping[type, Mapping[str, str]] = {
         "cache_response": "the opt-out itself, checked before any lookup",
         "speculative": "how tokens are verified, not which: exact-match verification keeps "
         "the tokens the request's sampler picks without drafts (rounding aside, as batching)",
+        "embedding": "an embedding request is never cacheable (GenerationRequest sets "
+        "cache_response false for it)",
     },
 }
 # Finish reasons of a complete result. TIME_LIMIT never occurs (such requests are not cacheable).
-STORED_REASONS: frozenset[FinishReason] = frozenset(FinishReason) - {FinishReason.TIME_LIMIT}
+# EMBEDDED neither (embedding requests are not cacheable).
+STORED_REASONS: frozenset[FinishReason] = frozenset(FinishReason) - {
+    FinishReason.TIME_LIMIT,
+    FinishReason.EMBEDDED,
+}
 
 # Estimated bytes (CPython objects on 64-bit): an entry with its key and bookkeeping, a delta
 # (object, tuples, str), each token id, each logprob and each top alternative; plus text bytes.

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 from llama_grpc_server import errors
-from llama_grpc_server.core import expiry, prefix_cache, stats
+from llama_grpc_server.core import embedding, expiry, prefix_cache, stats
 from llama_grpc_server.core.admission import Admission
 from llama_grpc_server.core.api import StatsSnapshot
 from llama_grpc_server.core.backpressure import BackPressure
@@ -103,6 +103,8 @@ class Scheduler:
         self._monotonic = monotonic
         self._samplers_to_open: list[SamplerSpec] = []
         self._tick = 0
+        self._last_pass_embedded = False  # while a generation prompt waits, the passes alternate
+        self.embedding_costs = embedding.PassCosts()
         self._started_ns = clock_ns()
 
     def add(self, request: Request) -> None:
@@ -187,12 +189,14 @@ class Scheduler:
         self._admit()
         self.kv.resolve_waits()
         self.kv.persist_idle(self.clock_ns())
+        chunks, is_embedding = self._chunks()
         plan = StepPlan(
             tick=self._tick,
-            chunks=tuple(self._chunks()),
+            chunks=tuple(chunks),
             seq_ops=self.kv.take_ops(),
             open_samplers=tuple(self._samplers_to_open),
             close_samplers=tuple(self.endings.samplers_to_close),
+            is_embedding=is_embedding,
         )
         self._samplers_to_open, self.endings.samplers_to_close = [], []
         if not (plan.chunks or plan.seq_ops or plan.open_samplers or plan.close_samplers):
@@ -228,14 +232,23 @@ class Scheduler:
                 self._start(request)
 
     def _start(self, request: Request) -> None:
-        """A request's first admission: its outputs, its sampler, its speculation."""
+        """A request's first admission: its outputs, its sampler, its speculation (none for an
+        embedding request: it samples nothing)."""
         request.admitted_ns = self.clock_ns()
-        self._samplers_to_open.append(self.outputs.open(request))
-        self.drafts.admitted(request)
+        if not request.spec.is_embedding:
+            self._samplers_to_open.append(self.outputs.open(request))
+            self.drafts.admitted(request)
         self.counters.started += 1
         self.counters.prompt_tokens += request.num_prompt
 
-    def _chunks(self) -> list[Chunk]:
+    def _chunks(self) -> tuple[list[Chunk], bool]:
+        """The tick's chunks, and whether they make an embedding pass. llama.cpp turns
+        embeddings on for a whole pass, and then computes every token's logits too: so an
+        embedding pass carries the embedding requests' tokens and the decoding requests' rows
+        (sampled from those logits), never a generation prompt chunk (its every token's logits
+        would be paid for). While generation prompts wait, embedding and generation passes
+        alternate; otherwise every pass is an embedding pass while embeddings wait, its
+        embedding tokens costing the streams about half a decode tick (core.embedding)."""
         active = [
             r
             for s in self.slots
@@ -243,6 +256,54 @@ class Scheduler:
             and not r.is_blocked
             and not self.back_pressure.behind(r)
         ]
+        embedding_requests = [r for r in active if r.spec.is_embedding]
+        active = [r for r in active if not r.spec.is_embedding]
+        is_prefilling = any(not r.is_decoding for r in active)
+        if not embedding_requests or (is_prefilling and self._last_pass_embedded):
+            self._last_pass_embedded = False
+            return self._generation_chunks(active), False
+        self._last_pass_embedded = True
+        decoding = [r for r in active if r.is_decoding]
+        for request in decoding:
+            request.last_served_tick = self._tick
+        rows = [
+            Chunk(r.slot_id, r.key, r.num_computed, (r.tokens[r.num_computed],), True)
+            for r in decoding
+        ]
+        embedding_chunks = self._embedding_chunks(embedding_requests, is_generating=bool(active))
+        return rows + embedding_chunks, True
+
+    def _embedding_chunks(self, requests: list[Request], *, is_generating: bool) -> list[Chunk]:
+        """Prompt tokens of embedding requests, least recently served first, within the
+        pass's budget (core.embedding.PassCosts: while generation requests run, what costs
+        their streams half a decode tick); no logits asked: the runner reads every token's
+        output."""
+        requests.sort(key=lambda r: r.last_served_tick)
+        budget = self.embedding_costs.budget(self.costs.decode_tick_ms, is_generating=is_generating)
+        pending = [(r.slot_id, r.num_pending) for r in requests]
+        allocation = embedding.share_pass(pending, budget, self.limits.chunk_size)
+        chunks: list[Chunk] = []
+        for request in requests:
+            n = allocation.get(request.slot_id, 0)
+            if n <= 0:
+                continue
+            start = request.num_computed
+            tokens = tuple(request.tokens[start : start + n])
+            chunks.append(
+                Chunk(
+                    request.slot_id,
+                    request.key,
+                    start,
+                    tokens,
+                    wants_logits=False,
+                    embedding=request.spec.embedding,
+                    num_input=request.num_prompt,
+                )
+            )
+            request.last_served_tick = self._tick
+        return chunks
+
+    def _generation_chunks(self, active: list[Request]) -> list[Chunk]:
         if not active:
             return []
         view = BatchView(
@@ -286,9 +347,12 @@ class Scheduler:
         if result.status != DECODE_OK:
             return self._fail_batch(plan, result.status)
         chunks = [c for c in plan.chunks if c.slot_id not in result.reset]
-        if chunks:  # a plan of KV edits only is no forward pass
-            self._observe_tick(chunks, result)
         out: Emitted = []
+        if plan.is_embedding:
+            out += self._update_embedding(chunks, result)
+            chunks = [c for c in chunks if c.embedding is None]  # the decode rows riding along
+        elif chunks:  # a plan of KV edits only is no forward pass
+            self._observe_tick(chunks, result)
         for chunk in chunks:
             request = self.slots[chunk.slot_id].request
             if request is None or request.key != chunk.request_id:
@@ -305,6 +369,35 @@ class Scheduler:
                 out += self._accept(request, result.sampled[chunk.slot_id], logprob)
                 self.spec.observe_tokens(request)
         self.kv.num_used_cells()  # the tick's one count (GetStats reads it live: CellMap)
+        return out
+
+    def _update_embedding(self, chunks: Sequence[Chunk], result: StepResult) -> Emitted:
+        """An embedding pass's embedding chunks: a request whose last input token was fed ends
+        with the vectors the runner pooled (its slot's KV is cleared: embedding requests leave
+        no prefix cache). The pass is counted, and teaches the embedding cost (not the prefill
+        or decode costs: it computes every token's logits): its time less a decode tick's when
+        decode rows rode along."""
+        num_tokens = sum(len(c.tokens) for c in chunks)
+        num_embedding = sum(len(c.tokens) for c in chunks if c.embedding is not None)
+        if chunks:
+            self.counters.count_pass(num_tokens, 0, result.eval_ms, result.eval_cpu_ms)
+            if num_embedding == num_tokens:
+                self.embedding_costs.observe(num_embedding, result.eval_ms)
+            elif self.costs.decode_tick_ms > 0:
+                marginal_ms = result.eval_ms - self.costs.decode_tick_ms
+                self.embedding_costs.observe(num_embedding, marginal_ms, is_marginal=True)
+        out: Emitted = []
+        for chunk in chunks:
+            request = self.slots[chunk.slot_id].request
+            if chunk.embedding is None or request is None or request.key != chunk.request_id:
+                continue
+            self.kv.computed(chunk)
+            request.num_computed += len(chunk.tokens)
+            if request.num_pending == 0:
+                request.first_token_ns = self.clock_ns()
+                vectors = result.embeddings[chunk.slot_id]
+                out += self.endings.finish(request, FinishReason.EMBEDDED, embedding=vectors)
+        self.kv.num_used_cells()
         return out
 
     def _observe_tick(self, chunks: Sequence[Chunk], result: StepResult) -> None:

@@ -38,9 +38,11 @@ class Batch:
             logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
         )
 
-    def fill(self, chunks: Sequence[Chunk]) -> list[int]:
+    def fill(self, chunks: Sequence[Chunk], *, every_output: bool = False) -> list[int]:
         """Write the chunks; returns the batch index of each chunk's first output (-1 when
-        none). A speculative decode's outputs are its last num_draft + 1 positions, in order."""
+        none). A speculative decode's outputs are its last num_draft + 1 positions, in order.
+        `every_output` (an embedding pass) marks every token: llama.cpp outputs them all in an
+        embedding pass anyway, and warns once per batch where they are not marked."""
         n = 0
         outputs: list[int] = []
         for chunk in chunks:
@@ -64,4 +66,6 @@ class Batch:
             outputs.append(n + k - num_outputs if num_outputs else -1)
             n += k
         self.struct.n_tokens = n
+        if every_output:
+            self.logits[:n] = 1
         return outputs

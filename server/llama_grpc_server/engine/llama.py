@@ -74,6 +74,8 @@ class LlamaModel:
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
         self.n_batch = int(llama_cpp.llama_n_batch(self.ctx))
+        self.n_embd = int(llama_cpp.llama_model_n_embd_out(self.model))
+        self.pooling = _gguf_pooling(self.model)
         self.n_seq_max = n_seq_max
         self.eog_ids = frozenset(
             t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)
@@ -103,6 +105,9 @@ class LlamaModel:
         params.swa_full = True  # partial prefix reuse stays correct on sliding-window models
         params.n_threads, params.n_threads_batch = s.threads()
         params.no_perf = True
+        # Embedding passes read every token's output and pool them in numpy (core.embedding),
+        # whatever the model's own pooling: one context for generation and every pooling.
+        params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
         # Measured on Gemma 3 270M (1,800-token prompt): a sequence's logits are bit-identical
         # when recomputed alone, but move by up to ~1.0 (mean ~0.2; argmax unchanged) with the
         # chunk size (flash attention on) or with how many other cells are in use (either way),
@@ -199,6 +204,8 @@ class LlamaModel:
             size_bytes=int(llama_cpp.llama_model_size(self.model)),
             n_params=int(llama_cpp.llama_model_n_params(self.model)),
             add_bos=bool(llama_cpp.llama_vocab_get_add_bos(self.vocab)),
+            n_embd=self.n_embd,
+            pooling=self.pooling,
             chat_template=template_in_use(
                 self.settings.chat_template, bool(self.gguf_chat_template), self.architecture
             ),
@@ -264,6 +271,18 @@ class LlamaModel:
         if self.model:
             llama_cpp.llama_model_free(self.model)
             self.model = None
+
+
+# llama.cpp's enum llama_pooling_type by value, as core.embedding names them
+_POOLINGS = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+
+def _gguf_pooling(model: Any) -> str:
+    """The GGUF's `<arch>.pooling_type` by name ("" when the file has none, as generation
+    models do)."""
+    arch = _meta(model, "general.architecture")
+    value = _meta(model, f"{arch}.pooling_type") if arch else ""
+    return _POOLINGS.get(int(value), "") if value.lstrip("-").isdigit() else ""
 
 
 def _gguf_chat_template(model: Any) -> str:

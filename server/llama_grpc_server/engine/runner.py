@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import llama_cpp
+import numpy as np
 
+from llama_grpc_server.core.embedding import Vectors
 from llama_grpc_server.core.plan import (
     DECODE_OK,
     Chunk,
@@ -21,6 +23,7 @@ from llama_grpc_server.core.plan import (
 )
 from llama_grpc_server.engine import cpu_share
 from llama_grpc_server.engine.batch import Batch
+from llama_grpc_server.engine.embedding import Embedder
 from llama_grpc_server.engine.llama import LlamaModel
 from llama_grpc_server.engine.logprobs import LogprobComputer
 from llama_grpc_server.engine.sampler import NO_TOKEN, Candidates, RequestSampler, logits_rows
@@ -53,6 +56,7 @@ class Runner:
         self.logprobs = LogprobComputer(model.n_vocab)
         self._candidates: Candidates | None = None  # allocated for the first constraint
         self._threads = model.threads  # what the context decodes with now
+        self.embedder = Embedder()  # embedding requests' outputs until their last chunk
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.launch(plan)()
@@ -66,6 +70,7 @@ class Runner:
             if sampler is not None:
                 sampler.close()
             self.top_logprobs.pop(request_id, None)
+            self.embedder.forget(request_id)
         for spec in plan.open_samplers:
             self.samplers[spec.request_id] = self._open_sampler(spec)
             if spec.output.wants_logprobs:
@@ -78,6 +83,8 @@ class Runner:
         )
         if not chunks:
             return _done(StepResult(saved=saved, restored=restored, reset=reset))
+        if plan.is_embedding:
+            return _done(self._embed(chunks, saved, restored, reset))
         outputs = self.batch.fill(chunks)
         with cpu_share.forward_pass(self.model.threads) as threads:
             if threads != self._threads:  # fewer while another model loads (cpu_share)
@@ -121,9 +128,78 @@ class Runner:
 
         return collect
 
-    def _sample(self, chunks: Sequence[Chunk], outputs: Sequence[int]) -> _Sampled:
+    def _embed(
+        self,
+        chunks: Sequence[Chunk],
+        saved: dict[int, bytes],
+        restored: dict[int, bool],
+        reset: frozenset[int],
+    ) -> StepResult:
+        """An embedding pass: every token an output, embeddings on for this llama_decode only
+        (llama_set_embeddings, as llama-server does per batch), the embedding chunks' rows
+        copied out (with pooling NONE llama.cpp keeps them contiguous in batch order:
+        llama_get_embeddings). Decode rows riding in the pass are sampled from the logits
+        llama.cpp computes for every token of it (row i = batch index i)."""
+        outputs = self.batch.fill(chunks, every_output=True)
+        llama_cpp.llama_set_embeddings(self.model.ctx, True)
+        try:
+            with cpu_share.forward_pass(self.model.threads) as threads:
+                if threads != self._threads:
+                    self.model.set_threads(*threads)
+                    self._threads = threads
+                cpu0 = time.thread_time_ns()
+                t0 = time.perf_counter_ns()
+                status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
+                t1 = time.perf_counter_ns()
+                eval_cpu_ms = (time.thread_time_ns() - cpu0) / 1e6
+            embeddings: dict[int, Vectors] = {}
+            got = _Sampled()
+            t2 = t1
+            if status == DECODE_OK:
+                embeddings = self._take_embeddings(chunks)
+                got = self._sample(chunks, outputs, every_output=True)
+                t2 = time.perf_counter_ns()
+        finally:
+            llama_cpp.llama_set_embeddings(self.model.ctx, False)
+        return StepResult(
+            status,
+            got.sampled,
+            saved,
+            restored,
+            (t1 - t0) / 1e6,
+            (t2 - t1) / 1e6,
+            logprobs=got.logprobs,
+            failed=got.failed,
+            reset=reset,
+            eval_cpu_ms=eval_cpu_ms,
+            draft_sampled=got.draft_sampled,
+            draft_logprobs=got.draft_logprobs,
+            embeddings=embeddings,
+        )
+
+    def _take_embeddings(self, chunks: Sequence[Chunk]) -> dict[int, Vectors]:
+        """The embedding chunks' per-token outputs to the Embedder; the vectors of the inputs
+        whose last chunk this was, by slot id."""
+        n_tokens, n_embd = int(self.batch.struct.n_tokens), self.model.n_embd
+        pointer = llama_cpp.llama_get_embeddings(self.model.ctx)
+        rows = np.ctypeslib.as_array(pointer, shape=(n_tokens, n_embd))
+        out: dict[int, Vectors] = {}
+        start = 0
+        for chunk in chunks:
+            end = start + len(chunk.tokens)
+            if chunk.embedding is not None:
+                vectors = self.embedder.add(chunk, rows[start:end])
+                if vectors is not None:
+                    out[chunk.slot_id] = vectors
+            start = end
+        return out
+
+    def _sample(
+        self, chunks: Sequence[Chunk], outputs: Sequence[int], *, every_output: bool = False
+    ) -> _Sampled:
         """The tokens of every chunk with outputs, by slot id (a speculative decode's first in
-        `sampled`, the rest in `draft_sampled`)."""
+        `sampled`, the rest in `draft_sampled`). `every_output`: a pass whose every token was
+        an output (an embedding pass), so a chunk's logits rows start at its batch index."""
         out = _Sampled()
         ctx = self.model.ctx
         rows = None  # every output's logits, viewed once if a plain greedy request needs them
@@ -133,10 +209,16 @@ class Runner:
                 continue
             sampler = self.samplers[chunk.request_id]
             chunk_rows = None
+            if every_output:
+                ordinal = index
             if sampler.is_plain_greedy:
                 if rows is None:
-                    n_outputs = sum(
-                        c.num_outputs for c, i in zip(chunks, outputs, strict=True) if i >= 0
+                    n_outputs = (
+                        sum(len(c.tokens) for c in chunks)
+                        if every_output
+                        else sum(
+                            c.num_outputs for c, i in zip(chunks, outputs, strict=True) if i >= 0
+                        )
                     )
                     rows = logits_rows(ctx, n_outputs, self.model.n_vocab)
                 chunk_rows = rows[ordinal : ordinal + chunk.num_outputs]
@@ -247,3 +329,4 @@ class Runner:
             sampler.close()
         self.samplers.clear()
         self.top_logprobs.clear()
+        self.embedder.clear()

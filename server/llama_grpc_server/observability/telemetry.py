@@ -18,7 +18,7 @@ import structlog
 from structlog.tracebacks import ExceptionDictTransformer
 
 from llama_grpc_server.core.plan import DECODE_OK, StepPlan, StepResult
-from llama_grpc_server.core.request import Event, Failed, Finished, Request
+from llama_grpc_server.core.request import Event, Failed, Finished, FinishReason, Request
 
 if TYPE_CHECKING:
     from llama_grpc_server.core.scheduler import Scheduler
@@ -177,7 +177,9 @@ def request_event(
     if isinstance(event, Finished):
         usage, timings = event.usage, event.timings
         slot, reason, error = event.slot_id, event.reason.value, ""
-        has_first_token = True
+        # an embedding request generates no token: no time to first token, so the TTFT,
+        # prefill and decode histograms stay generation's (its latency still counts)
+        has_first_token = event.reason is not FinishReason.EMBEDDED
     else:
         usage, timings = request.usage(), request.timings(now_ns)
         slot, reason, error = request.slot_id, "", event.error.reason

@@ -18,6 +18,7 @@ FINISH_REASONS: dict[core.FinishReason, pb.FinishReason.ValueType] = {
     core.FinishReason.MAX_TOKENS: pb.FINISH_REASON_MAX_TOKENS,
     core.FinishReason.CONTEXT_LENGTH: pb.FINISH_REASON_CONTEXT_LENGTH,
     core.FinishReason.TIME_LIMIT: pb.FINISH_REASON_TIME_LIMIT,
+    core.FinishReason.EMBEDDED: pb.FINISH_REASON_EMBEDDED,
 }
 
 

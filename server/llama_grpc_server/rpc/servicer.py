@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +30,7 @@ from llama_grpc_server.core.request import (
 )
 from llama_grpc_server.models.pool import ModelPool
 from llama_grpc_server.observability import tracing
-from llama_grpc_server.rpc import convert, validation
+from llama_grpc_server.rpc import convert, embeddings, validation
 from llama_grpc_server.rpc.interceptors import (
     current_principal,
     current_request_id,
@@ -157,6 +157,28 @@ async def _collect(
     raise errors.EngineError(NO_RESULT)  # unreachable: _run ends with Finished or raises
 
 
+async def embed_all(
+    engine: EngineApi, specs: Sequence[GenerationRequest], context: Context, limit: int
+) -> list[Finished]:
+    """Run embedding requests, at most `limit` submitted at a time (a large batch waits here,
+    not in the engine's queue, where it would meet max_queue and crowd out other callers);
+    their Finished events in order. The first failure cancels the rest and raises."""
+    gate = asyncio.Semaphore(max(1, limit))
+
+    async def one(spec: GenerationRequest) -> Finished:
+        async with gate:
+            _deltas, done = await _collect(engine, spec, context, "embeddings")
+            return done
+
+    tasks = [asyncio.ensure_future(one(spec)) for spec in specs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _unix_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -261,6 +283,34 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
             async with aclosing(run_request(engine, spec, context)) as events:
                 async for event in events:
                     yield convert.generate_tokens_response(event, request_id)
+
+    # -- embeddings -------------------------------------------------------------------------------
+
+    async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
+        request_id = _request_id()
+        async with (
+            ErrorsToStatus(context, request_id),
+            self._engine(request.model, context) as engine,
+        ):
+            info = engine.model_info
+            plan = embeddings.parse(request, info)
+            deadline, tenant = deadline_of(context), current_principal().tenant
+            specs: list[GenerationRequest] = []
+            for index, item in enumerate(request.inputs):
+                if item.WhichOneof("input") == "tokens":
+                    tokens = list(item.tokens.ids)
+                else:
+                    tokens = await tokenize_text(
+                        engine, item.text, add_special=plan.add_special, parse_special=False
+                    )
+                input_id = f"{request_id}/{index}"
+                specs.append(
+                    embeddings.request(
+                        plan, index, tokens, request_id=input_id, deadline=deadline, tenant=tenant
+                    )
+                )
+            finished = await embed_all(engine, specs, context, 2 * info.n_parallel)
+            return embeddings.response(request_id, plan, finished, info.n_embd)
 
     # -- no scheduler: answered on the event loop -------------------------------------------------
 

@@ -43,6 +43,7 @@ FINISH_REASONS: dict[FinishReason, str] = {
     FinishReason.MAX_TOKENS: LENGTH,
     FinishReason.CONTEXT_LENGTH: LENGTH,
     FinishReason.TIME_LIMIT: LENGTH,
+    FinishReason.EMBEDDED: STOP,  # an embedding input is done (Embed answers no finish reason)
 }
 SERVER_TYPE = "vllm-grpc"  # the protocol this service speaks, as vLLM's own servicer names it
 
@@ -263,4 +264,16 @@ def load_only_batch(seq: int, load: LoadRecord, sample: int, timestamp: float) -
         sequence_number=seq,
         timestamp=timestamp,
         load=engine_load(load, sample, load_only=True),
+    )
+
+
+def embed_response(finished: Finished) -> vpb.EmbedResponse:
+    """A finished embedding input as the protocol's EmbedResponse (its one vector)."""
+    vectors = finished.embedding
+    if vectors is None or vectors.num_vectors != 1:
+        raise ValueError("an engine-protocol embedding has exactly one vector")
+    return vpb.EmbedResponse(
+        embedding=vectors.rows()[0],
+        prompt_tokens=finished.usage.prompt_tokens,
+        embedding_dim=vectors.dimensions,
     )

@@ -41,9 +41,10 @@ from llama_grpc_server.core.request import (
 )
 from llama_grpc_server.models import tokenizer_export
 from llama_grpc_server.models.pool import ModelPool
-from llama_grpc_server.rpc import convert, vllm_convert, vllm_requests
+from llama_grpc_server.rpc import convert, embeddings, vllm_convert, vllm_requests
 from llama_grpc_server.rpc.interceptors import current_principal, current_request_id
 from llama_grpc_server.rpc.servicer import (
+    NO_RESULT,
     PoolServicer,
     deadline_of,
     run_request,
@@ -396,13 +397,45 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
                 remove()
                 drained.cancel()
 
-    # -- not served -------------------------------------------------------------------------------
+    # -- embeddings -------------------------------------------------------------------------------
 
     async def Embed(self, request: vpb.EmbedRequest, context: Context) -> vpb.EmbedResponse:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED, "Embed is not supported: this worker generates text"
-        )
-        raise AssertionError("context.abort returned")  # pragma: no cover
+        """One tokenized input's vector (the gateway's /v1/embeddings sends one call per
+        input): an embedding request of the shared scheduler, as a v1 Embed with its defaults
+        (the model's pooling, else mean; L2-normalized). Abort cancels it (CANCELLED)."""
+        request_id = request.request_id or current_request_id()
+        async with (
+            ErrorsToStatus(context, request_id),
+            self._ready_pool().lease("", deadline_of(context)) as engine,
+        ):
+            self._last_receive = time.time()
+            tenant = current_principal().tenant
+            spec = embeddings.engine_protocol_request(
+                request.tokenized.input_ids,
+                engine.model_info,
+                request_id=request_id,
+                deadline=deadline_of(context),
+                tenant=tenant,
+            )
+            key = request_key(tenant, request_id)
+            if key in self._in_flight:
+                raise errors.DuplicateRequest(
+                    f"request id {request_id!r} is already in flight", field="request_id"
+                )
+            call = self._in_flight[key] = _InFlight()
+            try:
+                run = run_request(
+                    engine, spec, context, "embeddings", on_submit=call.streams.append
+                )
+                async with aclosing(run) as events:
+                    async for event in events:
+                        if isinstance(event, Finished):
+                            return vllm_convert.embed_response(event)
+                raise errors.EngineError(NO_RESULT)
+            finally:
+                del self._in_flight[key]
+
+    # -- not served -------------------------------------------------------------------------------
 
     async def StartProfile(
         self, request: cpb.StartProfileRequest, context: Context
