@@ -132,7 +132,7 @@ test-data: $(STAMP)
 	$(PY) bench/llama_sdist.py
 
 test: $(STAMP) test-data
-	$(PY) -m pytest tests $(ARGS)
+	$(PY) -m pytest tests --durations=15 $(ARGS)
 
 test-unit: $(STAMP) test-data
 	$(PY) -m pytest tests/unit $(ARGS)

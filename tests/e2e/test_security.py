@@ -148,6 +148,9 @@ async def call_every_rpc(
         "Detokenize": lambda: stub.Detokenize(
             pb.DetokenizeRequest(token_ids=[9259]), metadata=metadata
         ),
+        "Embed": lambda: stub.Embed(
+            pb.EmbedRequest(inputs=[pb.EmbedInput(text="Hi")]), metadata=metadata
+        ),
         "GetStats": lambda: stub.GetStats(pb.GetStatsRequest(), metadata=metadata),
         "WatchLoad": lambda: _first(stub.WatchLoad(pb.WatchLoadRequest(), metadata=metadata)),
         "GetModelInfo": lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata),

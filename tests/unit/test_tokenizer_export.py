@@ -340,7 +340,10 @@ def test_export_tokenizer_command(
     assert not (tmp_path / "none").exists()
 
 
-def test_export_tokenizer_command_writes_the_template_a_server_would_use(tmp_path: Path) -> None:
+def test_export_tokenizer_command_writes_the_template_a_server_would_use(
+    tmp_path: Path,
+    restore_logging: None,  # the command configures logging (warning level): undone after
+) -> None:
     """Without --chat-template the files carry the template `llama-grpc serve` would render
     messages with (core.chat.template_in_use): the file's own, else its family's built-in (a
     Gemma file with none gets Gemma's), else none; --chat-template overrides both."""
