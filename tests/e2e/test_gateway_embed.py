@@ -4,12 +4,10 @@ real replica's vLLM-protocol Embed, against v1 Embed on the same replica."""
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import openai
 import pytest
-import pytest_asyncio
 from deploy.cluster import free_port
 from deploy.gateway import NO_WARM_UP, Gateway
 
@@ -24,18 +22,6 @@ TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply on Monday mornin
 def gateway() -> Iterator[Gateway]:
     with Gateway(replicas=1, port=free_port(), smg_args=NO_WARM_UP) as gw:
         yield gw
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def sdk(gateway: Gateway) -> AsyncIterator[Any]:
-    async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused") as client:
-        yield client
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def direct(gateway: Gateway) -> AsyncIterator[AsyncClient]:
-    async with AsyncClient(gateway.cluster.members[0].target, timeout=120) as client:
-        yield client
 
 
 async def test_openai_embeddings_equal_v1_embed(
