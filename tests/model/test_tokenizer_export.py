@@ -20,6 +20,7 @@ from llama_grpc_server.models import cli as models_cli
 from llama_grpc_server.models import tokenizer_export
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_path
 from tests.support.tokenizer_corpus import CJK, CODE, DIGITS, EMOJI, PROSE, WHITESPACE
+from tests.support.tokenizer_corpus import hf_ids as _hf_ids
 
 SPECIAL_AS_TEXT = (
     "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
@@ -84,14 +85,6 @@ def files(model_path: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def hf(files: dict[str, bytes]) -> Tokenizer:
     return Tokenizer.from_str(files["tokenizer.json"].decode())
-
-
-def _hf_ids(hf: Tokenizer, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-    hf.encode_special_tokens = not parse_special
-    try:
-        return list(hf.encode(text, add_special_tokens=add_special).ids)
-    finally:
-        hf.encode_special_tokens = False
 
 
 @pytest.mark.parametrize("parse_special", [True, False])

@@ -34,6 +34,9 @@ from tests.support.tokenizer_corpus import (
     WHITESPACE,
     random_texts,
 )
+from tests.support.tokenizer_corpus import (
+    hf_ids as _hf_ids,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -136,14 +139,6 @@ def exported(request: pytest.FixtureRequest) -> Iterator[Exported]:
     hf = Tokenizer.from_str(files["tokenizer.json"].decode())
     yield Exported(name, llama, hf, files, document, added[::7][:40])
     llama.close()
-
-
-def _hf_ids(hf: Tokenizer, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-    hf.encode_special_tokens = not parse_special
-    try:
-        return list(hf.encode(text, add_special_tokens=add_special).ids)
-    finally:
-        hf.encode_special_tokens = False
 
 
 def _first_difference(text: str, want: list[int], got: list[int]) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 PROSE = (
     "The quick brown fox jumps over the lazy dog. It's 2024, and naïve café owners "
@@ -71,3 +72,13 @@ def random_texts(n: int, seed: int, extra: Sequence[str] = ()) -> list[str]:
                 chars.append(chr(point))
         out.append("".join(rng.choice(pieces + chars) for _ in range(rng.randint(1, 30))))
     return out
+
+
+def hf_ids(hf: Any, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+    """A HuggingFace tokenizer's ids for `text` in llama_tokenize's terms: parse_special false
+    is `encode_special_tokens = True` (restored after)."""
+    hf.encode_special_tokens = not parse_special
+    try:
+        return list(hf.encode(text, add_special_tokens=add_special).ids)
+    finally:
+        hf.encode_special_tokens = False
