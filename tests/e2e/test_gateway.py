@@ -289,7 +289,8 @@ async def test_completions_go_where_their_prefix_is_cached(
         assert answer.usage.prompt_tokens == len(ids)
         cached = answer.usage.prompt_tokens_details.cached_tokens
         if i == 0:
-            assert cached <= 1  # the BOS
+            # the BOS and, by chance, the uuid's first token, shared with an earlier prompt
+            assert cached < BLOCK
         else:
             expected = max(common_prefix(ids, earlier) for earlier in seen)
             assert expected > 10 * BLOCK
