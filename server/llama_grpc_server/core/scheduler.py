@@ -279,9 +279,13 @@ class Scheduler:
         their streams half a decode tick); no logits asked: the runner reads every token's
         output."""
         requests.sort(key=lambda r: r.last_served_tick)
-        budget = self.embedding_costs.budget(self.costs.decode_tick_ms, is_generating=is_generating)
         pending = [(r.slot_id, r.num_pending) for r in requests]
-        allocation = embedding.share_pass(pending, budget, self.limits.chunk_size)
+        if self.limits.encoder:
+            allocation = embedding.share_whole(pending, self.limits.n_batch)
+        else:
+            costs, decode_ms = self.embedding_costs, self.costs.decode_tick_ms
+            budget = costs.budget(decode_ms, is_generating=is_generating)
+            allocation = embedding.share_pass(pending, budget, self.limits.chunk_size)
         chunks: list[Chunk] = []
         for request in requests:
             n = allocation.get(request.slot_id, 0)
