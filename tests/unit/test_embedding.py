@@ -12,8 +12,10 @@ from llama_grpc_server import errors
 from llama_grpc_server.core import embedding
 from llama_grpc_server.core.embedding import EmbeddingParams, Pooling, Vectors
 from llama_grpc_server.core.kv_events import Tier
-from llama_grpc_server.core.plan import Chunk
+from llama_grpc_server.core.plan import Chunk, SeqOp, SeqOpKind, StepResult
 from llama_grpc_server.core.request import (
+    Event,
+    Failed,
     Finished,
     FinishReason,
     GenerationRequest,
@@ -22,7 +24,7 @@ from llama_grpc_server.core.request import (
 from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.engine.embedding import Embedder, pool
 from llama_grpc_server.testing import FakeRunner
-from tests.support.scheduler import PIECES, drive, finals, make, outputs, req
+from tests.support.scheduler import PIECES, alone, drive, finals, make, outputs, req
 
 ROWS = np.array([[3.0, 0.0, 0.0, 4.0], [1.0, 2.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float32)
 
@@ -278,3 +280,33 @@ def test_encoder_refuses_generation() -> None:
     assert error.field == "model"
     assert error.metadata == {"model": "bge", "architecture": "bert"}
     assert str(error).startswith("model 'bge' is an encoder-only embedding model (bert)")
+
+
+def test_failed_embedding_pass_fails_only_its_embedding_requests() -> None:
+    """An embedding pass whose llama_decode fails (status -3, nothing computed) fails its
+    embedding request with EngineError; the decode row that rode in it is fed again (its KV
+    from there dropped first) and the stream's tokens are those it gets alone."""
+    s, runner = make(n_parallel=2, chunk=16), FakeRunner()
+    g = req("g", 20, 12)
+    s.add(g)
+    events: list[tuple[Request, Event]] = []
+    while g.num_output < 2:
+        plan, emitted = s.schedule()
+        assert plan is not None
+        events += emitted + s.update(plan, runner.execute(plan))
+    s.add(embed_req("e", tuple(range(10, 18))))
+    plan, emitted = s.schedule()
+    assert plan is not None and plan.is_embedding
+    assert {c.request_id for c in plan.chunks} == {"g", "e"}
+    computed = g.num_computed
+    failed = s.update(plan, StepResult(status=-3))
+    assert [(r.request_id, type(e)) for r, e in failed] == [("e", Failed)]
+    error = failed[0][1].error  # type: ignore[union-attr]
+    assert isinstance(error, errors.EngineError)
+    assert str(error) == "llama_decode failed with status -3"
+    assert g.num_computed == computed
+    events += emitted + failed + drive(s, runner)
+    assert outputs(events)["g"] == alone(20, 12, "g")
+    assert isinstance(finals(events)["g"], Finished)
+    next_plan = next(p for p in runner.plans if p.tick > plan.tick)
+    assert SeqOp(SeqOpKind.REMOVE, g.slot_id, computed, -1) in next_plan.seq_ops
