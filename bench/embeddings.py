@@ -11,6 +11,10 @@
    embedding passes, whose embedding tokens add about half a decode tick.
 
     python bench/embeddings.py [--threads 1] [--flood-inputs 16] [--reps 3] [--itl-only]
+        [--stream-shares 0.5,0.3]   # the ITL under several budgets, alternating
+
+   Each run beside the flood logs the engine's passes (its on_tick hook): the embedding tokens
+   riding in each pass with decode rows, those passes' and the decode-only passes' times.
 
 4. peers in the same run: llama-cpp-python's own `Llama(embedding=True).embed` (the same
    llama.cpp, in-process, no server), which packs up to n_batch tokens of as many inputs as
@@ -58,8 +62,9 @@ from common import (
 from peers import llama_server_binary, peer_process
 
 from llama_grpc_server.config import ModelSettings, SchedulerSettings, Settings
+from llama_grpc_server.core import embedding
 from llama_grpc_server.core.embedding import EmbeddingParams
-from llama_grpc_server.core.plan import Chunk
+from llama_grpc_server.core.plan import Chunk, StepPlan, StepResult
 from llama_grpc_server.core.request import (
     Finished,
     GenerationRequest,
@@ -241,32 +246,88 @@ def itl(gaps: list[float]) -> dict[str, float]:
     return {"p50_ms": percentile(gaps, 0.5), "p95_ms": percentile(gaps, 0.95), "n": len(gaps)}
 
 
-async def itl_reps(engine: EngineLoop, flood_inputs: int, reps: int) -> dict[str, Any]:
+class PassLog:
+    """The engine's forward passes (its on_tick hook, on the engine thread): for each embedding
+    pass with decode rows riding in it, its embedding tokens and milliseconds; for each
+    decode-only pass, its milliseconds."""
+
+    def __init__(self) -> None:
+        self.mixed: list[tuple[int, float]] = []
+        self.decode_ms: list[float] = []
+
+    def on_tick(self, plan: StepPlan, result: StepResult, _scheduler: Any) -> None:
+        rows = sum(1 for c in plan.chunks if c.embedding is None and c.is_decode)
+        tokens = sum(len(c.tokens) for c in plan.chunks if c.embedding is not None)
+        if plan.is_embedding and rows and tokens:
+            self.mixed.append((tokens, result.eval_ms))
+        elif not plan.is_embedding and plan.chunks and all(c.is_decode for c in plan.chunks):
+            self.decode_ms.append(result.eval_ms)
+
+    def summary(self) -> dict[str, Any]:
+        tokens = [float(n) for n, _ in self.mixed]
+        return {
+            "mixed_passes": len(self.mixed),
+            "embedding_tokens_per_mixed_pass": spread(tokens) if tokens else {},
+            "mixed_pass_ms": spread([ms for _, ms in self.mixed]) if tokens else {},
+            "decode_only_pass_ms": spread(self.decode_ms) if self.decode_ms else {},
+        }
+
+    def clear(self) -> None:
+        self.mixed, self.decode_ms = [], []
+
+
+async def itl_reps(
+    engine: EngineLoop,
+    flood_inputs: int,
+    reps: int,
+    log: PassLog,
+    shares: Sequence[float] = (embedding.STREAM_SHARE,),
+) -> dict[str, Any]:
     """Alone and beside the flood, alternating, `reps` times (other work on a shared box moves
-    the tail between any two runs): each rep's p50/p95 and ratios, and their medians."""
-    rows = []
+    the tail between any two runs): each rep's p50/p95 and ratios, and their medians. With
+    several `shares` (core.embedding.STREAM_SHARE: the part of a decode tick the embedding
+    tokens riding with decode rows may add), each rep runs beside the flood once per share, in
+    a rotating order, against the same alone run; each run logs its passes (PassLog)."""
+    rows: dict[float, list[dict[str, Any]]] = {share: [] for share in shares}
     for rep in range(reps):
         alone = await stream_itl(engine, f"alone-{rep}")
-        beside, flood_done = await beside_flood(engine, flood_inputs)
-        rows.append(
-            {
-                "alone": itl(alone),
-                "beside_flood": itl(beside),
-                "flood_inputs_embedded_meanwhile": flood_done,
-                "p95_ratio": percentile(beside, 0.95) / percentile(alone, 0.95),
-                "p50_ratio": percentile(beside, 0.5) / percentile(alone, 0.5),
-            }
-        )
-        progress(
-            f"rep {rep}: ITL p95 ratio {rows[-1]['p95_ratio']:.2f}, "
-            f"p50 ratio {rows[-1]['p50_ratio']:.2f}"
-        )
-    return {
-        "flood_inputs_in_flight": flood_inputs,
-        "reps": rows,
-        "median_p95_ratio": statistics.median(r["p95_ratio"] for r in rows),
-        "median_p50_ratio": statistics.median(r["p50_ratio"] for r in rows),
-    }
+        order = list(shares[rep % len(shares) :]) + list(shares[: rep % len(shares)])
+        for share in order:
+            embedding.STREAM_SHARE = share  # read by PassCosts.budget at each pass
+            log.clear()
+            beside, flood_done = await beside_flood(engine, flood_inputs)
+            rows[share].append(
+                {
+                    "alone": itl(alone),
+                    "beside_flood": itl(beside),
+                    "flood_inputs_embedded_meanwhile": flood_done,
+                    "p95_ratio": percentile(beside, 0.95) / percentile(alone, 0.95),
+                    "p50_ratio": percentile(beside, 0.5) / percentile(alone, 0.5),
+                    "passes": log.summary(),
+                }
+            )
+            got = rows[share][-1]
+            progress(
+                f"rep {rep} share {share}: ITL p95 ratio {got['p95_ratio']:.2f}, p50 ratio "
+                f"{got['p50_ratio']:.2f}, {flood_done} embedded"
+            )
+    embedding.STREAM_SHARE = shares[0]
+    out: dict[str, Any] = {"flood_inputs_in_flight": flood_inputs}
+    for share, got in rows.items():
+        key = "by_share" if len(shares) > 1 else ""
+        row = {
+            "reps": got,
+            "median_p95_ratio": statistics.median(r["p95_ratio"] for r in got),
+            "median_p50_ratio": statistics.median(r["p50_ratio"] for r in got),
+            "median_flood_inputs_embedded": statistics.median(
+                r["flood_inputs_embedded_meanwhile"] for r in got
+            ),
+        }
+        if key:
+            out.setdefault(key, {})[str(share)] = row
+        else:
+            out.update(row)
+    return out
 
 
 def workloads(long_batches: Sequence[int]) -> list[tuple[str, int, int]]:
@@ -339,13 +400,15 @@ async def engine_runs(
     itl: bool = True,
     throughput_reps: int = 3,
     long_batches: Sequence[int] = LONG_BATCHES,
+    shares: Sequence[float] = (embedding.STREAM_SHARE,),
 ) -> dict[str, Any]:
     settings = Settings(
         model=ModelSettings(n_ctx=N_CTX, n_batch=512, n_threads=threads),
         scheduler=SchedulerSettings(n_parallel=N_PARALLEL, max_queue=256),
     )
     binary = None if itl_only else llama_server_binary()
-    engine = build_engine(settings)
+    log = PassLog()
+    engine = build_engine(settings, on_tick=log.on_tick)
     try:
         out: dict[str, Any] = {"throughput": {}}
         warm = engine.tokenize(seeded_text(8, 1), add_special=True, parse_special=False)
@@ -367,7 +430,7 @@ async def engine_runs(
                     engine, peer, throughput_reps, long_batches
                 )
         if itl:
-            out["itl"] = await itl_reps(engine, flood_inputs, reps)
+            out["itl"] = await itl_reps(engine, flood_inputs, reps, log, shares)
         out["stats"] = {
             "ticks": engine.stats().ticks,
             "avg_batch_size": engine.stats().avg_batch_size,
@@ -420,6 +483,11 @@ def main() -> int:
         "--long-batches", default=",".join(map(str, LONG_BATCHES)), help="e.g. 1,16 or 1"
     )
     parser.add_argument("--out", default="", help="results file name (default: by mode)")
+    parser.add_argument(
+        "--stream-shares",
+        default=str(embedding.STREAM_SHARE),
+        help="ITL beside the flood under each core.embedding.STREAM_SHARE, e.g. 0.5,0.3",
+    )
     args = parser.parse_args()
     long_batches = [int(b) for b in args.long_batches.split(",") if b]
     data: dict[str, Any] = {"machine": machine_facts(args.threads)}
@@ -434,6 +502,7 @@ def main() -> int:
         itl=not args.no_itl,
         throughput_reps=args.throughput_reps,
         long_batches=long_batches,
+        shares=[float(v) for v in args.stream_shares.split(",")],
     )
     data.update(asyncio.run(runs))
     name = args.out or ("embeddings_itl" if args.itl_only else "embeddings")
