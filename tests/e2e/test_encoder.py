@@ -25,6 +25,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc import AsyncClient, ContextLengthExceededError, FailedPreconditionError
 from llama_grpc_server.config import PoolSettings
+from llama_grpc_server.models import cli as models_cli
 from llama_grpc_server.models.files import default_model_path
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from tests.support.families import synth_gguf
@@ -234,3 +235,15 @@ async def test_engine_protocol_generate_is_refused_and_embed_works(
     want = (await client.embed([ids], model=BERT)).embeddings[0].vector
     assert got.embedding_dim == 64
     assert math.fsum(a * b for a, b in zip(got.embedding, want, strict=True)) >= COSINE
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_models_verify_embeds_with_an_encoder(
+    bert_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`llama-grpc models verify` on the encoder embeds the prompt (one vector of its
+    dimension) instead of generating, and succeeds."""
+    assert models_cli.main(["verify", str(bert_path)]) == 0
+    out = capsys.readouterr().out
+    assert "embed:   one 64-dimensional vector (encoder-only: no generation)\nok\n" in out
+    assert "tokens:" not in out
