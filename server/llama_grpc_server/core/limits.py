@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from llama_grpc_server.core.request import SpeculativeConfig
+from llama_grpc_server.core.strategies import DEFAULT_PREFILL_STALL
 from llama_grpc_server.core.tenants import TenantLimits
 
 
@@ -38,3 +39,6 @@ class SchedulerLimits:
     # meanwhile is ended with StalledReader (0 = never).
     stream_buffer_tokens: int = 0
     stalled_reader_s: float = 0.0
+    # While slots generate, a pass with prompt tokens lasts about this many decode-only passes
+    # at most (core.strategies.TickCosts.prefill_allowance).
+    prefill_stall: float = DEFAULT_PREFILL_STALL

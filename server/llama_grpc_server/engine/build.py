@@ -113,6 +113,7 @@ def build_engine(
             n_ctx=model.n_ctx,
             n_batch=model.n_batch,
             chunk_size=min(sched.chunk_size, model.n_batch),
+            prefill_stall=sched.prefill_stall,
             max_queue=sched.max_queue,
             supports_partial_removal=model.supports_partial_removal,
             ram_cache_bytes=ram_mb * 1024 * 1024,
