@@ -585,7 +585,9 @@ def aiperf(data: dict[str, Any]) -> list[str]:
     """Issue 40: aiperf against llama-grpc through SMG and against llama-server (and the same
     prompts to the replica over v1); targets: SMG's output tok/s >= 1.0x llama-server's, TTFT
     p50 and ITL p50 <= llama-server's, no failed request."""
-    lines = header(data, "aiperf: llama-grpc through SMG vs llama-server", "aiperf.png")
+    name = data.get("settings", {}).get("name", "aiperf")
+    title = f"aiperf ({name}): llama-grpc through SMG vs llama-server"
+    lines = header(data, title, f"{name}.png")
     lines += [
         "NVIDIA aiperf, streaming /v1/completions, exact prompt and answer lengths (ignore_eos), "
         "4 slots, 8,192 context, no prompt cache on either server; the targets alternate in "
@@ -969,6 +971,10 @@ def main() -> int:
         ("speculative", speculative),
         ("peers", peers),
         ("aiperf", aiperf),
+        ("aiperf_c4", aiperf),
+        ("aiperf_c4_stall8", aiperf),
+        ("aiperf_c4_prefill_priority", aiperf),
+        ("aiperf_c4_t2", aiperf),
         ("soak", soak),
         ("backpressure", backpressure),
     )
