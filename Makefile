@@ -18,7 +18,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 .PHONY: install wheelhouse llama-cmake-args FORCE run serve test test-data test-unit test-model test-e2e check docs prometheus lint format types \
 	proto proto-check \
 	proto-lint proto-breaking check-min-deps model cluster gateway bench bench-single bench-concurrency bench-strategies bench-prefix \
-	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-gateway bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-soak bench-backpressure bench-embeddings \
+	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-gateway bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-aiperf bench-soak bench-backpressure bench-embeddings \
 	bench-gpu-bundle bench-gpu-cpu clean
 
 install: $(STAMP)
@@ -300,6 +300,21 @@ bench-embeddings: $(BENCH_STAMP)
 bench-peers: $(BENCH_STAMP)
 	PYTHON=$(PYTHON) bench/setup_peers.sh
 	$(PY) bench/peers.py $(ARGS)
+	$(PY) bench/summary.py
+
+# aiperf (PyPI, its own venv bench/.venv-aiperf, no torch; with py-spy) against llama-grpc behind
+# SMG, llama-server (bench/build_llama_server.sh: the pinned sdist's llama.cpp, our CPU flags)
+# and the replica over v1 (issue 40); not part of `make bench`. A short run:
+# ARGS="--threads 1 --lengths 512/64 --concurrency 4 --reps 2"
+AIPERF_VENV := bench/.venv-aiperf
+AIPERF_VERSION := 0.13.0
+$(AIPERF_VENV)/.installed:
+	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q "aiperf==$(AIPERF_VERSION)" "py-spy>=0.4"
+	touch $@
+bench-aiperf: $(BENCH_STAMP) $(AIPERF_VENV)/.installed
+	PYTHON=$(PYTHON) bench/build_llama_server.sh
+	$(PY) bench/aiperf.py $(ARGS)
 	$(PY) bench/summary.py
 
 # The GPU benchmark (issue 35), for a GPU machine that can fetch nothing: bench-gpu-bundle writes

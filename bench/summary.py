@@ -581,6 +581,60 @@ def gateway(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def aiperf(data: dict[str, Any]) -> list[str]:
+    """Issue 40: aiperf against llama-grpc through SMG and against llama-server (and the same
+    prompts to the replica over v1); targets: SMG's output tok/s >= 1.0x llama-server's, TTFT
+    p50 and ITL p50 <= llama-server's, no failed request."""
+    name = data.get("settings", {}).get("name", "aiperf")
+    title = f"aiperf ({name}): llama-grpc through SMG vs llama-server"
+    lines = header(data, title, f"{name}.png")
+    lines += [
+        "NVIDIA aiperf, streaming /v1/completions, exact prompt and answer lengths (ignore_eos), "
+        "4 slots, 8,192 context, no prompt cache on either server; the targets alternate in "
+        "every repetition; the direct column is the same prompts to the same replica over v1 "
+        "(this script's client, not aiperf). Medians over repetitions. Passes: prompt + decode "
+        "tokens per llama_decode (llama-server's /metrics, the replica's GetStats); CPU ms per "
+        "token: the server process's CPU over prompt + generated tokens.",
+        "",
+        "| threads | prompt/answer | c | tok/s SMG / llama-server / direct | SMG ÷ llama-server | "
+        "TTFT p50 ms SMG / llama-server | ITL p50 ms SMG / llama-server | errors SMG / "
+        "llama-server | tokens per pass SMG / llama-server | CPU ms per token SMG / llama-server "
+        "| load (1 min) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    met = True
+    for r in data["rows"]:
+        s, p, d = r.get("smg"), r.get("llama-server"), r.get("direct")
+        if s is None or p is None:
+            continue
+        direct = f" / {d['output_tok_s']:.1f}" if d else ""
+        sp, pp = s.get("passes", {}), p.get("passes", {})
+        loads = s.get("load_1m", []) + p.get("load_1m", [])
+        lines.append(
+            f"| {r['threads']} | {r['prompt_tokens']}/{r['answer_tokens']} | {r['concurrency']} "
+            f"| {s['output_tok_s']:.1f} / {p['output_tok_s']:.1f}{direct} | "
+            f"{r.get('smg_ratio', float('nan')):.2f} | {s['ttft_p50_ms']:.0f} / "
+            f"{p['ttft_p50_ms']:.0f} | {s['itl_p50_ms']:.1f} / {p['itl_p50_ms']:.1f} | "
+            f"{s['errors']} / {p['errors']} | {_f(sp.get('tokens_per_pass'), 1)} / "
+            f"{_f(pp.get('tokens_per_pass'), 1)} | {_f(sp.get('cpu_ms_per_token'))} / "
+            f"{_f(pp.get('cpu_ms_per_token'))} | {_f(min(loads, default=None))}–"
+            f"{_f(max(loads, default=None))} |"
+        )
+        met = met and (
+            r.get("smg_ratio", 0.0) >= 1.0
+            and s["ttft_p50_ms"] <= p["ttft_p50_ms"]
+            and s["itl_p50_ms"] <= p["itl_p50_ms"]
+            and s["errors"] == 0
+        )
+    lines += [
+        "",
+        "Target (every row): SMG's output tok/s ≥ 1.0x llama-server's, TTFT p50 and ITL p50 ≤ "
+        f"llama-server's, 0 errors: {ok(met)}.",
+        "",
+    ]
+    return lines
+
+
 def peers(data: dict[str, Any]) -> list[str]:
     lines = header(data, "Peers", "peers_concurrency.png")
     for name, why in data.get("skipped", {}).items():
@@ -916,6 +970,11 @@ def main() -> int:
         ("pad_odd", pad_odd),
         ("speculative", speculative),
         ("peers", peers),
+        ("aiperf", aiperf),
+        ("aiperf_c4", aiperf),
+        ("aiperf_c4_stall8", aiperf),
+        ("aiperf_c4_prefill_priority", aiperf),
+        ("aiperf_c4_t2", aiperf),
         ("soak", soak),
         ("backpressure", backpressure),
     )

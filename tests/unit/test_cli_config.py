@@ -153,7 +153,7 @@ def test_every_flag_sets_its_field() -> None:
         "threads_batch": "5", "n_gpu_layers": "-1", "max_queue": "0", "batch_strategy": "balanced",
         "metrics_port": "9100", "log_format": "console", "log_level": "debug", "grace_s": "2.5",
         "default_max_tokens": "32", "temperature": "0.1", "top_k": "5", "top_p": "0.9",
-        "min_p": "0.1", "repeat_penalty": "1.2", "seed": "3",
+        "min_p": "0.1", "repeat_penalty": "1.2", "seed": "3", "prefill_stall": "4.5",
     }  # fmt: skip
     argv = [arg for name, text in values.items() for arg in ("--" + name.replace("_", "-"), text)]
     got = settings(*argv)
@@ -273,6 +273,7 @@ def test_custom_batch_strategy_accepted() -> None:
         (["--n-gpu-layers", "all"], {}, ["--n-gpu-layers", "an integer or auto, got 'all'"]),
         (["--prompt-cache-ram-mb", "-2"], {}, ["--prompt-cache-ram-mb", ">= -1"]),
         (["--session-live-s", "-1"], {}, ["--session-live-s", ">= 0"]),
+        (["--prefill-stall", "1"], {}, ["--prefill-stall", "between 1.25 and 64"]),
     ],
 )
 def test_invalid_option_names_option_and_source(

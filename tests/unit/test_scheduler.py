@@ -16,6 +16,7 @@ from llama_grpc_server.core.request import (
     StoppingParams,
     TokenDelta,
 )
+from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.core.strategies import PrefillPriority
 from llama_grpc_server.testing import FakeRunner
 from tests.support.scheduler import GREEDY, PIECES, Clock, alone, drive, finals, make, outputs, req
@@ -377,3 +378,23 @@ def test_clear_cache_forgets_idle_caches_and_the_ram_tier_but_not_running_work()
     s.add(again)
     drive(s, runner)
     assert again.num_cached_prompt == 0
+
+
+@pytest.mark.parametrize(("stall", "chunk"), [(2.0, 12), (4.0, 38), (16.0, 192)])
+def test_prefill_stall_sets_the_prompt_chunk_beside_a_decoding_slot(
+    stall: float, chunk: int
+) -> None:
+    """With a 40 ms decode tick and 2.5 ms per prompt token measured, a 400-token prompt
+    arriving while another request generates gets 0.8 * (stall - 1) * 40 / 2.5 tokens a tick
+    (SchedulerLimits.prefill_stall, --prefill-stall), the generating slot its one token."""
+    limits = SchedulerLimits(2, 4096, 512, 512, 8, prefill_stall=stall)
+    s, runner = Scheduler(limits, pieces=PIECES, eog_ids=frozenset()), FakeRunner()
+    s.add(req("gen", 8, 50))
+    plan, _ = s.schedule()
+    assert plan is not None
+    s.update(plan, runner.execute(plan))  # its prompt in one tick: it generates now
+    s.add(req("long", 400, 4))
+    s.costs.decode_tick_ms, s.costs.prefill_token_ms = 40.0, 2.5
+    plan, _ = s.schedule()
+    assert plan is not None
+    assert {c.slot_id: len(c.tokens) for c in plan.chunks} == {0: 1, 1: chunk}

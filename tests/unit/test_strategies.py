@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llama_grpc_server.core.strategies import (
+    DEFAULT_PREFILL_STALL,
     MAX_DECODE_WAIT_TICKS,
     Balanced,
     BatchStrategy,
@@ -137,3 +138,17 @@ def test_tick_costs_turn_measured_times_into_an_allowance() -> None:
     assert costs.prefill_allowance(10) == 10
     costs.observe(num_decode=0, num_prefill=512, eval_ms=512_000.0)  # very slow prompt tokens
     assert costs.prefill_allowance(512) == 8
+
+
+def test_prefill_stall_scales_the_allowance() -> None:
+    """--prefill-stall X lets a pass with prompt tokens last about X decode ticks: with a 40 ms
+    decode tick and 2.5 ms per prompt token, 0.8 * (X - 1) * 40 / 2.5 tokens: 12 at the default
+    2, 38 at 4 (12.8 * 3), 192 at 16, the chunk size at most."""
+    costs = TickCosts()
+    costs.observe(num_decode=4, num_prefill=0, eval_ms=40.0)
+    costs.observe(num_decode=0, num_prefill=512, eval_ms=1280.0)
+    assert costs.prefill_allowance(512, DEFAULT_PREFILL_STALL) == 12
+    assert costs.prefill_allowance(512, 4.0) == 38
+    assert costs.prefill_allowance(512, 16.0) == 192
+    assert costs.prefill_allowance(128, 16.0) == 128
+    assert costs.prefill_allowance(512, 1.25) == 8  # 3.2 tokens: the floor

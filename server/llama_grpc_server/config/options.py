@@ -180,6 +180,10 @@ OPTIONS: tuple[Option, ...] = (
            at_least(1)),
     Option("chunk_size", int, "scheduler.chunk_size", "prompt tokens per slot per tick",
            at_least(1)),
+    Option("prefill_stall", float, "scheduler.prefill_stall",
+           "decode_maximal: while slots generate, a pass carrying prompt tokens lasts about this "
+           "many decode-only passes at most (larger: prompts in bigger, cheaper chunks and sooner "
+           "first tokens, longer inter-token gaps meanwhile)", between(1.25, 64), "X"),
     Option("threads", int, "model.n_threads", "generation threads (0 = all CPUs)", at_least(0)),
     Option("threads_batch", int, "model.n_threads_batch", "prompt threads (0 = --threads)",
            at_least(0)),

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from llama_grpc_server.core.request import SpeculativeConfig
+from llama_grpc_server.core.strategies import DEFAULT_PREFILL_STALL
 from llama_grpc_server.core.tenants import TenantLimits
 
 
@@ -42,3 +43,6 @@ class SchedulerLimits:
     # takes embedding requests only, each input whole in one pass of up to n_batch tokens
     # (core.embedding.share_whole), and refuses generation (refuse_generation).
     encoder: str = ""
+    # While slots generate, a pass with prompt tokens lasts about this many decode-only passes
+    # at most (core.strategies.TickCosts.prefill_allowance).
+    prefill_stall: float = DEFAULT_PREFILL_STALL

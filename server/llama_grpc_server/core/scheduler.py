@@ -319,7 +319,9 @@ class Scheduler:
                 SlotView(r.slot_id, r.num_pending, r.is_decoding, r.last_served_tick)
                 for r in active
             ),
-            prefill_allowance=self.costs.prefill_allowance(self.limits.chunk_size),
+            prefill_allowance=self.costs.prefill_allowance(
+                self.limits.chunk_size, self.limits.prefill_stall
+            ),
         )
         allocation = self.strategy.allocate(view)
         chunks: list[Chunk] = []

@@ -43,7 +43,10 @@ Allocation = Mapping[int, int]  # slot_id -> tokens fed this tick
 
 MIN_COST_SAMPLE_TOKENS = 32  # prompt tokens in a tick for it to measure the per-token cost
 MIN_PREFILL_ALLOWANCE = 8  # prompts always progress, however slow a prompt token is
-ALLOWANCE_SHARE = 0.8  # keep below one extra decode tick: the p95 target is 2x
+ALLOWANCE_SHARE = 0.8  # keep below the bound: at 2 (the p95 target), below one extra decode tick
+DEFAULT_PREFILL_STALL = 2.0
+"""A pass carrying prompt tokens while slots generate takes at most about this many decode-only
+passes' time (--prefill-stall)."""
 
 
 @dataclass(slots=True)
@@ -65,11 +68,12 @@ class TickCosts:
                 self.prefill_token_ms, eval_ms / (num_prefill + num_decode)
             )
 
-    def prefill_allowance(self, chunk_size: int) -> int:
-        """Prompt tokens that add about one decode tick to a tick (0 = not measured yet)."""
+    def prefill_allowance(self, chunk_size: int, stall: float = DEFAULT_PREFILL_STALL) -> int:
+        """Prompt tokens that make a tick last about `stall` decode ticks (at the default 2,
+        they add about one decode tick); 0 = not measured yet."""
         if self.decode_tick_ms <= 0 or self.prefill_token_ms <= 0:
             return 0
-        n = int(ALLOWANCE_SHARE * self.decode_tick_ms / self.prefill_token_ms)
+        n = int(ALLOWANCE_SHARE * (stall - 1) * self.decode_tick_ms / self.prefill_token_ms)
         return max(MIN_PREFILL_ALLOWANCE, min(chunk_size, n))
 
 

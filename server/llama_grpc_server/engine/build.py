@@ -114,6 +114,7 @@ def build_engine(
             n_batch=model.n_batch,
             # an encoder's input goes whole in one pass (core.embedding.share_whole)
             chunk_size=model.n_batch if model.is_encoder else min(sched.chunk_size, model.n_batch),
+            prefill_stall=sched.prefill_stall,
             max_queue=sched.max_queue,
             supports_partial_removal=model.supports_partial_removal,
             ram_cache_bytes=ram_mb * 1024 * 1024,
