@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -540,16 +541,30 @@ def family_model(name: str) -> Path:
         from llama_grpc_server.models.files import default_model_path
 
         return Path(default_model_path())
+    return _cached(f"family-{name}", lambda tmp: write_family(family, tmp))
+
+
+def shape_model(name: str) -> Path:
+    """The Gemma 3 model of shape `name` (SHAPES: `tiny` for tests, whose forward pass costs
+    microseconds), written once per machine like family_model's."""
+    shape = SHAPES[name]
+    return _cached(f"gemma3-{name}", lambda tmp: write(shape, tmp))
+
+
+def _cached(stem: str, write_to: Callable[[Path], None]) -> Path:
+    """models_dir()/<stem>-<digest>.gguf, written by write_to(tmp) the first time, keyed by this
+    generator's source and the pinned llama.cpp's test data; the write is atomic (temp file +
+    rename), so parallel test sessions never read half a file."""
     import llama_sdist
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
     digest.update(llama_sdist.VERSION.encode())
-    path = models_dir() / f"family-{name}-{digest.hexdigest()[:16]}.gguf"
+    path = models_dir() / f"{stem}-{digest.hexdigest()[:16]}.gguf"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            write_family(family, tmp)
+            write_to(tmp)
             tmp.replace(path)
         finally:
             tmp.unlink(missing_ok=True)

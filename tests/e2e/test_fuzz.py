@@ -49,6 +49,8 @@ from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.server import start_server
 from tests.support.pb_strategies import messages, wire_string
 
+from ..conftest import TEST_THREADS
+
 SERVICE = pb.DESCRIPTOR.services_by_name["LlmService"]
 METHODS = list(SERVICE.methods)
 # Streams with no end of their own (one report per interval until the client leaves): read the
@@ -178,7 +180,7 @@ async def _generate(channel: grpc.aio.Channel, request: pb.GenerateRequest) -> p
 
 def _fuzz_settings() -> Settings:
     return Settings(
-        model=ModelSettings(n_ctx=N_CTX, n_batch=512),
+        model=ModelSettings(n_ctx=N_CTX, n_batch=512, n_threads=TEST_THREADS),
         scheduler=SchedulerSettings(
             n_parallel=N_PARALLEL,
             max_queue=64,
