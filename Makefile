@@ -26,7 +26,8 @@ install: $(STAMP)
 # llama-cpp-python has no wheel on PyPI: we build it once into a wheelhouse outside the checkout,
 # so fresh clones and CI on this machine install it in seconds. A fresh clone's `make run` to the
 # first token, build included (tools/first_token.sh, shared 2-core box): 668 s, 606 CPU seconds
-# (721 with libmtmd).
+# (721 with libmtmd), before the common library was left out (docs/install.md: the wheel's build
+# 387 -> 186 CPU seconds).
 # Built for x86-64-v3 (AVX2/FMA/F16C) rather than -march=native: on CPUs with AMX (Sapphire
 # Rapids) a native build of llama.cpp as bundled with 0.3.36 enables the AMX repack buffers and
 # segfaults in the first llama_decode of Gemma 3 (Q4_K_M). Where /proc/cpuinfo shows AVX-512
@@ -41,9 +42,11 @@ install: $(STAMP)
 # LLAMA_SLIM_ARGS: what the wheel holds, only what the server loads. -DLLAVA_BUILD=OFF leaves out
 # libmtmd (multimodal: clip, audio; llama_cpp loads it only for the LLaVA-style chat handlers,
 # which the server never uses). llama.cpp's tools, examples, tests and server are already off in
-# llama-cpp-python's build (llama.cpp is a subproject there); its common library is forced on by
-# llama-cpp-python's CMakeLists.txt and cannot be left out. Kept apart from LLAMA_CMAKE_ARGS,
-# which bench/setup_peers.sh reuses for llama.cpp's own llama-server.
+# llama-cpp-python's build (llama.cpp is a subproject there); its common library, which
+# llama-cpp-python's CMakeLists.txt forces on and its Python package never loads, is left out by
+# tools/llama_no_common.cmake (see there). Kept apart from LLAMA_CMAKE_ARGS, which
+# bench/setup_peers.sh reuses for llama.cpp's own llama-server. The wheelhouse's name hashes the
+# arguments with that file's content, not its path, so every checkout shares one build.
 LLAMA_CPP_VERSION := 0.3.36
 CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
 has_cpu = $(filter $(1),$(CPU_FLAGS))
@@ -53,8 +56,10 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	-DGGML_BMI2=ON$(if $(AVX512), -DGGML_AVX512=ON$(if $(call has_cpu,avx512_vnni), \
 	-DGGML_AVX512_VNNI=ON)$(if $(call has_cpu,avx512vbmi), -DGGML_AVX512_VBMI=ON)$(if \
 	$(call has_cpu,avx512_bf16), -DGGML_AVX512_BF16=ON))
-LLAMA_SLIM_ARGS := -DLLAVA_BUILD=OFF
-LLAMA_BUILD_TAG := $(shell echo '$(LLAMA_CMAKE_ARGS) $(LLAMA_SLIM_ARGS)' | md5sum | cut -c1-12)
+NO_COMMON := $(abspath tools/llama_no_common.cmake)
+LLAMA_SLIM_ARGS := -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(NO_COMMON)
+LLAMA_SLIM_ID := -DLLAVA_BUILD=OFF no-common:$(shell md5sum < $(NO_COMMON) | cut -c1-12)
+LLAMA_BUILD_TAG := $(shell echo '$(LLAMA_CMAKE_ARGS) $(LLAMA_SLIM_ID)' | md5sum | cut -c1-12)
 WHEELHOUSE ?= $(HOME)/.cache/llama-grpc/wheelhouse/$(LLAMA_BUILD_TAG)
 LLAMA_BUILD := $(VENV)/.llama-cmake-args
 # $(call build_llama_wheel,CMAKE ARGS,WHEELHOUSE): pip wheel -v, its output filtered to the
@@ -68,8 +73,8 @@ build_llama_wheel = ls $(2)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/nu
 
 # rewritten only when the arguments change, so the venv is reinstalled only then
 $(LLAMA_BUILD): FORCE
-	@mkdir -p $(VENV); echo '$(LLAMA_CMAKE_ARGS) $(LLAMA_SLIM_ARGS)' | cmp -s - $@ || \
-		echo '$(LLAMA_CMAKE_ARGS) $(LLAMA_SLIM_ARGS)' > $@
+	@mkdir -p $(VENV); echo '$(LLAMA_CMAKE_ARGS) $(LLAMA_SLIM_ID)' | cmp -s - $@ || \
+		echo '$(LLAMA_CMAKE_ARGS) $(LLAMA_SLIM_ID)' > $@
 
 $(STAMP): pyproject.toml $(LLAMA_BUILD)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -21,7 +21,13 @@ architecture (tensor names and hyperparameter keys of the pinned llama.cpp's
 its real chat template (both from llama.cpp's own test data, `bench/llama_sdist.py`).
 `family_model(name)` writes one once per machine under ~/.cache/llama-grpc/test-models/:
 
-    python bench/synth_gguf.py --family qwen3 --out /tmp/qwen3.gguf"""
+    python bench/synth_gguf.py --family qwen3 --out /tmp/qwen3.gguf
+
+An encoder (`bert_model(pooling)`, cached the same way): a tiny random-weight BERT (arch
+`bert`, non-causal, `bert.pooling_type`) with the real `ggml-vocab-bert-bge.gguf` vocabulary,
+an encoder-only embedding model for the tests:
+
+    python bench/synth_gguf.py --bert cls --out /tmp/bert.gguf"""
 
 from __future__ import annotations
 
@@ -124,14 +130,7 @@ def write(shape: Shape, path: Path, seed: int = 0) -> None:
 
     writer = gguf.GGUFWriter(str(path), ARCH)
     writer.add_name(f"synthetic gemma3 {shape.n_params / 1e6:.0f}M (random weights)")
-    writer.add_context_length(shape.n_ctx_train)
-    writer.add_embedding_length(shape.n_embd)
-    writer.add_block_count(shape.n_layer)
-    writer.add_feed_forward_length(shape.n_ff)
-    writer.add_head_count(shape.n_head)
-    writer.add_head_count_kv(shape.n_head_kv)
-    writer.add_key_length(shape.head_dim)
-    writer.add_value_length(shape.head_dim)
+    _shape_keys(writer, shape)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1e6)
     writer.add_sliding_window(shape.sliding_window)
@@ -328,8 +327,8 @@ def family_tensors(arch: str, shape: Shape) -> list[Tensor]:
     return out
 
 
-def _hyperparameters(writer: Any, arch: str, s: Shape) -> None:
-    """The keys llama.cpp's load_hparams and the architecture's load_arch_hparams read."""
+def _shape_keys(writer: Any, s: Shape) -> None:
+    """The shape's keys, which every architecture's load_hparams reads."""
     writer.add_context_length(s.n_ctx_train)
     writer.add_embedding_length(s.n_embd)
     writer.add_block_count(s.n_layer)
@@ -338,6 +337,11 @@ def _hyperparameters(writer: Any, arch: str, s: Shape) -> None:
     writer.add_head_count_kv(s.n_head_kv)
     writer.add_key_length(s.head_dim)
     writer.add_value_length(s.head_dim)
+
+
+def _hyperparameters(writer: Any, arch: str, s: Shape) -> None:
+    """The keys llama.cpp's load_hparams and the architecture's load_arch_hparams read."""
+    _shape_keys(writer, s)
     writer.add_rope_dimension_count(s.head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1e6)
@@ -456,11 +460,12 @@ def write_family(family: Family, path: Path, seed: int = 0) -> None:
 
 
 def _write_tensors(writer: Any, tensors: list[Tensor], seed: int) -> None:
-    """f16 matrices of random values, f32 vectors of constants (and the f32 convolution that
-    ggml_ssm_conv requires)."""
+    """f16 matrices of random values, f32 vectors of constants (and the f32 tensors ggml needs:
+    the convolution of ggml_ssm_conv, BERT's token types that ggml_add adds as they are)."""
 
     def dtype(name: str, dims: tuple[int, ...]) -> type:
-        return np.float32 if len(dims) == 1 or "ssm_conv1d" in name else np.float16
+        f32 = len(dims) == 1 or "ssm_conv1d" in name or name == "token_types.weight"
+        return np.float32 if f32 else np.float16
 
     for name, dims, _ in tensors:
         n_bytes = int(np.prod(dims)) * np.dtype(dtype(name, dims)).itemsize
@@ -552,9 +557,8 @@ def shape_model(name: str) -> Path:
 
 
 def _cached(stem: str, write_to: Callable[[Path], None]) -> Path:
-    """models_dir()/<stem>-<digest>.gguf, written by write_to(tmp) the first time, keyed by this
-    generator's source and the pinned llama.cpp's test data; the write is atomic (temp file +
-    rename), so parallel test sessions never read half a file."""
+    """models_dir()/<stem>-<key>.gguf, written by `write_to` (into a temp file, then renamed)
+    unless there; the key is this generator's source and the pinned llama.cpp's version."""
     import llama_sdist
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
@@ -571,6 +575,63 @@ def _cached(stem: str, write_to: Callable[[Path], None]) -> Path:
     return path
 
 
+# -- an encoder: a random-weight BERT for embeddings ---------------------------------------------
+
+# bge-small's layout (llama.cpp's src/models/bert.cpp: learned positions, post-norm layers, GELU
+# FFN, biases everywhere), 64 wide, 2 layers of 2 heads, FFN 128, 512 positions; the
+# `ggml-vocab-bert-bge.gguf` vocabulary (WordPiece, 30,522 tokens; 4 MiB of f16 embeddings).
+BERT_SHAPE = Shape(64, 2, 2, 2, 32, 128, 0, n_ctx_train=512)
+# llama.cpp's enum llama_pooling_type: bge-* pool the [CLS] token's output
+BERT_POOLING = {"mean": 1, "cls": 2, "last": 3}
+
+
+def bert_tensors(s: Shape) -> list[Tensor]:
+    """llama_model_bert::load_arch_tensors's tensors: norms' weights 1, biases 0."""
+    e = s.n_embd
+
+    def norm(name: str) -> list[Tensor]:
+        return [(name + ".weight", (e,), 1.0), (name + ".bias", (e,), 0.0)]
+
+    out: list[Tensor] = [("token_embd.weight", (s.n_vocab, e), None),
+                         ("token_types.weight", (2, e), None),
+                         ("position_embd.weight", (s.n_ctx_train, e), None),
+                         *norm("token_embd_norm")]  # fmt: skip
+    for i in range(s.n_layer):
+        b = f"blk.{i}."
+        for proj in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            out += [(b + proj + ".weight", (e, e), None), (b + proj + ".bias", (e,), 0.0)]
+        out += norm(b + "attn_output_norm")
+        out += [(b + "ffn_up.weight", (s.n_ff, e), None),
+                (b + "ffn_up.bias", (s.n_ff,), 0.0),
+                (b + "ffn_down.weight", (e, s.n_ff), None),
+                (b + "ffn_down.bias", (e,), 0.0)]  # fmt: skip
+        out += norm(b + "layer_output_norm")
+    return out
+
+
+def write_bert(path: Path, pooling: str = "cls", seed: int = 0) -> None:
+    """A tiny random-weight BERT (arch `bert`, non-causal, `bert.pooling_type` = `pooling`) with
+    the real bert-bge vocabulary: an encoder-only embedding model."""
+    import gguf
+    import llama_sdist
+
+    writer = _gguf_writer(path, "bert")
+    writer.add_name("synthetic bert-bge (random weights)")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    n_vocab = _copy_tokenizer(writer, llama_sdist.vocab_path("bert-bge"))
+    s = dataclasses.replace(BERT_SHAPE, n_vocab=n_vocab)
+    _shape_keys(writer, s)
+    writer.add_layer_norm_eps(1e-12)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(gguf.PoolingType(BERT_POOLING[pooling]))
+    _write_tensors(writer, bert_tensors(s), seed)
+
+
+def bert_model(pooling: str = "cls") -> Path:
+    """The BERT model file (write_bert), written once per machine as family_model does."""
+    return _cached(f"bert-{pooling}", lambda tmp: write_bert(tmp, pooling))
+
+
 def quantize(binary: str, src: Path, dst: Path, kind: str = "Q4_K_M") -> None:
     subprocess.run([binary, str(src), str(dst), kind], check=True, stdout=subprocess.DEVNULL)
 
@@ -579,6 +640,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="270m")
     parser.add_argument("--family", choices=sorted(FAMILIES), help="a family's model instead")
+    parser.add_argument(
+        "--bert", choices=sorted(BERT_POOLING), help="a BERT encoder with this pooling instead"
+    )
     parser.add_argument("--out", help="the f16 GGUF to write")
     parser.add_argument(
         "--list-families",
@@ -605,6 +669,10 @@ def main() -> int:
         parser.error("--out is required")
     shape, out = SHAPES[args.shape], Path(args.out)
     t0 = time.perf_counter()
+    if args.bert:
+        write_bert(out, args.bert, args.seed)
+        print(f"{out}: bert ({args.bert} pooling), {out.stat().st_size / 2**20:.0f} MiB")
+        return 0
     if args.family:
         write_family(FAMILIES[args.family], out, args.seed)
         print(f"{out}: {args.family}, {out.stat().st_size / 2**20:.0f} MiB, "

@@ -35,6 +35,7 @@ from llama_grpc_server.models.pool import ModelSpec, model_specs, settings_for
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
 from tests.support.fault_support import collect, reference, server_process, start
+from tests.support.pool_server import pool_server
 
 from ..conftest import free_port, scrape, value
 from .conftest import settings
@@ -56,14 +57,7 @@ def pool_settings(second: Path, max_loaded_models: int) -> Settings:
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
 async def two_models(second_model_path: Path) -> AsyncIterator[RunningServer]:
     """Both models may be resident at once (the spare one would need a third place)."""
-    conf = pool_settings(second_model_path, max_loaded_models=2)
-
-    def build(spec: ModelSpec) -> EngineLoop:
-        return build_engine(settings_for(conf, spec))
-
-    default = model_specs(conf)[0]
-    async with start_server(conf, lambda: build(default), model_factory=build) as running:
-        assert await running.wait_loaded()
+    async with pool_server(pool_settings(second_model_path, max_loaded_models=2)) as running:
         yield running
 
 

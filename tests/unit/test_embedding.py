@@ -1,6 +1,7 @@
 """core.embedding (pooling, dimensions, normalisation, a pass's share) and embedding requests in
 the scheduler over the fake runner: their own passes, alternating with generation, chunked,
-preempted, their KV cleared after (no model)."""
+preempted, their KV cleared after; an encoder-only model's whole inputs and refused generation
+(no model)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,19 @@ from llama_grpc_server import errors
 from llama_grpc_server.core import embedding
 from llama_grpc_server.core.embedding import EmbeddingParams, Pooling, Vectors
 from llama_grpc_server.core.kv_events import Tier
-from llama_grpc_server.core.plan import Chunk
+from llama_grpc_server.core.plan import Chunk, SeqOp, SeqOpKind, StepResult
 from llama_grpc_server.core.request import (
+    Event,
+    Failed,
     Finished,
     FinishReason,
     GenerationRequest,
     Request,
 )
+from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.engine.embedding import Embedder, pool
 from llama_grpc_server.testing import FakeRunner
-from tests.support.scheduler import drive, finals, make, outputs, req
+from tests.support.scheduler import PIECES, alone, drive, finals, make, outputs, req
 
 ROWS = np.array([[3.0, 0.0, 0.0, 4.0], [1.0, 2.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float32)
 
@@ -232,3 +236,77 @@ def test_embedding_kv_is_never_announced_as_a_prefix() -> None:
         )
         assert embedding_slot not in held
     assert s.kv.events.log.num_logged_blocks > 0  # g's prompt blocks were announced
+
+
+def test_share_whole() -> None:
+    """An encoder's pass: inputs whole, in order, each that fits; the first always goes."""
+    assert embedding.share_whole([(2, 5), (0, 40), (1, 9)], 64) == {2: 5, 0: 40, 1: 9}
+    assert embedding.share_whole([(2, 5), (0, 60), (1, 9)], 64) == {2: 5, 1: 9}
+    assert embedding.share_whole([(0, 64), (1, 1)], 64) == {0: 64}
+
+
+def encoder(n_ctx: int = 64) -> Scheduler:
+    """A scheduler of an encoder-only model as engine/build.py makes it: the batch and the
+    chunk are the context."""
+    limits = SchedulerLimits(3, n_ctx, n_ctx, n_ctx, 8, encoder="bert")
+    return Scheduler(limits, pieces=PIECES, eog_ids=frozenset())
+
+
+def test_encoder_feeds_each_input_whole_in_one_pass() -> None:
+    """Inputs of 40, 30 and 20 tokens on a 64-token encoder: never split, never more than the
+    pass holds (40 | 20 then 30), each vector that of all its rows."""
+    s, runner = encoder(), FakeRunner()
+    inputs = {"a": tuple(range(5, 45)), "b": tuple(range(7, 37)), "c": tuple(range(3, 23))}
+    for rid, tokens in inputs.items():
+        s.add(embed_req(rid, tokens))
+    events = drive(s, runner)
+    passes = [[(c.request_id, c.start_pos, len(c.tokens)) for c in p.chunks] for p in runner.plans]
+    assert [p for p in passes if p] == [[("a", 0, 40), ("c", 0, 20)], [("b", 0, 30)]]
+    for rid, tokens in inputs.items():
+        got = finals(events)[rid]
+        assert isinstance(got, Finished)
+        np.testing.assert_allclose(array_of(got.embedding), expected(tokens, EmbeddingParams()))
+
+
+def test_encoder_refuses_generation() -> None:
+    """A generation request on an encoder is refused at add (FAILED_PRECONDITION, field
+    model, saying why); an embedding request is taken."""
+    s = encoder()
+    with pytest.raises(errors.FailedPrecondition, match=r"encoder-only embedding model \(bert\)"):
+        s.add(req("g", 5, 4))
+    assert s.counters.rejected == 1
+    s.add(embed_req("e", (1, 2, 3)))
+    error = embedding.refuse_generation("bge", "bert")
+    assert error.field == "model"
+    assert error.metadata == {"model": "bge", "architecture": "bert"}
+    assert str(error).startswith("model 'bge' is an encoder-only embedding model (bert)")
+
+
+def test_failed_embedding_pass_fails_only_its_embedding_requests() -> None:
+    """An embedding pass whose llama_decode fails (status -3, nothing computed) fails its
+    embedding request with EngineError; the decode row that rode in it is fed again (its KV
+    from there dropped first) and the stream's tokens are those it gets alone."""
+    s, runner = make(n_parallel=2, chunk=16), FakeRunner()
+    g = req("g", 20, 12)
+    s.add(g)
+    events: list[tuple[Request, Event]] = []
+    while g.num_output < 2:
+        plan, emitted = s.schedule()
+        assert plan is not None
+        events += emitted + s.update(plan, runner.execute(plan))
+    s.add(embed_req("e", tuple(range(10, 18))))
+    plan, emitted = s.schedule()
+    assert plan is not None and plan.is_embedding
+    assert {c.request_id for c in plan.chunks} == {"g", "e"}
+    computed = g.num_computed
+    failed = s.update(plan, StepResult(status=-3))
+    assert [(r.request_id, type(e)) for r, e in failed] == [("e", Failed)]
+    error = failed[0][1].error  # type: ignore[union-attr]
+    assert isinstance(error, errors.EngineError)
+    assert str(error) == "llama_decode failed with status -3"
+    assert g.num_computed == computed
+    events += emitted + failed + drive(s, runner)
+    assert outputs(events)["g"] == alone(20, 12, "g")
+    assert isinstance(finals(events)["g"], Finished)
+    next_plan = next(p for p in runner.plans if p.tick > plan.tick)
+    assert SeqOp(SeqOpKind.REMOVE, g.slot_id, computed, -1) in next_plan.seq_ops

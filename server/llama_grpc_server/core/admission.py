@@ -13,7 +13,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 
 from llama_grpc_server import errors
-from llama_grpc_server.core import context_fit, prefix_cache
+from llama_grpc_server.core import context_fit, embedding, prefix_cache
 from llama_grpc_server.core.kv_manager import KvCacheManager, Loaded
 from llama_grpc_server.core.limits import SchedulerLimits
 from llama_grpc_server.core.request import GenerationRequest, Request, RequestState
@@ -39,6 +39,7 @@ class Admission:
         self.fair_share = FairShare(limits.tenants, len(slots), clock_ns)
         self.session_live_ns = int(limits.session_live_s * 1e9)
         self._n_ctx = limits.n_ctx
+        self._encoder = limits.encoder
         self._max_queue = limits.max_queue
         self._slots = slots
         self._kv = kv
@@ -60,10 +61,13 @@ class Admission:
     # -- intake -----------------------------------------------------------------------------------
 
     def check_fits(self, spec: GenerationRequest) -> None:
-        """Reject at once what can never fit the context (the numbers are in the message)."""
+        """Reject at once what can never fit the context (the numbers are in the message), and
+        generation on an encoder-only model."""
         if spec.is_embedding:
             context_fit.check_embedding_fits(len(spec.prompt_tokens), self._n_ctx)
             return
+        if self._encoder:
+            raise embedding.refuse_generation(architecture=self._encoder)
         context_fit.check_fits(len(spec.prompt_tokens), spec.stopping.max_tokens, self._n_ctx)
 
     def add(self, request: Request) -> None:

@@ -37,6 +37,9 @@ class ModelInfo:
     chat_template_origin: str = ""  # why that one (core.chat.template_origin), for the log
     n_embd: int = 0  # the dimension of its embeddings
     pooling: str = ""  # the GGUF's pooling_type ("mean", "cls", "last", "none", "rank"; "": none)
+    architecture: str = ""  # general.architecture
+    # An encoder-only model (BERT): it embeds and cannot generate (core.embedding.refuse_generation)
+    is_encoder: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,8 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from llama_grpc_server import errors
+
 # Tokens one embedding pass feeds at most. llama.cpp computes the logits of every token of an
 # embedding pass whatever the pooling (llama_context::decode: `output_all = cparams.embeddings`,
 # and the graph ends in the output matrix), and keeps an n_vocab-float row per output: for
@@ -67,6 +69,33 @@ def can_embed(model_pooling: str) -> bool:
     """Whether the model's outputs are embeddings at all: a reranker's (pooling "rank") are
     relevance scores from a classifier head that per-token pooling cannot reproduce."""
     return model_pooling != "rank"
+
+
+def refuse_generation(model: str = "", architecture: str = "") -> errors.FailedPrecondition:
+    """The error of a generation request to an encoder-only model (BERT: llama.cpp runs it
+    with llama_encode, no KV cache, no output head to sample from)."""
+    name = f"model {model!r}" if model else "the model"
+    arch = f" ({architecture})" if architecture else ""
+    return errors.FailedPrecondition(
+        f"{name} is an encoder-only embedding model{arch}: it cannot generate text; call Embed",
+        field="model",
+        metadata={"model": model, "architecture": architecture},
+    )
+
+
+def share_whole(pending: Sequence[tuple[int, int]], budget: int) -> dict[int, int]:
+    """One pass of an encoder-only model: inputs whole (a non-causal pass sees the whole
+    sequence, so an input cannot be split over passes), in the order served, each that fits
+    what is left of the budget (the ubatch: llama_encode runs one). The first always goes
+    (admission bounds an input by the context, and the ubatch is the context), so one left out
+    is first in the next pass."""
+    out: dict[int, int] = {}
+    for slot_id, num_pending in pending:
+        if out and num_pending > budget:
+            continue
+        out[slot_id] = num_pending
+        budget -= num_pending
+    return out
 
 
 @dataclass(frozen=True, slots=True)

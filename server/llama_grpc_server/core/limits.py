@@ -38,3 +38,7 @@ class SchedulerLimits:
     # meanwhile is ended with StalledReader (0 = never).
     stream_buffer_tokens: int = 0
     stalled_reader_s: float = 0.0
+    # An encoder-only model (its architecture, e.g. "bert"; "" for a generation model): it
+    # takes embedding requests only, each input whole in one pass of up to n_batch tokens
+    # (core.embedding.share_whole), and refuses generation (refuse_generation).
+    encoder: str = ""

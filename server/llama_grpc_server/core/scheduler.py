@@ -279,9 +279,13 @@ class Scheduler:
         their streams half a decode tick); no logits asked: the runner reads every token's
         output."""
         requests.sort(key=lambda r: r.last_served_tick)
-        budget = self.embedding_costs.budget(self.costs.decode_tick_ms, is_generating=is_generating)
         pending = [(r.slot_id, r.num_pending) for r in requests]
-        allocation = embedding.share_pass(pending, budget, self.limits.chunk_size)
+        if self.limits.encoder:
+            allocation = embedding.share_whole(pending, self.limits.n_batch)
+        else:
+            costs, decode_ms = self.embedding_costs, self.costs.decode_tick_ms
+            budget = costs.budget(decode_ms, is_generating=is_generating)
+            allocation = embedding.share_pass(pending, budget, self.limits.chunk_size)
         chunks: list[Chunk] = []
         for request in requests:
             n = allocation.get(request.slot_id, 0)
@@ -344,6 +348,8 @@ class Scheduler:
         self.kv.apply(result)
         if result.status == DECODE_KV_FULL:
             return self._relieve_kv_pressure(plan)
+        if result.status != DECODE_OK and plan.is_embedding:
+            return self._fail_embedding_pass(plan, result.status)
         if result.status != DECODE_OK:
             return self._fail_batch(plan, result.status)
         chunks = [c for c in plan.chunks if c.slot_id not in result.reset]
@@ -472,8 +478,24 @@ class Scheduler:
         for chunk in plan.chunks:
             request = self.slots[chunk.slot_id].request
             if request is not None:
-                error = errors.EngineError(f"llama_decode failed with status {status}")
-                out += self.endings.end_failed(request, error)
+                out += self.endings.end_failed(request, _decode_failed(status))
+        return out
+
+    def _fail_embedding_pass(self, plan: StepPlan, status: int) -> Emitted:
+        """A failed embedding pass fails its embedding requests only. The decode rows that rode
+        in it are fed again in a later pass: nothing was sampled for them, their requests are
+        where they were, and their KV from that position on is dropped (llama.cpp removes a
+        failed ubatch's positions itself; this covers a pass split into ubatches of which an
+        earlier one was computed)."""
+        out: Emitted = []
+        for chunk in plan.chunks:
+            request = self.slots[chunk.slot_id].request
+            if request is None or request.key != chunk.request_id:
+                continue
+            if chunk.embedding is not None:
+                out += self.endings.end_failed(request, _decode_failed(status))
+            else:
+                self.kv.discard_tail(self.slots[chunk.slot_id], request.num_computed)
         return out
 
     def _relieve_kv_pressure(self, plan: StepPlan) -> Emitted:
@@ -538,3 +560,7 @@ class Scheduler:
             (self.clock_ns() - self._started_ns) / 1e9,
             self.kv.disk.stats() if self.kv.disk is not None else None,
         )
+
+
+def _decode_failed(status: int) -> errors.EngineError:
+    return errors.EngineError(f"llama_decode failed with status {status}")

@@ -112,7 +112,8 @@ def build_engine(
             n_parallel=sched.n_parallel,
             n_ctx=model.n_ctx,
             n_batch=model.n_batch,
-            chunk_size=min(sched.chunk_size, model.n_batch),
+            # an encoder's input goes whole in one pass (core.embedding.share_whole)
+            chunk_size=model.n_batch if model.is_encoder else min(sched.chunk_size, model.n_batch),
             max_queue=sched.max_queue,
             supports_partial_removal=model.supports_partial_removal,
             ram_cache_bytes=ram_mb * 1024 * 1024,
@@ -123,6 +124,7 @@ def build_engine(
             kv_events_bos=info.bos_token_id if info.add_bos else None,
             stream_buffer_tokens=sched.stream_buffer_tokens,
             stalled_reader_s=sched.stalled_reader_s,
+            encoder=(model.architecture or "encoder") if model.is_encoder else "",
             speculative=SpeculativeConfig(
                 SpeculativeMode(sched.speculative),
                 sched.draft_max,
@@ -167,7 +169,9 @@ def build_engine(
             warm_up(
                 model,
                 runner,
-                scheduler.spec.costs if sched.speculative != "off" else None,
+                scheduler.spec.costs
+                if sched.speculative != "off" and not model.is_encoder
+                else None,
                 min(sched.draft_max + 2, model.n_batch),
             )
         ),

@@ -62,8 +62,18 @@ class LlamaModel:
         self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {model_path}")
+        self.is_encoder = False
         cparams = self._context_params(n_seq_max)
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        if self.ctx and not llama_cpp.llama_get_memory(self.ctx):
+            # An encoder-only model (BERT and its kin): a context without memory, where
+            # llama_decode runs llama_encode, non-causal over the whole batch in one ubatch (it
+            # asserts n_ubatch >= n_tokens), positions bounded by the trained context (BERT's
+            # are learned). Recreated so that any input the context admits fits one pass.
+            llama_cpp.llama_free(self.ctx)
+            self.is_encoder = True
+            cparams = self._context_params(n_seq_max)
+            self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             raise ModelLoadError(f"could not create a context (n_ctx={settings.n_ctx})")
@@ -100,6 +110,10 @@ class LlamaModel:
         params.n_ctx = s.n_ctx
         params.n_batch = min(s.n_batch, s.n_ctx)
         params.n_ubatch = min(s.n_ubatch, params.n_batch)
+        if self.is_encoder:  # _load: one pass holds a whole input, up to the trained context
+            n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self.model))
+            params.n_ctx = min(s.n_ctx, n_ctx_train) if n_ctx_train > 0 else s.n_ctx
+            params.n_batch = params.n_ubatch = params.n_ctx
         params.n_seq_max = n_seq_max
         params.kv_unified = True  # slots share all cells; seq_cp only tags cells
         params.swa_full = True  # partial prefix reuse stays correct on sliding-window models
@@ -206,6 +220,8 @@ class LlamaModel:
             add_bos=bool(llama_cpp.llama_vocab_get_add_bos(self.vocab)),
             n_embd=self.n_embd,
             pooling=self.pooling,
+            architecture=self.architecture,
+            is_encoder=self.is_encoder,
             chat_template=template_in_use(
                 self.settings.chat_template, bool(self.gguf_chat_template), self.architecture
             ),

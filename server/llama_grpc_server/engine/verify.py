@@ -1,6 +1,8 @@
 """`llama-grpc models verify`: prove a GGUF file works with this engine, not just that it parses.
 Loads it the way serve does (LlamaModel + Runner, one slot, a small context), prefills a short
-prompt and greedily decodes a few tokens through the same StepPlan path as real requests."""
+prompt and greedily decodes a few tokens through the same StepPlan path as real requests; an
+encoder-only model (BERT), which cannot generate, embeds the prompt in one embedding pass
+instead."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from llama_grpc_server.config import GpuLayers, ModelSettings
+from llama_grpc_server.core import embedding
 from llama_grpc_server.core.plan import DECODE_OK, Chunk, SamplerSpec, StepPlan
 from llama_grpc_server.core.request import SamplingParams
 from llama_grpc_server.engine import logs
@@ -33,6 +36,7 @@ class VerifyResult:
     load_ms: float
     prompt_ms: float  # prefill, including the first token's sampling
     decode_ms: float  # the remaining tokens, one forward pass each
+    embedding_dim: int = 0  # an encoder's: its vector's dimension (no tokens generated)
 
     @property
     def tokens_per_s(self) -> float:
@@ -60,6 +64,8 @@ def verify_model(
         tokens = model.tokenize(prompt, add_special=True, parse_special=False)
         if not tokens or len(tokens) + n_tokens > model.n_ctx:
             raise VerifyError(f"prompt of {len(tokens)} tokens does not fit n_ctx={model.n_ctx}")
+        if model.is_encoder:
+            return _verify_encoder(model, runner, prompt, tokens, load_ms)
         sampler = SamplerSpec(_REQUEST, SamplingParams(temperature=0.0), seed=0)
         out: list[int] = []
         times: list[float] = []
@@ -93,3 +99,32 @@ def verify_model(
     finally:
         runner.close()
         model.close()
+
+
+def _verify_encoder(
+    model: LlamaModel, runner: Runner, prompt: str, tokens: list[int], load_ms: float
+) -> VerifyResult:
+    """The prompt in one embedding pass, pooled as the model's own pooling says: one vector of
+    the model's dimension."""
+    params = embedding.EmbeddingParams(embedding.default_pooling(model.pooling))
+    chunk = Chunk(0, _REQUEST, 0, tuple(tokens), False, embedding=params, num_input=len(tokens))
+    t = time.perf_counter()
+    result = runner.execute(StepPlan(tick=0, chunks=(chunk,), is_embedding=True))
+    elapsed_ms = (time.perf_counter() - t) * 1000
+    if result.status != DECODE_OK:
+        raise VerifyError(f"llama_decode returned {result.status} embedding the prompt")
+    vectors = result.embeddings.get(0)
+    if vectors is None or vectors.num_vectors != 1 or vectors.dimensions != model.n_embd:
+        raise VerifyError(f"no {model.n_embd}-dimensional vector from the embedding pass")
+    return VerifyResult(
+        prompt=prompt,
+        prompt_tokens=len(tokens),
+        token_ids=(),
+        text="",
+        n_params=model.info("").n_params,
+        n_gpu_layers=model.n_gpu_layers,
+        load_ms=load_ms,
+        prompt_ms=elapsed_ms,
+        decode_ms=0.0,
+        embedding_dim=vectors.dimensions,
+    )

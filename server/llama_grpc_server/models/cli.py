@@ -175,6 +175,12 @@ def run_verify(args: argparse.Namespace) -> int:
         f"{result.n_params} parameters)"
     )
     print(f"prompt:  {result.prompt!r}: {result.prompt_tokens} tokens in {result.prompt_ms:.1f} ms")
+    if result.embedding_dim:
+        print(
+            f"embed:   one {result.embedding_dim}-dimensional vector (encoder-only: no generation)"
+        )
+        print("ok")
+        return 0
     print(f"tokens:  {list(result.token_ids)}")
     print(f"text:    {result.text!r}")
     rest = len(result.token_ids) - 1

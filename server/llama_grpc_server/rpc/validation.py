@@ -19,7 +19,7 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
 from llama_grpc_server.auth import scoped_cache_scope
 from llama_grpc_server.config import SchedulerSettings
-from llama_grpc_server.core import context_fit
+from llama_grpc_server.core import context_fit, embedding
 from llama_grpc_server.core.api import GrammarCompiler, ModelInfo
 from llama_grpc_server.core.chat import BUILTIN_TEMPLATES, GGUF_TEMPLATE, ROLES, ChatMessage
 from llama_grpc_server.core.request import (
@@ -200,6 +200,12 @@ def check_model(model: str, info: ModelInfo) -> None:
         )
 
 
+def check_generates(info: ModelInfo) -> None:
+    """Generation on an encoder-only model (BERT) is refused: FAILED_PRECONDITION naming it."""
+    if info.is_encoder:
+        raise embedding.refuse_generation(info.model_name, info.architecture)
+
+
 def check_token_ids(token_ids: Iterable[int], n_vocab: int, field: str = "token_ids") -> None:
     """Every id must be inside the vocabulary; the error names the first bad index."""
     for index, token_id in enumerate(token_ids):
@@ -244,6 +250,7 @@ def parse_text_request(
     """Check a Generate/StreamGenerate request before its prompt is tokenized. `grammars`
     (the engine) compiles a constraint once, here, so a bad one never reaches a slot."""
     check_model(message.model, info)
+    check_generates(info)
     if message.messages:
         if message.prompt:
             raise _invalid("prompt", Message.PROMPT_AND_MESSAGES)
@@ -267,6 +274,7 @@ def parse_tokens_request(
 ) -> Draft:
     """Check a GenerateTokens request; its prompt tokens travel in the draft."""
     check_model(message.model, info)
+    check_generates(info)
     if not message.token_ids:
         raise _invalid("token_ids", Message.EMPTY_TOKEN_IDS)
     check_token_ids(message.token_ids, info.n_vocab)

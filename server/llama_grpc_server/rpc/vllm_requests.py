@@ -104,6 +104,7 @@ def parse_generate(
     """Check every field of a Generate request (a bad constraint is compiled, and refused,
     here)."""
     check_request_id(message.request_id)
+    validation.check_generates(info)
     for name, why in _UNSUPPORTED_REQUEST_FIELDS.items():
         if message.HasField(name):
             raise _invalid(name, why)
