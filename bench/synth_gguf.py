@@ -549,6 +549,13 @@ def family_model(name: str) -> Path:
     return _cached(f"family-{name}", lambda tmp: write_family(family, tmp))
 
 
+def shape_model(name: str) -> Path:
+    """The Gemma 3 model of shape `name` (SHAPES: `tiny` for tests, whose forward pass costs
+    microseconds), written once per machine like family_model's."""
+    shape = SHAPES[name]
+    return _cached(f"gemma3-{name}", lambda tmp: write(shape, tmp))
+
+
 def _cached(stem: str, write_to: Callable[[Path], None]) -> Path:
     """models_dir()/<stem>-<key>.gguf, written by `write_to` (into a temp file, then renamed)
     unless there; the key is this generator's source and the pinned llama.cpp's version."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,6 +65,41 @@ def second_model_file() -> Path:
 @pytest.fixture(scope="session")
 def second_model_path() -> Path:
     return second_model_file()
+
+
+# -- llama.cpp threads ----------------------------------------------------------------------------
+
+# The tests' in-process engines run llama.cpp on one thread unless a test is about the thread
+# count: the test process's own event loop and gRPC threads (and, on a shared machine, everything
+# else) compete with llama.cpp's helpers, whose spin barriers then stall every forward pass (the
+# embedded model's 64-token greedy decode on the loaded 2-core dev box: 7-10 s on one thread,
+# 77-92 s on two).
+TEST_THREADS = 1
+
+
+# -- a tiny synthetic model -----------------------------------------------------------------------
+
+
+def tiny_model_file() -> Path:
+    """bench/synth_gguf.py's `tiny` Gemma 3 (64 wide, 2 layers, a 1,024-token synthetic vocabulary,
+    random weights): a forward pass costs microseconds where the embedded model's costs tens of
+    milliseconds. For the tests of statuses, token flow, cancellation, limits, streams and metrics,
+    which do not read the words (its output is noise: they ask for ignore_eos and count tokens).
+    Written once per machine under ~/.cache/llama-grpc/test-models/."""
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import synth_gguf  # bench/ is not a package
+
+    return synth_gguf.shape_model("tiny")
+
+
+TINY_N_VOCAB = 1024  # synth_gguf.SHAPES["tiny"].n_vocab (a test checks they agree)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    return tiny_model_file()
 
 
 def free_port() -> int:

@@ -3,6 +3,7 @@ end-to-end tests, and AsyncClients talking to it over a real channel."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 from collections.abc import AsyncIterator
@@ -20,28 +21,57 @@ from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
 
+from ..conftest import TEST_THREADS
+
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def settings(**scheduler: object) -> Settings:
+def settings(model_path: str = "", n_threads: int = TEST_THREADS, **scheduler: object) -> Settings:
+    """A server's settings: the embedded model (or model_path), greedy by default, llama.cpp on
+    TEST_THREADS threads."""
     return Settings(
-        model=ModelSettings(n_ctx=int(scheduler.pop("n_ctx", 4096)), n_batch=512),  # type: ignore[call-overload]
+        model=ModelSettings(
+            model_path=model_path,
+            n_ctx=int(scheduler.pop("n_ctx", 4096)),  # type: ignore[call-overload]
+            n_batch=512,
+            n_threads=n_threads,
+        ),
         scheduler=replace(SchedulerSettings(default_sampling=GREEDY), **scheduler),  # type: ignore[arg-type]
         server=ServerSettings(port=0, grace_s=1.0),
     )
 
 
-@pytest_asyncio.fixture(loop_scope="session", scope="session")
-async def server() -> AsyncIterator[RunningServer]:
-    conf = settings(n_parallel=4, max_queue=64)
+@contextlib.asynccontextmanager
+async def loaded_server(conf: Settings) -> AsyncIterator[RunningServer]:
+    """start_server with the settings' engine, once its model has loaded."""
     async with start_server(conf, lambda: build_engine(conf)) as running:
         assert await running.wait_loaded()
+        yield running
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="session")
+async def server() -> AsyncIterator[RunningServer]:
+    async with loaded_server(settings(n_parallel=4, max_queue=64)) as running:
         yield running
 
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def client(server: RunningServer) -> AsyncIterator[AsyncClient]:
     async with AsyncClient(f"127.0.0.1:{server.port}", timeout=120) as c:
+        yield c
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="session")
+async def tiny_server(tiny_model_path: Path) -> AsyncIterator[RunningServer]:
+    """The same server on the tiny synthetic model (tests/conftest.py's tiny_model_file): for the
+    tests that do not read the words."""
+    async with loaded_server(settings(str(tiny_model_path), n_parallel=4, max_queue=64)) as running:
+        yield running
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def tiny_client(tiny_server: RunningServer) -> AsyncIterator[AsyncClient]:
+    async with AsyncClient(f"127.0.0.1:{tiny_server.port}", timeout=120) as c:
         yield c
 
 

@@ -160,10 +160,12 @@ async def test_generate_tokens_honours_a_grammar(client: AsyncClient) -> None:
 # -- context overflow -----------------------------------------------------------------------------
 
 
-async def test_truncate_left_keeps_the_tail_and_reports_it(client: AsyncClient) -> None:
+async def test_truncate_left_keeps_the_tail_and_reports_it(tiny_client: AsyncClient) -> None:
     """A prompt longer than the context: reject by default; truncate_left keeps BOS + n_keep and
     the newest tokens and says so. The kept tokens are exactly those: sent again as a prompt,
-    all but the last come from the prefix cache the truncated request left behind."""
+    all but the last come from the prefix cache the truncated request left behind. (On the tiny
+    model: two 4k-token prefills.)"""
+    client = tiny_client
     n_ctx = (await client.model_info()).n_ctx
     text = "Count: " + " ".join(str(i) for i in range(n_ctx))
     ids = await client.tokenize(text, add_special=True)

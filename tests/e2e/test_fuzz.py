@@ -1,4 +1,5 @@
-"""Protocol fuzzing through a real server with the embedded model: generated requests for every
+"""Protocol fuzzing through a real server with the tiny synthetic model (statuses, not words; its
+forward passes cost microseconds, so long fuzzed prompts cost nothing): generated requests for every
 RPC of LlmService (random field values, extreme numbers, NaN/inf, huge repeated fields, unknown
 enum values, invalid UTF-8 and corrupt wire bytes, oversize messages).
 
@@ -49,6 +50,8 @@ from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.server import start_server
 from tests.support.pb_strategies import messages, wire_string
 
+from ..conftest import TEST_THREADS, TINY_N_VOCAB, tiny_model_file
+
 SERVICE = pb.DESCRIPTOR.services_by_name["LlmService"]
 METHODS = list(SERVICE.methods)
 # Streams with no end of their own (one report per interval until the client leaves): read the
@@ -56,7 +59,7 @@ METHODS = list(SERVICE.methods)
 ENDLESS = frozenset({"WatchLoad"})
 N_CTX = 2048
 N_PARALLEL = 4
-N_VOCAB = 262_144  # Gemma 3; checked against GetModelInfo when the server starts
+N_VOCAB = TINY_N_VOCAB  # checked against GetModelInfo when the server starts
 MAX_TOKENS = 4  # what a tamed max_tokens is clamped to
 DEFAULT_MAX_TOKENS = 4  # the fuzz server's default, for requests that set none
 MAX_MESSAGE_BYTES = 1 << 20
@@ -178,7 +181,9 @@ async def _generate(channel: grpc.aio.Channel, request: pb.GenerateRequest) -> p
 
 def _fuzz_settings() -> Settings:
     return Settings(
-        model=ModelSettings(n_ctx=N_CTX, n_batch=512),
+        model=ModelSettings(
+            model_path=str(tiny_model_file()), n_ctx=N_CTX, n_batch=512, n_threads=TEST_THREADS
+        ),
         scheduler=SchedulerSettings(
             n_parallel=N_PARALLEL,
             max_queue=64,
@@ -405,7 +410,8 @@ def _tame(draw: Callable[..., Any], request: Message) -> None:
         request.model = ""  # type: ignore[attr-defined]
     if "token_ids" in fields and not draw(WILD):
         ids = request.token_ids  # type: ignore[attr-defined]
-        ids[:] = [t % N_VOCAB for t in ids] or draw(st.lists(st.integers(0, 5000), min_size=1))
+        in_vocabulary = st.lists(st.integers(0, N_VOCAB - 1), min_size=1)
+        ids[:] = [t % N_VOCAB for t in ids] or draw(in_vocabulary)
     if "params" in fields:
         _tame_params(draw, request.params)  # type: ignore[attr-defined]
     if "messages" in fields:

@@ -1,7 +1,8 @@
 """The KV disk tier with real server processes: a conversation survives a restart (SIGTERM, start
 again: its history is restored from disk and the greedy answer is exactly the one the server
 would have given without the restart); a damaged file or another configuration's file is never
-used; a session moving to another replica sharing the directory is restored there."""
+used; a session moving to another replica sharing the directory is restored there. Exact cache
+accounting and equal greedy ids, not words: on the tiny synthetic model (nine server starts)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 
 from llama_grpc import AsyncClient
 from tests.support.fault_support import Outcome, ServerProcess, collect, server_process
+
+from ..conftest import tiny_model_file
 
 ARGS = ("--n-ctx", "2048", "--n-parallel", "1", "--grace-s", "10")
 HISTORY = (
@@ -36,7 +39,7 @@ async def turn(client: AsyncClient, token_ids: list[int], n: int = 16) -> Outcom
 @contextlib.asynccontextmanager
 async def replica(*args: str) -> AsyncIterator[tuple[ServerProcess, AsyncClient]]:
     async with (
-        server_process(*args) as proc,
+        server_process("--model", str(tiny_model_file()), *args) as proc,
         AsyncClient(f"127.0.0.1:{proc.port}", timeout=120) as client,
     ):
         yield proc, client

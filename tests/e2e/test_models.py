@@ -49,7 +49,9 @@ LONG_TOKENS = 300  # a stream that outlasts a load
 
 
 def pool_settings(second: Path, max_loaded_models: int) -> Settings:
-    conf = settings(n_parallel=2, max_queue=16, n_ctx=2048)
+    # llama.cpp's default threads (one per CPU), not TEST_THREADS: a load beside a stream takes
+    # a thread from its passes (engine/cpu_share.py), which one thread would not show
+    conf = settings(n_threads=0, n_parallel=2, max_queue=16, n_ctx=2048)
     others = ((Q8, str(second)), (SPARE, str(default_model_path())))
     return replace(conf, pool=PoolSettings(models=others, max_loaded_models=max_loaded_models))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -63,14 +64,15 @@ async def test_full_queue_is_resource_exhausted_with_retry_info() -> None:
             assert (await client.stats()).requests_rejected >= 1
 
 
-async def test_without_reflection_the_descriptor_set_serves_grpcurl(grpcurl: str) -> None:
+async def test_without_reflection_the_descriptor_set_serves_grpcurl(
+    grpcurl: str, tiny_model_path: Path
+) -> None:
     """--no-reflection hides the schema; proto/llama_grpc_v1.binpb (make proto) gives it back to
     tools: grpcurl -protoset describes and calls the service."""
     from dataclasses import replace
-    from pathlib import Path
 
     protoset = str(Path(__file__).resolve().parents[2] / "proto" / "llama_grpc_v1.binpb")
-    conf = settings(n_parallel=1)
+    conf = settings(str(tiny_model_path), n_parallel=1)
     conf = replace(conf, server=replace(conf.server, reflection=False))
     async with start_server(conf, lambda: build_engine(conf)) as running:
         assert await running.wait_loaded()

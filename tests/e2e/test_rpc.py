@@ -1,4 +1,5 @@
-"""Every RPC through a real grpc.aio server and the real client, with the embedded model."""
+"""Every RPC through a real grpc.aio server and the real client, with the embedded model (the
+tests that do not read the words: the tiny synthetic one)."""
 
 from __future__ import annotations
 
@@ -44,10 +45,12 @@ async def idle_slots(client: AsyncClient, n: int, within_s: float = 10.0) -> boo
     return False
 
 
-async def test_unary_equals_stream(client: AsyncClient) -> None:
-    """Generate and StreamGenerate give the same text, tokens, finish reason and usage."""
-    whole = await client.generate(PROMPT, max_tokens=16, ignore_eos=True)
-    text, ids, done = await collect(client.stream(PROMPT, max_tokens=16, ignore_eos=True))
+async def test_unary_equals_stream(tiny_client: AsyncClient) -> None:
+    """Generate and StreamGenerate give the same text, tokens, finish reason and usage. (Both
+    uncached: the same forward passes, so the tiny model's near ties fall the same way.)"""
+    client, same = tiny_client, {"max_tokens": 16, "ignore_eos": True, "cache_prompt": False}
+    whole = await client.generate(PROMPT, **same)
+    text, ids, done = await collect(client.stream(PROMPT, **same))
     assert whole.text == text and list(whole.token_ids) == ids and len(ids) == 16
     assert whole.finish_reason == done.finish_reason == "max_tokens"
     assert whole.usage.prompt_tokens == done.usage.prompt_tokens > 0
@@ -55,12 +58,14 @@ async def test_unary_equals_stream(client: AsyncClient) -> None:
     assert whole.request_id and done.request_id and whole.request_id != done.request_id
 
 
-async def test_generate_tokens_equals_stream(client: AsyncClient) -> None:
+async def test_generate_tokens_equals_stream(tiny_client: AsyncClient) -> None:
     """The pre-tokenized path (client-side token ids) gives the text path's tokens."""
+    client = tiny_client
     ids = await client.tokenize(PROMPT, add_special=True)
     assert ids[0] == (await client.model_info()).bos_token_id
-    _, via_text, _ = await collect(client.stream(PROMPT, max_tokens=12, ignore_eos=True))
-    text, via_ids, done = await collect(client.generate_tokens(ids, max_tokens=12, ignore_eos=True))
+    same = {"max_tokens": 12, "ignore_eos": True, "cache_prompt": False}  # the same passes
+    _, via_text, _ = await collect(client.stream(PROMPT, **same))
+    text, via_ids, done = await collect(client.generate_tokens(ids, **same))
     assert via_ids == via_text and done.usage.prompt_tokens == len(ids)
     assert text == await client.detokenize(via_ids)
 
@@ -143,26 +148,30 @@ async def test_empty_nan_and_oversize_inputs(client: AsyncClient) -> None:
     assert (await client.generate(PROMPT, max_tokens=2)).usage.completion_tokens >= 1
 
 
-async def test_concurrent_streams_share_the_batch(client: AsyncClient) -> None:
-    """16 streams on 4 slots: all finish with exact counts; ticks carried several requests."""
+async def test_concurrent_streams_share_the_batch(tiny_client: AsyncClient) -> None:
+    """16 streams on 4 slots: all finish with exact counts; ticks carried several requests.
+    (The tiny model decodes a token in well under a millisecond: 256 tokens each keep the 16
+    requests, sent together, overlapping.)"""
+    client, n = tiny_client, 256
     before = await client.stats()
     results = await asyncio.gather(
         *(
-            collect(client.stream(f"Story number {i}:", max_tokens=24, ignore_eos=True))
+            collect(client.stream(f"Story number {i}:", max_tokens=n, ignore_eos=True))
             for i in range(16)
         )
     )
-    assert [len(ids) for _, ids, _ in results] == [24] * 16
+    assert [len(ids) for _, ids, _ in results] == [n] * 16
     assert all(done.finish_reason == "max_tokens" for _, _, done in results)
     after = await client.stats()
     ticks = after.ticks - before.ticks
     tokens = after.generated_tokens - before.generated_tokens
-    assert tokens == 16 * 24
+    assert tokens == 16 * n
     assert tokens / ticks > 2, "decode tokens of several slots share a forward pass"
 
 
-async def test_multi_turn_chat_reuses_growing_prefix(client: AsyncClient) -> None:
+async def test_multi_turn_chat_reuses_growing_prefix(tiny_client: AsyncClient) -> None:
     """A 4-turn chat resending the whole history: cached_prompt_tokens grows every turn."""
+    client = tiny_client
     history = "A conversation between a curious user and a helpful assistant.\n"
     cached = []
     for turn in ["Hi!", "What is a star?", "How far is the nearest one?", "Thanks!"]:

@@ -72,10 +72,12 @@ def client_subject(pki: Pki) -> str:
     return pki.client_identity
 
 
-def server_settings(pki: Pki, directory: Path, **server: Any) -> Settings:
-    """TLS and the tokens file; its tenant limits reach the scheduler as cli.py passes them."""
+def server_settings(pki: Pki, directory: Path, model_path: str = "", **server: Any) -> Settings:
+    """TLS and the tokens file; its tenant limits reach the scheduler as cli.py passes them. The
+    embedded model, or model_path (the tiny one, for the tests that never generate)."""
     tokens = write_tokens(directory / "tokens.toml", pki)
-    conf = settings(n_parallel=2, max_queue=16, tenant_limits=load_auth_file(tokens).limits)
+    limits = load_auth_file(tokens).limits
+    conf = settings(model_path, n_parallel=2, max_queue=16, tenant_limits=limits)
     tls = ServerSettings(
         port=0,
         grace_s=1.0,
@@ -202,8 +204,10 @@ async def test_tls_needs_the_ca(tls_server: RunningServer, pki: Pki) -> None:
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-async def test_a_key_that_does_not_match_fails_at_start(pki: Pki, tmp_path: Path) -> None:
-    conf = server_settings(pki, tmp_path, tls_key=str(pki.client_key))
+async def test_a_key_that_does_not_match_fails_at_start(
+    pki: Pki, tmp_path: Path, tiny_model_path: Path
+) -> None:
+    conf = server_settings(pki, tmp_path, str(tiny_model_path), tls_key=str(pki.client_key))
     with pytest.raises(ServerStartError, match=r"--tls-cert .* --tls-key .*matching private key"):
         async with start_server(conf, lambda: build_engine(conf)):
             pass
@@ -323,9 +327,9 @@ async def test_same_request_id_in_two_tenants(stub: pb_grpc.LlmServiceStub) -> N
 
 
 async def test_mtls_needs_a_client_certificate_whose_subject_is_the_tenant(
-    pki: Pki, tmp_path: Path
+    pki: Pki, tmp_path: Path, tiny_model_path: Path
 ) -> None:
-    conf = server_settings(pki, tmp_path, tls_client_ca=str(pki.ca_cert))
+    conf = server_settings(pki, tmp_path, str(tiny_model_path), tls_client_ca=str(pki.ca_cert))
     async with start_server(conf, lambda: build_engine(conf)) as running:
         assert await running.wait_loaded()
         async with channel(running.port, pki) as ch:  # no client certificate
@@ -388,8 +392,10 @@ async def test_reload_rotates_certificate_and_tokens_without_cutting_a_stream(
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-async def test_a_broken_reload_keeps_the_old_files(pki: Pki, tmp_path: Path) -> None:
-    conf = server_settings(pki, tmp_path)
+async def test_a_broken_reload_keeps_the_old_files(
+    pki: Pki, tmp_path: Path, tiny_model_path: Path
+) -> None:
+    conf = server_settings(pki, tmp_path, str(tiny_model_path))
     async with start_server(conf, lambda: build_engine(conf)) as running:
         assert await running.wait_loaded()
         Path(conf.server.auth_tokens_file).write_text("[[tokens]]\n")
@@ -482,7 +488,7 @@ async def test_the_client_library_speaks_tls_and_tokens(
 
 
 async def test_rotated_certificate_files_are_picked_up_without_a_signal(
-    pki: Pki, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+    pki: Pki, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
 ) -> None:
     """Replacing the files is enough (mesh agents rewrite them in place): a handshake more than
     a second later notices the new modification times and serves the new certificate."""
@@ -491,7 +497,11 @@ async def test_rotated_certificate_files_are_picked_up_without_a_signal(
     shutil.copy(pki.server_cert, live / "cert.pem")
     shutil.copy(pki.server_key, live / "key.pem")
     conf = server_settings(
-        pki, tmp_path, tls_cert=str(live / "cert.pem"), tls_key=str(live / "key.pem")
+        pki,
+        tmp_path,
+        str(tiny_model_path),
+        tls_cert=str(live / "cert.pem"),
+        tls_key=str(live / "key.pem"),
     )
     rotated = make_pki(tmp_path_factory.mktemp("rotated-files"), "rotated files")
     async with start_server(conf, lambda: build_engine(conf)) as running:

@@ -1,18 +1,22 @@
 """Chat sessions sharing a long system prompt, through a real server with default flags (4 slots,
 the RAM tier on by default): every later turn finds its whole history cached, whether the
-sessions fit the slots (3) or not (12, restored from the RAM tier)."""
+sessions fit the slots (3) or not (12, restored from the RAM tier). Cache accounting, not words:
+on the tiny synthetic model."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest_asyncio
 
 from llama_grpc import AsyncClient, Delta, Done
-from llama_grpc_server.config import ServerSettings, Settings
+from llama_grpc_server.config import ModelSettings, ServerSettings, Settings
 from llama_grpc_server.core.prefix_cache import common_prefix_length
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.server import start_server
+
+from ..conftest import TEST_THREADS
 
 SYSTEM = (
     "You are the support assistant of a small bakery. Answer politely and briefly, in plain "
@@ -29,8 +33,10 @@ NAMES = ("Anna", "Boris", "Chen", "Dmitri", "Emma", "Farid", "Greta", "Hiro", "I
 
 
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
-async def client() -> AsyncIterator[AsyncClient]:
-    conf = Settings(server=ServerSettings(port=0, grace_s=1.0))  # default flags
+async def client(tiny_model_path: Path) -> AsyncIterator[AsyncClient]:
+    # default flags but the model and llama.cpp's threads (tests/conftest.py's TEST_THREADS)
+    model = ModelSettings(model_path=str(tiny_model_path), n_threads=TEST_THREADS)
+    conf = Settings(model=model, server=ServerSettings(port=0, grace_s=1.0))
     async with start_server(conf, lambda: build_engine(conf)) as running:
         assert await running.wait_loaded()
         async with AsyncClient(f"127.0.0.1:{running.port}", timeout=300) as c:
@@ -58,7 +64,7 @@ async def chat(client: AsyncClient, num_sessions: int) -> None:
     system prompt: copied, never taking another session's slot); every later turn finds its
     whole history: the previous prompt and answer but the answer's last token (sampled, never
     decoded)."""
-    system = await client.tokenize(SYSTEM * 12, add_special=True)
+    system = await client.tokenize(SYSTEM * 4, add_special=True)  # the tiny model's tokens
     assert 900 <= len(system) <= 1200, len(system)
     history = [list(system) for _ in range(num_sessions)]
     computed: list[list[int]] = []  # every turn's computed tokens so far

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -135,9 +136,11 @@ async def test_a_traced_call_continues_the_callers_trace(receiver: Receiver) -> 
     assert got["llama_grpc.request_id"] == reply.request_id == access[0]["request_id"]
 
 
-async def test_the_client_sends_the_active_trace_context(receiver: Receiver) -> None:
+async def test_the_client_sends_the_active_trace_context(
+    receiver: Receiver, tiny_model_path: Path
+) -> None:
     """A traced Python caller: the server's span is a child of the caller's current span."""
-    conf = settings(n_parallel=1)
+    conf = settings(str(tiny_model_path), n_parallel=1)
     conf = replace(conf, server=replace(conf.server, otlp_endpoint=receiver.url))
     tracer = TracerProvider().get_tracer("caller")
     async with start_server(conf, lambda: build_engine(conf)) as running:
@@ -153,8 +156,10 @@ async def test_the_client_sends_the_active_trace_context(receiver: Receiver) -> 
     assert span.parent_span_id.hex() == format(context.span_id, "016x")
 
 
-async def test_without_an_endpoint_nothing_is_traced(receiver: Receiver) -> None:
-    conf = settings(n_parallel=1)
+async def test_without_an_endpoint_nothing_is_traced(
+    receiver: Receiver, tiny_model_path: Path
+) -> None:
+    conf = settings(str(tiny_model_path), n_parallel=1)
     async with start_server(conf, lambda: build_engine(conf)) as running:
         assert await running.wait_loaded()
         assert running.tracing is None

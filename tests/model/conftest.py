@@ -24,6 +24,8 @@ from llama_grpc_server.core.request import (
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.loop import EngineLoop
 
+from ..conftest import TEST_THREADS, tiny_model_file
+
 _ids = itertools.count()
 
 # Test-only: run the model tier with layers offloaded to a GPU (e.g. -1 = all) on a CUDA build of
@@ -44,11 +46,17 @@ class Outcome:
         return self.final
 
 
-def make_engine(**scheduler: object) -> EngineLoop:
+def make_engine(
+    model_path: str = "", n_threads: int = TEST_THREADS, **scheduler: object
+) -> EngineLoop:
+    """An engine on the embedded model (or model_path), llama.cpp on TEST_THREADS threads (0: the
+    default, one per CPU)."""
     settings = Settings(
         model=ModelSettings(
+            model_path=model_path,
             n_ctx=scheduler.pop("n_ctx", 4096),  # type: ignore[arg-type]
             n_batch=512,
+            n_threads=n_threads,
             n_gpu_layers=N_GPU_LAYERS,
         ),
         scheduler=SchedulerSettings(**scheduler),  # type: ignore[arg-type]
@@ -59,6 +67,19 @@ def make_engine(**scheduler: object) -> EngineLoop:
 @pytest.fixture(scope="session")
 def engine() -> Iterator[EngineLoop]:
     eng = make_engine(n_parallel=4)
+    yield eng
+    eng.close()
+
+
+def make_tiny_engine(**scheduler: object) -> EngineLoop:
+    """An engine on the tiny synthetic model (tests/conftest.py's tiny_model_file): for the
+    tests of token flow, limits and cancellation, which do not read the words."""
+    return make_engine(str(tiny_model_file()), **scheduler)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine() -> Iterator[EngineLoop]:
+    eng = make_tiny_engine(n_parallel=4)
     yield eng
     eng.close()
 
@@ -116,4 +137,13 @@ async def wait_idle(engine: EngineLoop, within_s: float = 60.0) -> None:
     raise AssertionError(f"the engine was still busy after {within_s} s")
 
 
-__all__ = ["Failed", "Outcome", "make_engine", "request", "run", "run_all", "wait_idle"]
+__all__ = [
+    "Failed",
+    "Outcome",
+    "make_engine",
+    "make_tiny_engine",
+    "request",
+    "run",
+    "run_all",
+    "wait_idle",
+]

@@ -1,11 +1,11 @@
 """Continuous batching on the real model: concurrency, batch invariance, cancellation, KV
-pressure, prefix reuse."""
+pressure, prefix reuse (counts and preemption on the tiny synthetic model)."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,7 @@ from llama_grpc_server.loop import (
     EngineLoop,
 )
 
-from .conftest import Failed, make_engine, request, run, run_all, wait_idle
+from .conftest import Failed, make_engine, make_tiny_engine, request, run, run_all, wait_idle
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
@@ -38,8 +38,9 @@ PROMPTS = [
 ]
 
 
-async def test_concurrent_requests_finish_with_right_counts(engine: EngineLoop) -> None:
+async def test_concurrent_requests_finish_with_right_counts(tiny_engine: EngineLoop) -> None:
     """Eight concurrent greedy requests on four slots all finish with max_tokens tokens."""
+    engine = tiny_engine
     reqs = [request(engine, PROMPTS[i % 4], max_tokens=10 + i) for i in range(8)]
     outs = await run_all(engine, reqs)
     assert [len(o.token_ids) for o in outs] == [10 + i for i in range(8)]
@@ -97,7 +98,7 @@ async def test_repeated_prompt_hits_prefix_cache(engine: EngineLoop) -> None:
 async def test_kv_pressure_completes_every_request() -> None:
     """A small KV cache and several long requests: preemption happens, every request finishes
     with exactly max_tokens tokens, none lost or repeated (stream == final usage)."""
-    eng = make_engine(n_parallel=4, n_ctx=512, cache_prompt=True)
+    eng = make_tiny_engine(n_parallel=4, n_ctx=512, cache_prompt=True)
     try:
         prompt = "Tell me a long story about dragons and knights. " * 6
         reqs = [request(eng, prompt + str(i), max_tokens=120) for i in range(4)]
@@ -131,10 +132,20 @@ async def test_time_in_llama_decode_is_counted(engine: EngineLoop) -> None:
     assert cpu <= wall + 0.002, (cpu, wall)  # one thread's CPU fits in the wall time
 
 
+@pytest.fixture(scope="module")
+def every_cpu_engine() -> Iterator[EngineLoop]:
+    """An engine with llama.cpp's default threads (one per CPU; the shared `engine` runs on
+    TEST_THREADS), for the tests of its helper threads."""
+    eng = make_engine(n_threads=0, n_parallel=2)
+    yield eng
+    eng.close()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names from /proc")
-async def test_engine_and_llama_threads_are_named(engine: EngineLoop) -> None:
+async def test_engine_and_llama_threads_are_named(every_cpu_engine: EngineLoop) -> None:
     """top -H, ps -L and py-spy tell the engine thread from llama.cpp's helpers (which the
     warm-up decode creates and which inherit the name the engine thread had then)."""
+    engine = every_cpu_engine
     await run(engine, request(engine, PROMPTS[1], max_tokens=2))
     tasks = Path("/proc/self/task")
     names = [(task / "comm").read_text().strip() for task in tasks.iterdir()]
@@ -150,11 +161,12 @@ def thread_names() -> list[str]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names from /proc")
 @pytest.mark.skipif(openmp.idle_release() is None, reason="llama.cpp built without libgomp")
 async def test_an_idle_engine_releases_its_llama_threads_and_makes_them_again(
-    engine: EngineLoop,
+    every_cpu_engine: EngineLoop,
 ) -> None:
     """Idle for IDLE_RELEASE_S, every engine of this process lets llama.cpp's OpenMP helpers go
     (engine/openmp.py: docked, they made libgomp throttle a busy engine beside it); the next
     request's first pass makes them again, named llama-decode, and generates the same tokens."""
+    engine = every_cpu_engine
     before = await run(engine, request(engine, PROMPTS[2], max_tokens=12, cache_prompt=False))
     await until(lambda: DECODE_THREAD_NAME not in thread_names())
     stream = engine.submit(request(engine, PROMPTS[2], max_tokens=12, cache_prompt=False))

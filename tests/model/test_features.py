@@ -1,5 +1,6 @@
 """Generation features on the real model, through the engine: logprobs, logit bias, grammar
-and JSON-schema constraints, chat templates."""
+and JSON-schema constraints, chat templates (the logprob and bias mechanics that do not compare
+outputs across batches: on the tiny synthetic model)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from llama_grpc_server.core.request import (
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.loop import EngineLoop
 
-from ..conftest import PERSON_SCHEMA, YES_NO, check_person
+from ..conftest import PERSON_SCHEMA, TEST_THREADS, YES_NO, check_person
 from .conftest import request, run, run_all
 
 PROMPT = "The capital of France is"
@@ -47,13 +48,16 @@ async def logprobs_of(engine: EngineLoop, req: GenerationRequest) -> list[TokenL
 
 
 async def test_greedy_logprobs_are_sorted_and_top1_is_the_sampled_token(
-    engine: EngineLoop,
+    tiny_engine: EngineLoop,
 ) -> None:
     """Greedy with top_logprobs=5: one entry per token, logprobs <= 0, alternatives sorted
     most likely first, and the sampled token is the top-1 with the same logprob."""
-    out = await run(engine, request(engine, PROMPT, max_tokens=12))
+    engine = tiny_engine
+    # both uncached: the same forward passes, so the tiny model's near ties fall the same way
+    out = await run(engine, request(engine, PROMPT, max_tokens=12, cache_prompt=False))
     entries = await logprobs_of(
-        engine, with_output(request(engine, PROMPT, max_tokens=12), top_logprobs=5)
+        engine,
+        with_output(request(engine, PROMPT, max_tokens=12, cache_prompt=False), top_logprobs=5),
     )
     assert [e.token_id for e in entries] == out.token_ids
     for entry in entries:
@@ -83,16 +87,20 @@ async def test_asking_for_logprobs_does_not_change_the_output(engine: EngineLoop
     assert len(entries) == 16 and all(not e.top for e in entries)
 
 
-async def test_sampled_token_is_among_top_alternatives_at_temperature(engine: EngineLoop) -> None:
+async def test_sampled_token_is_among_top_alternatives_at_temperature(
+    tiny_engine: EngineLoop,
+) -> None:
     """With top_k 5 sampling and top_logprobs 20, every sampled token is one of the top 20."""
+    engine = tiny_engine
     req = request(engine, PROMPT, max_tokens=16, temperature=0.9, seed=3)
     req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, top_k=5))
     for entry in await logprobs_of(engine, with_output(req, top_logprobs=20)):
         assert entry.token_id in {t.token_id for t in entry.top}
 
 
-async def test_banned_token_never_appears(engine: EngineLoop) -> None:
+async def test_banned_token_never_appears(tiny_engine: EngineLoop) -> None:
     """logit_bias -inf on the greedy completion's most frequent token removes it entirely."""
+    engine = tiny_engine
     base = request(engine, PROMPT, max_tokens=24)
     free = await run(engine, base)
     banned, _ = Counter(free.token_ids).most_common(1)[0]
@@ -101,8 +109,9 @@ async def test_banned_token_never_appears(engine: EngineLoop) -> None:
     assert len(out.token_ids) == 24
 
 
-async def test_positive_bias_forces_a_token(engine: EngineLoop) -> None:
+async def test_positive_bias_forces_a_token(tiny_engine: EngineLoop) -> None:
     """A large positive bias makes greedy pick that token every step."""
+    engine = tiny_engine
     forced = engine.tokenize(" banana", add_special=False, parse_special=False)[0]
     out = await run(engine, with_bias(request(engine, PROMPT, max_tokens=5), {forced: 100.0}))
     assert out.token_ids == [forced] * 5
@@ -256,7 +265,8 @@ def test_embedded_model_gets_its_familys_template_unless_configured(engine: Engi
     info = engine.model_info
     assert (info.chat_template, info.has_chat_template) == ("gemma", False)
     assert info.chat_template_origin.startswith("built-in, the gemma3 family's")
-    settings = Settings(model=ModelSettings(n_ctx=512, n_batch=128, chat_template="chatml"))
+    model = ModelSettings(n_ctx=512, n_batch=128, n_threads=TEST_THREADS, chat_template="chatml")
+    settings = Settings(model=model)
     configured = build_engine(settings)
     try:
         assert configured.model_info.chat_template == "chatml"

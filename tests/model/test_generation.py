@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from llama_grpc_server.core.request import FinishReason
 from llama_grpc_server.loop import EngineLoop
 
@@ -49,13 +51,20 @@ async def test_tokenize_detokenize_round_trip(engine: EngineLoop) -> None:
     assert with_bos[0] == engine.model_info.bos_token_id and with_bos[1:] == ids
 
 
-async def test_eos_ends_generation_without_ignore_eos(engine: EngineLoop) -> None:
-    """Without ignore_eos, an end-of-generation token ends the request with EOS (not emitted)."""
-    req = request(engine, "<end_of_turn>", max_tokens=400, ignore_eos=False)
-    out = await run(engine, req)
-    reason = out.finished.reason
-    assert reason in (FinishReason.EOS, FinishReason.MAX_TOKENS)
-    eog = set(engine.model_info.eog_token_ids)
-    assert not eog & set(out.token_ids)
-    if reason is FinishReason.EOS:
-        assert out.finished.matched_token_id in eog
+async def test_eos_ends_generation_without_ignore_eos(tiny_engine: EngineLoop) -> None:
+    """Without ignore_eos, an end-of-generation token ends the request with EOS (not emitted);
+    with ignore_eos it does not. On the tiny model, whose free greedy run never picks EOS here,
+    with a logit bias making EOS the argmax."""
+    engine = tiny_engine
+    eos = engine.model_info.eos_token_id
+    assert eos in engine.model_info.eog_token_ids
+    free = await run(engine, request(engine, PROMPT, max_tokens=6, ignore_eos=False))
+    assert free.finished.reason is FinishReason.MAX_TOKENS and len(free.token_ids) == 6
+    req = request(engine, PROMPT, max_tokens=6, ignore_eos=False)
+    biased = replace(req, sampling=replace(req.sampling, logit_bias=((eos, 1000.0),)))
+    out = await run(engine, biased)
+    assert out.finished.reason is FinishReason.EOS
+    assert out.finished.matched_token_id == eos
+    assert out.token_ids == [] and out.finished.usage.completion_tokens == 0
+    ignoring = replace(biased, stopping=replace(biased.stopping, ignore_eos=True))
+    assert (await run(engine, ignoring)).finished.reason is FinishReason.MAX_TOKENS

@@ -32,7 +32,7 @@ from llama_grpc_server.core.request import (
 from llama_grpc_server.loop import EngineLoop
 from tests.support.greedy import assert_greedy_equal
 
-from .conftest import Outcome, make_engine, request, run, run_all, wait_idle
+from .conftest import Outcome, make_engine, make_tiny_engine, request, run, run_all, wait_idle
 
 ON = SpeculativeParams(SpeculativeMode.ON)
 OFF = SpeculativeParams(SpeculativeMode.OFF)
@@ -269,14 +269,16 @@ async def test_auto_calibrates_and_speculates_on_a_copy() -> None:
 async def test_kv_pressure_while_speculating_completes_every_request() -> None:
     """A small KV cache and four speculating requests: drafts that find no KV slot are retried
     without drafts, preemption happens only for the requests themselves, and every request
-    ends with exactly max_tokens tokens (none lost or repeated)."""
-    eng = make_engine(n_parallel=4, n_ctx=512, cache_prompt=True)
+    ends with exactly max_tokens tokens (none lost or repeated). Counts, not words: on the tiny
+    synthetic model (whose greedy runs repeat themselves, so n-gram drafts are found)."""
+    eng = make_tiny_engine(n_parallel=4, n_ctx=512, cache_prompt=True)
     try:
         reqs = [spec(eng, GROUNDED[i] + f" {i}", ON, max_tokens=100) for i in range(4)]
         outs = await run_all(eng, reqs)
         assert [len(o.token_ids) for o in outs] == [100] * 4
         assert all(o.finished.reason is FinishReason.MAX_TOKENS for o in outs)
         assert sum(o.finished.usage.draft_tokens for o in outs) > 0
+        assert eng.stats().preemptions >= 1  # the cache was short
     finally:
         eng.close()
 

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import synth_gguf
 
+from ..conftest import TINY_N_VOCAB, tiny_model_file
 from .conftest import run
 
 
@@ -44,6 +45,19 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("synth") / "tiny-f16.gguf"
     synth_gguf.write(synth_gguf.SHAPES["tiny"], path)
     return path
+
+
+def test_the_tests_tiny_model_is_the_tiny_shape_written_once() -> None:
+    """tests/conftest.py's tiny model: the `tiny` shape (its vocabulary size as the tests know
+    it), cached: a second call returns the same file, not rewritten."""
+    path = tiny_model_file()
+    assert path == synth_gguf.shape_model("tiny") and path.parent == synth_gguf.models_dir()
+    mtime = path.stat().st_mtime_ns
+    assert tiny_model_file().stat().st_mtime_ns == mtime
+    assert synth_gguf.SHAPES["tiny"].n_vocab == TINY_N_VOCAB
+    meta = read_header(path).metadata
+    assert meta["general.architecture"] == "gemma3"
+    assert meta["gemma3.embedding_length"] == synth_gguf.SHAPES["tiny"].n_embd
 
 
 def test_shapes_are_the_models_they_stand_for() -> None:

@@ -27,6 +27,7 @@ from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.loop import EngineLoop
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
+from tests.conftest import TEST_THREADS
 
 # llama.py measured logits moving by up to ~1.0 with the batch/cache layout: a top-2 logprob gap
 # of 2.0 cannot close, so greedy tokens before the first narrower gap are layout-independent.
@@ -280,10 +281,12 @@ def support_env(**extra: str) -> dict[str, str]:
 async def server_process(
     *args: str, env: dict[str, str] | None = None, module: str = "llama_grpc_server"
 ) -> AsyncIterator[ServerProcess]:
-    """Start the server (`python -m module`, which takes the serve options) on a free port;
-    yield once it logs "ready"; kill it if still running."""
+    """Start the server (`python -m module`, which takes the serve options) on a free port, with
+    tests/conftest.py's TEST_THREADS llama.cpp threads unless args say; yield once it logs
+    "ready"; kill it if still running."""
+    threads = () if "--threads" in args else ("--threads", str(TEST_THREADS))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", module, "--port", "0", "--log-format", "json", *args,
+        sys.executable, "-m", module, "--port", "0", "--log-format", "json", *threads, *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
     )  # fmt: skip
     assert proc.stdout is not None
