@@ -681,7 +681,7 @@ def vars_of(setting: Setting) -> dict[str, Any]:
 
 
 def export_tokenizer(work: Path) -> Path:
-    from llama_grpc_server.core.chat import BUILTIN_TEMPLATES, template_in_use
+    from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES, template_in_use
     from llama_grpc_server.models import tokenizer_export
     from llama_grpc_server.models.gguf_header import read_header
 

@@ -61,7 +61,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from llama_grpc import AsyncClient
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
-from llama_grpc_server.core.kv_events import BLOCK_SIZE, chain
+from llama_grpc_server.core.kv.events import BLOCK_SIZE, chain
 
 SETUPS: tuple[str, ...] = (
     "ring_hash",

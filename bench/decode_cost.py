@@ -6,7 +6,7 @@ last one only (the transformer body alone), and reports the median llama_decode 
     python bench/decode_cost.py [--reps 3]
     python bench/decode_cost.py --rows 32 --name decode_cost_shape   # every N = 1 .. 32
 
-The second form is the source of core.spec_policy.PRIOR_SHAPE: on the development box an odd
+The second form is the source of core.speculation.policy.PRIOR_SHAPE: on the development box an odd
 number of logits rows >= 3 costs ~10 ms more than one row more (llama.cpp's CPU matmul of the
 262,144 x 640 Q8_0 output matrix), which a curve sampled at 1, 2, 4, 8, 16 cannot show.
 """

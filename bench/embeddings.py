@@ -62,20 +62,20 @@ from common import (
 from peers import llama_server_binary, peer_process
 
 from llama_grpc_server.config import ModelSettings, SchedulerSettings, Settings
-from llama_grpc_server.core import embedding
-from llama_grpc_server.core.embedding import EmbeddingParams
-from llama_grpc_server.core.plan import Chunk, StepPlan, StepResult
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests import embedding
+from llama_grpc_server.core.requests.embedding import EmbeddingParams
+from llama_grpc_server.core.requests.request import (
     Finished,
     GenerationRequest,
     SamplingParams,
     StoppingParams,
     TokenDelta,
 )
+from llama_grpc_server.core.scheduling.plan import Chunk, StepPlan, StepResult
 from llama_grpc_server.engine.batch import Batch
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.engine.llama import LlamaModel
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.models.files import default_model_path
 
 N_CTX, N_PARALLEL = 8192, 4
@@ -285,7 +285,7 @@ async def itl_reps(
 ) -> dict[str, Any]:
     """Alone and beside the flood, alternating, `reps` times (other work on a shared box moves
     the tail between any two runs): each rep's p50/p95 and ratios, and their medians. With
-    several `shares` (core.embedding.STREAM_SHARE: the part of a decode tick the embedding
+    several `shares` (core.requests.embedding.STREAM_SHARE: the part of a decode tick the embedding
     tokens riding with decode rows may add), each rep runs beside the flood once per share, in
     a rotating order, against the same alone run; each run logs its passes (PassLog)."""
     rows: dict[float, list[dict[str, Any]]] = {share: [] for share in shares}
@@ -486,7 +486,7 @@ def main() -> int:
     parser.add_argument(
         "--stream-shares",
         default=str(embedding.STREAM_SHARE),
-        help="ITL beside the flood under each core.embedding.STREAM_SHARE, e.g. 0.5,0.3",
+        help="ITL beside the flood under each core.requests.embedding.STREAM_SHARE, e.g. 0.5,0.3",
     )
     args = parser.parse_args()
     long_batches = [int(b) for b in args.long_batches.split(",") if b]

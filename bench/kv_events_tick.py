@@ -8,13 +8,13 @@ from __future__ import annotations
 import statistics
 import time
 
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     GenerationRequest,
     Request,
     SamplingParams,
     StoppingParams,
 )
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.testing import FakeRunner
 
 PIECES = [f"<{i}>".encode() for i in range(97)]

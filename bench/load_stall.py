@@ -151,8 +151,8 @@ async def child(variant: str, loads: int, lead_s: float) -> dict[str, Any]:
 
     from llama_grpc import AsyncClient, Delta
     from llama_grpc_server.config import PoolSettings
-    from llama_grpc_server.core.plan import StepPlan, StepResult
-    from llama_grpc_server.core.scheduler import Scheduler
+    from llama_grpc_server.core.scheduling.plan import StepPlan, StepResult
+    from llama_grpc_server.core.scheduling.scheduler import Scheduler
     from llama_grpc_server.engine import build as build_module
     from llama_grpc_server.engine import cpu_share
     from llama_grpc_server.engine.build import build_engine

@@ -1,7 +1,7 @@
-"""What a prompt-lookup step costs (core.ngram.NgramIndex): a 4,000-token prompt indexed once,
-then 1,000 steps of one new token + a lookup, as in decoding. Per-step microseconds, the median
-of 5 runs (was a timed assertion in tests/unit/test_speculative.py: ~10 us measured, bounded at
-200 us). Run: python bench/ngram_lookup.py"""
+"""What a prompt-lookup step costs (core.speculation.ngram.NgramIndex): a 4,000-token prompt indexed
+once, then 1,000 steps of one new token + a lookup, as in decoding. Per-step microseconds, the
+median of 5 runs (was a timed assertion in tests/unit/test_speculative.py: ~10 us measured, bounded
+at 200 us). Run: python bench/ngram_lookup.py"""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import random
 import statistics
 import time
 
-from llama_grpc_server.core.ngram import NgramIndex
+from llama_grpc_server.core.speculation.ngram import NgramIndex
 
 PROMPT_TOKENS = 4000
 STEPS = 1000

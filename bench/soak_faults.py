@@ -26,9 +26,9 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from llama_grpc_server.cli import main  # noqa: E402
-from llama_grpc_server.core.plan import StepPlan, StepResult  # noqa: E402
+from llama_grpc_server.core.kv.disk import KvDiskStore  # noqa: E402
+from llama_grpc_server.core.scheduling.plan import StepPlan, StepResult  # noqa: E402
 from llama_grpc_server.engine.runner import Runner  # noqa: E402
-from llama_grpc_server.kv_disk import KvDiskStore  # noqa: E402
 
 
 def slow_disk(delay_s: float, period_s: float = 0.0) -> None:

@@ -1,8 +1,8 @@
 """Replay the AUTO speculation policy offline (issue 17). The outputs of bench/speculative.py's
 prompts (greedy, the control's seeded and sampled as there) are recorded once from a real server
 (speculation off: verification is exact-match, so they are what AUTO generates too, up to the
-numerics of batch shape); then core.speculative.Speculator runs over them as the scheduler
-drives it for one stream, each tick costed at a measured curve of forward-pass times
+numerics of batch shape); then core.speculation.speculator.Speculator runs over them as the
+scheduler drives it for one stream, each tick costed at a measured curve of forward-pass times
 (bench/results/decode_cost_shape*.json), next to the perfect-foresight bound (each step's best
 draft length known in advance, with the same n-gram lookup).
 
@@ -44,8 +44,7 @@ from speculative import CONTROL, GEN_TOKENS, GROUNDED, params
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
-from llama_grpc_server.core.ngram import NgramIndex
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     GenerationRequest,
     Request,
     SamplingParams,
@@ -54,8 +53,9 @@ from llama_grpc_server.core.request import (
     SpeculativeParams,
     StoppingParams,
 )
-from llama_grpc_server.core.spec_policy import PRIOR_AVX512, PRIOR_X86_64_V3
-from llama_grpc_server.core.speculative import Speculator
+from llama_grpc_server.core.speculation.ngram import NgramIndex
+from llama_grpc_server.core.speculation.policy import PRIOR_AVX512, PRIOR_X86_64_V3
+from llama_grpc_server.core.speculation.speculator import Speculator
 
 OUTPUTS = RESULTS / "spec_outputs.json"
 

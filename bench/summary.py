@@ -776,7 +776,7 @@ def soak_stalls(data: dict[str, Any]) -> list[str]:
 
 def decode_cost_shape(data: dict[str, Any]) -> list[str]:
     """The cost of one forward pass of N tokens of one sequence, by N: the source of the
-    speculation cost model's prior shape (core/spec_policy.py)."""
+    speculation cost model's prior shape (core/speculation/policy.py)."""
     avx512 = "AVX512 = 1" in data["machine"].get("llama_system_info", "")
     build = "AVX-512 build" if avx512 else "x86-64-v3 build"
     lines = header(data, f"Forward-pass cost by row count, {build} (the cost model's prior)", None)

@@ -495,7 +495,7 @@ def doors_table() -> str:
         sys.path.insert(0, root)
     from deploy import smg_parsers
 
-    from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
+    from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES
 
     rows = [
         "| family | " + " | ".join(DOORS.values()) + " | SMG parsers (tool, reasoning) |",

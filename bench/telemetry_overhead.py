@@ -200,8 +200,7 @@ def hook_cost_us(batch: int, iterations: int = 20_000) -> dict[str, float]:
     from collections import deque
     from types import SimpleNamespace
 
-    from llama_grpc_server.core.plan import Chunk, StepPlan, StepResult
-    from llama_grpc_server.core.request import (
+    from llama_grpc_server.core.requests.request import (
         Finished,
         FinishReason,
         GenerationRequest,
@@ -209,6 +208,7 @@ def hook_cost_us(batch: int, iterations: int = 20_000) -> dict[str, float]:
         Timings,
         Usage,
     )
+    from llama_grpc_server.core.scheduling.plan import Chunk, StepPlan, StepResult
     from llama_grpc_server.observability.metrics import Metrics
     from llama_grpc_server.observability.telemetry import EVENT_NAMES, Bus, Telemetry
     from llama_grpc_server.testing import FakeEngine

@@ -91,7 +91,7 @@ def check_model(server_args: Sequence[str], environ: Mapping[str, str] = os.envi
     the options are wrong or the tokenizer cannot be exported, at once, instead of a gateway
     that never becomes ready (SMG cannot register a worker without the tokenizer)."""
     from llama_grpc_server.config.loading import ConfigError, HelpRequested, load_settings
-    from llama_grpc_server.core.chat import BUILTIN_TEMPLATES, template_in_use
+    from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES, template_in_use
     from llama_grpc_server.models import tokenizer_export
     from llama_grpc_server.models.files import default_model_path
     from llama_grpc_server.models.gguf_header import GGUFError, read_header
@@ -103,7 +103,8 @@ def check_model(server_args: Sequence[str], environ: Mapping[str, str] = os.envi
     path = settings.model.model_path or str(default_model_path())
     try:
         header = read_header(path)
-        # the template a replica will use (core.chat.template_in_use, as engine/llama.py does)
+        # the template a replica will use (core.requests.chat.template_in_use, as engine/llama.py
+        # does)
         name = template_in_use(
             settings.model.chat_template, header.has_chat_template, header.architecture
         )

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llama_grpc_server.core.tenants import TenantLimits
+from llama_grpc_server.core.scheduling.tenants import TenantLimits
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}")
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")

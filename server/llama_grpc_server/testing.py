@@ -26,10 +26,11 @@ import numpy as np
 
 from llama_grpc_server import errors
 from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot
-from llama_grpc_server.core.chat import ROLES, ChatMessage
-from llama_grpc_server.core.embedding import Vectors
-from llama_grpc_server.core.kv_events import KvEventLog
-from llama_grpc_server.core.plan import (
+from llama_grpc_server.core.kv.events import KvEventLog
+from llama_grpc_server.core.requests.chat import ROLES, ChatMessage
+from llama_grpc_server.core.requests.embedding import Vectors
+from llama_grpc_server.core.requests.request import Event, Failed, GenerationRequest, TokenDelta
+from llama_grpc_server.core.scheduling.plan import (
     DECODE_KV_FULL,
     Chunk,
     Collect,
@@ -37,11 +38,10 @@ from llama_grpc_server.core.plan import (
     StepPlan,
     StepResult,
 )
-from llama_grpc_server.core.request import Event, Failed, GenerationRequest, TokenDelta
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
-from llama_grpc_server.core.tenants import TenantLimits
+from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.core.scheduling.tenants import TenantLimits
 from llama_grpc_server.engine.embedding import Embedder
-from llama_grpc_server.loop import EngineLoop, EngineStream
+from llama_grpc_server.engine.loop import EngineLoop, EngineStream
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 BYTE_OFFSET = 3

@@ -20,7 +20,7 @@ import pytest_asyncio
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSettings, Settings
-from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
+from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.server import start_server
 from tests.support.families import (

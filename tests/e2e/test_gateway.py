@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "The three primary colors are"
 MESSAGES = [{"role": "user", "content": "Name three primary colors."}]
-BLOCK = 16  # the KV events' block size (core.kv_events.BLOCK_SIZE), SMG's --block-size
+BLOCK = 16  # the KV events' block size (core.kv.events.BLOCK_SIZE), SMG's --block-size
 QUESTIONS = ["What is two plus two?", "Name a color.", "Say hello.", "Count to three.",
              "Which planet is red?"]  # fmt: skip
 
@@ -229,7 +229,8 @@ async def test_a_repeated_long_prefix_is_cached(sdk: Any, gateway: Gateway) -> N
 
 
 def gemma_prompt(system: str, question: str) -> str:
-    """What the gemma template (core.chat.GEMMA) renders for a system message and a question."""
+    """What the gemma template (core.requests.chat.GEMMA) renders for a system message and a
+    question."""
     return f"<bos><start_of_turn>user\n{system}\n\n{question}<end_of_turn>\n<start_of_turn>model\n"
 
 
@@ -276,7 +277,7 @@ async def test_completions_go_where_their_prefix_is_cached(
 ) -> None:
     """The same for /v1/completions, whose ids SMG sends without the BOS the worker puts in
     front: the workers announce every BOS-led sequence without its BOS too, so SMG's blocks of
-    [t1 ..] match (core.kv_events.KvEventPublisher)."""
+    [t1 ..] match (core.kv.events.KvEventPublisher)."""
     head = f"{uuid.uuid4().hex} The history of the primary colors, told rule by rule. " * 12
     before = event_branches(gateway)
     seen: list[list[int]] = []

@@ -28,7 +28,7 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc import AsyncClient, Delta
-from llama_grpc_server.core.kv_events import chain
+from llama_grpc_server.core.kv.events import chain
 from tests.support.vllm_engine_fake import kv_until, stored_blocks
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 CALL_TIMEOUT_S = 120.0
 STREAM_TOKENS = 96  # long enough to be in flight when the replica dies, even on a quiet box
 PLAIN_TOKENS = 64
-DISK_BLOCK = 64  # the disk tier saves whole 64-token blocks (core.kv_events' docstring)
+DISK_BLOCK = 64  # the disk tier saves whole 64-token blocks (core.kv.events' docstring)
 
 
 @pytest.fixture(scope="module")

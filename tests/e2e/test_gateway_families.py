@@ -67,7 +67,7 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 def literal(text: str) -> str:
-    """`text` as a regex matching only itself (core/regex_grammar.py's escapes)."""
+    """`text` as a regex matching only itself (core/constrained/regex_grammar.py's escapes)."""
     out = []
     for ch in text:
         if ch == "\n":

@@ -29,7 +29,7 @@ from llama_grpc import (
 )
 from llama_grpc_server.config import PoolSettings, Settings
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_path
 from llama_grpc_server.models.pool import ModelSpec, model_specs, settings_for
 from llama_grpc_server.rpc.lifecycle import RunningServer

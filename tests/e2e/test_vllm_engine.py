@@ -19,8 +19,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc import AsyncClient, Delta
-from llama_grpc_server.core.kv_events import BLOCK_SIZE, chain
-from llama_grpc_server.core.regex_grammar import choice_to_gbnf, regex_to_gbnf
+from llama_grpc_server.core.constrained.regex_grammar import choice_to_gbnf, regex_to_gbnf
+from llama_grpc_server.core.kv.events import BLOCK_SIZE, chain
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from tests.support.regex_grammar import REGEX_CASES
 from tests.support.servicer_fake import details

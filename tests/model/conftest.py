@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from llama_grpc_server.config import ModelSettings, SchedulerSettings, Settings
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     Event,
     Failed,
     Finished,
@@ -22,7 +22,7 @@ from llama_grpc_server.core.request import (
     TokenLogprob,
 )
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.engine.loop import EngineLoop
 
 from ..conftest import TEST_THREADS, tiny_model_file
 

@@ -12,9 +12,9 @@ import pytest
 
 from llama_grpc_server import errors
 from llama_grpc_server.config import num_cpus
-from llama_grpc_server.core.request import FinishReason, TokenDelta
+from llama_grpc_server.core.requests.request import FinishReason, TokenDelta
 from llama_grpc_server.engine import openmp
-from llama_grpc_server.loop import (
+from llama_grpc_server.engine.loop import (
     DECODE_THREAD_NAME,
     ENGINE_THREAD_NAME,
     EngineLoop,

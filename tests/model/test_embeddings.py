@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from llama_grpc_server.config import ModelSettings
-from llama_grpc_server.core.embedding import EmbeddingParams, Pooling
-from llama_grpc_server.core.request import Finished, FinishReason, GenerationRequest
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.core.requests.embedding import EmbeddingParams, Pooling
+from llama_grpc_server.core.requests.request import Finished, FinishReason, GenerationRequest
+from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.models.files import default_model_path
 from tests.model.conftest import request, run, run_all, wait_idle
 

@@ -12,8 +12,8 @@ from collections import Counter
 import pytest
 
 from llama_grpc_server.config import ModelSettings, Settings
-from llama_grpc_server.core.chat import ChatMessage
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.chat import ChatMessage
+from llama_grpc_server.core.requests.request import (
     Constraint,
     Failed,
     FinishReason,
@@ -22,7 +22,7 @@ from llama_grpc_server.core.request import (
     TokenLogprob,
 )
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.engine.loop import EngineLoop
 
 from ..conftest import PERSON_SCHEMA, TEST_THREADS, YES_NO, check_person
 from .conftest import request, run, run_all

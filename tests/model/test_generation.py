@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from llama_grpc_server.core.request import FinishReason
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.core.requests.request import FinishReason
+from llama_grpc_server.engine.loop import EngineLoop
 
 from .conftest import request, run
 

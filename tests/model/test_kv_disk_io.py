@@ -8,8 +8,8 @@ import asyncio
 import threading
 from pathlib import Path
 
-from llama_grpc_server.kv_disk import KvDiskStore
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.core.kv.disk import KvDiskStore
+from llama_grpc_server.engine.loop import EngineLoop
 
 from .conftest import make_engine, request, run
 

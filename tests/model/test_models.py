@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from llama_grpc_server.config import ModelSettings, num_cpus
-from llama_grpc_server.core.plan import Chunk, StepPlan
+from llama_grpc_server.core.scheduling.plan import Chunk, StepPlan
 from llama_grpc_server.engine import cpu_share, offload
 from llama_grpc_server.engine.llama import LlamaModel
 from llama_grpc_server.engine.runner import Runner

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.engine.loop import EngineLoop
 
 from .conftest import Outcome, make_engine, request, run_all
 

@@ -3,8 +3,8 @@ save/restore round trip, cache scopes."""
 
 from __future__ import annotations
 
-from llama_grpc_server.core.prefix_cache import common_prefix_length
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.core.kv.prefix_cache import common_prefix_length
+from llama_grpc_server.engine.loop import EngineLoop
 
 from .conftest import make_engine, request, run, run_all
 

@@ -20,7 +20,7 @@ import dataclasses
 import llama_cpp
 import pytest
 
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     Constraint,
     FinishReason,
     GenerationRequest,
@@ -29,7 +29,7 @@ from llama_grpc_server.core.request import (
     SpeculativeParams,
     TokenDelta,
 )
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.engine.loop import EngineLoop
 from tests.support.greedy import assert_greedy_equal
 
 from .conftest import Outcome, make_engine, make_tiny_engine, request, run, run_all, wait_idle

@@ -1,6 +1,6 @@
-"""Structural tags on llama.cpp: the grammars core/structural_tag.py writes accept and refuse the
-texts xgrammar's formats mean (fed to llama.cpp's grammar one character token at a time), and
-on the embedded Gemma 3 a lazy grammar leaves the text before its trigger free, constrains what
+"""Structural tags on llama.cpp: the grammars core/constrained/structural_tag.py writes accept and
+refuse the texts xgrammar's formats mean (fed to llama.cpp's grammar one character token at a time),
+and on the embedded Gemma 3 a lazy grammar leaves the text before its trigger free, constrains what
 follows it, watches for it again after the tag, and never takes a token whose text past the
 trigger the tag would refuse (llama.cpp would abort on it)."""
 
@@ -14,11 +14,11 @@ from typing import Any
 import llama_cpp
 import pytest
 
-from llama_grpc_server.core.request import Constraint, GenerationRequest
-from llama_grpc_server.core.structural_tag import structural_tag_to_gbnf
+from llama_grpc_server.core.constrained.structural_tag import structural_tag_to_gbnf
+from llama_grpc_server.core.requests.request import Constraint, GenerationRequest
 from llama_grpc_server.engine.grammar import init_grammar, json_schema_to_gbnf, token_piece
+from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.engine.sampler import Candidates
-from llama_grpc_server.loop import EngineLoop
 from llama_grpc_server.models.files import default_model_path
 
 from .conftest import request, run

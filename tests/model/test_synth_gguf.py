@@ -13,14 +13,14 @@ import llama_cpp
 import pytest
 
 from llama_grpc_server.config import ModelSettings, SchedulerSettings, Settings
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     Finished,
     GenerationRequest,
     SamplingParams,
     StoppingParams,
 )
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.models.gguf_header import read_header
 from tests.support.families import (
     CORPUS,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from llama_grpc_server.core.api import DiskTierStats, SlotSnapshot, StatsSnapshot
-from llama_grpc_server.core.request import Finished, FinishReason, Timings, Usage
+from llama_grpc_server.core.requests.request import Finished, FinishReason, Timings, Usage
 
 USAGE = Usage(prompt_tokens=5, completion_tokens=3, cached_prompt_tokens=2)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import threading
 
-from llama_grpc_server.core.strategies import Allocation, BatchView, DecodeMaximal
+from llama_grpc_server.core.scheduling.strategies import Allocation, BatchView, DecodeMaximal
 
 
 class CrashAtCall:

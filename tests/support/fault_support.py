@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 from llama_grpc import AsyncClient, Delta, Done, LlamaGrpcError, Stats
 from llama_grpc_server import errors
 from llama_grpc_server.config import Settings
-from llama_grpc_server.core.plan import StepPlan, StepResult
-from llama_grpc_server.core.request import Event, Failed, Request
-from llama_grpc_server.core.scheduler import Scheduler
+from llama_grpc_server.core.requests.request import Event, Failed, Request
+from llama_grpc_server.core.scheduling.plan import StepPlan, StepResult
+from llama_grpc_server.core.scheduling.scheduler import Scheduler
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
 from tests.conftest import TEST_THREADS

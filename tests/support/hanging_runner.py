@@ -12,7 +12,7 @@ import threading
 import time
 
 from llama_grpc_server.cli import main
-from llama_grpc_server.core.plan import StepPlan, StepResult
+from llama_grpc_server.core.scheduling.plan import StepPlan, StepResult
 from llama_grpc_server.engine.runner import Runner
 
 

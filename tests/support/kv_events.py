@@ -4,7 +4,7 @@ in tests/unit/test_kv_events.py)."""
 
 from __future__ import annotations
 
-from llama_grpc_server.core.kv_events import (
+from llama_grpc_server.core.kv.events import (
     BLOCK_SIZE,
     BlocksRemoved,
     BlocksStored,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from llama_grpc_server.core.request import Event
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.core.requests.request import Event
+from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.testing import FakeRunner, fake_model_info
 from tests.support.scheduler import PIECES
 

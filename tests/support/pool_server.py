@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from llama_grpc_server.config import Settings
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.models.pool import ModelSpec, model_specs, settings_for
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server

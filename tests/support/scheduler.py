@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     Event,
     Failed,
     Finished,
@@ -17,7 +17,7 @@ from llama_grpc_server.core.request import (
     StoppingParams,
     TokenDelta,
 )
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.testing import FakeRunner
 
 PIECES = [f"<{i}>".encode() for i in range(97)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     GenerationRequest,
     Request,
     SamplingParams,
@@ -17,7 +17,7 @@ from llama_grpc_server.core.request import (
     SpeculativeParams,
     StoppingParams,
 )
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
 from tests.support.scheduler import PIECES, Clock
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -63,8 +63,23 @@ def test_the_module_table_names_no_module_that_does_not_exist() -> None:
 def test_the_package_tree_names_every_package() -> None:
     text = ARCHITECTURE.read_text(encoding="utf-8")
     tree = text[text.index("server/llama_grpc_server/\n") : text.index("deploy/ ")]
-    listed = set(re.findall(r"^    ([a-z_]+/)", tree, re.MULTILINE))
-    assert listed == server_packages()
+    assert listed_packages(tree) == server_packages()
+
+
+def listed_packages(tree: str) -> set[str]:
+    """The packages of the tree, nested by four spaces a level (`core/kv/`)."""
+    listed: set[str] = set()
+    parents: list[str] = []
+    for indent, name in re.findall(r"^((?:    )+)([a-z_]+/)", tree, re.MULTILINE):
+        depth = len(indent) // 4 - 1
+        parents[depth:] = [name]
+        listed.add("".join(parents))
+    return listed
+
+
+def test_the_tree_reader_nests_packages_by_indentation() -> None:
+    tree = "    core/    x\n        kv/    y\n    engine/    z\n        loop.py  w\n"
+    assert listed_packages(tree) == {"core/", "core/kv/", "engine/"}
 
 
 def test_the_table_reader_sees_dotted_names_and_stops_at_the_table_end() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from llama_grpc_server import auth, errors
 from llama_grpc_server.auth import AuthFileError, Role, load_auth_file, token_digest
-from llama_grpc_server.core.tenants import TenantLimits
+from llama_grpc_server.core.scheduling.tenants import TenantLimits
 from llama_grpc_server.rpc.access import AccessControl, bearer_token
 
 USER_TOKEN = "user-token-0123456789"

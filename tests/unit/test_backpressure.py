@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     Failed,
     Finished,
     GenerationRequest,
@@ -17,7 +17,7 @@ from llama_grpc_server.core.request import (
     Request,
     StoppingParams,
 )
-from llama_grpc_server.core.scheduler import Emitted, Scheduler, SchedulerLimits
+from llama_grpc_server.core.scheduling.scheduler import Emitted, Scheduler, SchedulerLimits
 from llama_grpc_server.testing import FakeEngine, FakeRunner, encode
 from tests.support.scheduler import PIECES, Clock, alone, finals, outputs, req
 

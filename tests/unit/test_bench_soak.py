@@ -204,7 +204,7 @@ def test_the_slow_disk_stalls_once_a_period(monkeypatch: Any) -> None:
     import soak_faults  # it takes bench/ off sys.path (a server must not import from it)
 
     sys.path[:] = path
-    from llama_grpc_server.kv_disk import KvDiskStore
+    from llama_grpc_server.core.kv.disk import KvDiskStore
 
     reads: list[Path] = []
     monkeypatch.setattr(KvDiskStore, "_read_file", lambda self, p: reads.append(p) or b"x")

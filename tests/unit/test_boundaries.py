@@ -26,7 +26,7 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_core_imports_neither_llama_cpp_nor_grpc() -> None:
     """core/ never imports llama_cpp or grpc."""
-    files = list((SERVER / "core").glob("*.py"))
+    files = list((SERVER / "core").rglob("*.py"))
     assert files
     for path in files:
         bad = imported_modules(path) & {"llama_cpp", "grpc", "numpy"}

@@ -27,7 +27,7 @@ from llama_grpc_server.config import (
 )
 from llama_grpc_server.config.loading import ConfigError, HelpRequested, load_settings
 from llama_grpc_server.config.options import OPTIONS
-from llama_grpc_server.core.request import SamplingParams
+from llama_grpc_server.core.requests.request import SamplingParams
 from llama_grpc_server.observability.telemetry import log_format_for
 
 
@@ -234,7 +234,7 @@ def test_toml_ints_accepted_for_floats(tmp_path: Path) -> None:
 
 def test_custom_batch_strategy_accepted() -> None:
     """A module:attr batch strategy that loads is kept as given."""
-    spec = "llama_grpc_server.core.strategies:PrefillPriority"
+    spec = "llama_grpc_server.core.scheduling.strategies:PrefillPriority"
     assert settings("--batch-strategy", spec).scheduler.batch_strategy == spec
 
 

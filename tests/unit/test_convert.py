@@ -8,7 +8,7 @@ import pytest
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server.core.api import DiskTierStats, StatsSnapshot
-from llama_grpc_server.core.request import FinishReason, TokenDelta
+from llama_grpc_server.core.requests.request import FinishReason, TokenDelta
 from llama_grpc_server.rpc import convert
 from llama_grpc_server.testing import fake_model_info
 from tests.support.convert import finished, make_snapshot

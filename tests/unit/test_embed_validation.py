@@ -10,8 +10,8 @@ import pytest
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
-from llama_grpc_server.core.embedding import EmbeddingParams, Pooling, Vectors
-from llama_grpc_server.core.request import Finished, FinishReason, Timings, Usage
+from llama_grpc_server.core.requests.embedding import EmbeddingParams, Pooling, Vectors
+from llama_grpc_server.core.requests.request import Finished, FinishReason, Timings, Usage
 from llama_grpc_server.rpc import embeddings
 from llama_grpc_server.testing import fake_model_info
 

@@ -1,7 +1,7 @@
-"""core.embedding (pooling, dimensions, normalisation, a pass's share) and embedding requests in
-the scheduler over the fake runner: their own passes, alternating with generation, chunked,
-preempted, their KV cleared after; an encoder-only model's whole inputs and refused generation
-(no model)."""
+"""core.requests.embedding (pooling, dimensions, normalisation, a pass's share) and embedding
+requests in the scheduler over the fake runner: their own passes, alternating with generation,
+chunked, preempted, their KV cleared after; an encoder-only model's whole inputs and refused
+generation (no model)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 
 from llama_grpc_server import errors
-from llama_grpc_server.core import embedding
-from llama_grpc_server.core.embedding import EmbeddingParams, Pooling, Vectors
-from llama_grpc_server.core.kv_events import Tier
-from llama_grpc_server.core.plan import Chunk, SeqOp, SeqOpKind, StepResult
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.kv.events import Tier
+from llama_grpc_server.core.requests import embedding
+from llama_grpc_server.core.requests.embedding import EmbeddingParams, Pooling, Vectors
+from llama_grpc_server.core.requests.request import (
     Event,
     Failed,
     Finished,
@@ -21,7 +20,8 @@ from llama_grpc_server.core.request import (
     GenerationRequest,
     Request,
 )
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.core.scheduling.plan import Chunk, SeqOp, SeqOpKind, StepResult
+from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.engine.embedding import Embedder, pool
 from llama_grpc_server.testing import FakeRunner
 from tests.support.scheduler import PIECES, alone, drive, finals, make, outputs, req

@@ -13,9 +13,8 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
 from llama_grpc_server.config import SchedulerSettings
 from llama_grpc_server.config.loading import ConfigError, load_settings
-from llama_grpc_server.core.chat import ChatMessage
-from llama_grpc_server.core.plan import SampledLogprob, StepPlan, StepResult
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.chat import ChatMessage
+from llama_grpc_server.core.requests.request import (
     Constraint,
     Failed,
     Finished,
@@ -30,7 +29,8 @@ from llama_grpc_server.core.request import (
     TopLogprob,
     Usage,
 )
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.core.scheduling.plan import SampledLogprob, StepPlan, StepResult
+from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.rpc import convert, validation
 from llama_grpc_server.testing import N_VOCAB, FakeEngine, FakeRunner, fake_model_info
 
@@ -481,7 +481,7 @@ def test_chat_template_option_reaches_the_model_settings() -> None:
 def test_the_template_in_use_and_why() -> None:
     """The configured built-in, else the model file's own, else the family's built-in (Gemma's
     for every Gemma architecture), else none; template_origin says which, for the log."""
-    from llama_grpc_server.core.chat import template_in_use, template_origin
+    from llama_grpc_server.core.requests.chat import template_in_use, template_origin
 
     assert template_in_use("chatml", True, "gemma3") == "chatml"
     assert template_in_use("", True, "gemma3") == "gguf"

@@ -19,7 +19,7 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
 from llama_grpc_server.auth import ANONYMOUS, AuthTable, Principal, Role
 from llama_grpc_server.config import ServerSettings, Settings
-from llama_grpc_server.core.request import GenerationRequest
+from llama_grpc_server.core.requests.request import GenerationRequest
 from llama_grpc_server.rpc import interceptors
 from llama_grpc_server.rpc.access import AccessControl
 from llama_grpc_server.rpc.lifecycle import RunningServer

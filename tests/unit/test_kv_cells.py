@@ -3,8 +3,13 @@ request re-prefill from scratch instead of decoding over a stale cache."""
 
 from __future__ import annotations
 
-from llama_grpc_server.core.kv_cells import CellMap
-from llama_grpc_server.core.request import Finished, GenerationRequest, Request, StoppingParams
+from llama_grpc_server.core.kv.cells import CellMap
+from llama_grpc_server.core.requests.request import (
+    Finished,
+    GenerationRequest,
+    Request,
+    StoppingParams,
+)
 from llama_grpc_server.testing import FakeRunner
 from tests.support.scheduler import GREEDY, drive, finals, make, outputs
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from llama_grpc_server import kv_disk
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
-from llama_grpc_server.kv_disk import BLOCK_TOKENS, KvDiskStore
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.core.kv import disk as kv_disk
+from llama_grpc_server.core.kv.disk import BLOCK_TOKENS, KvDiskStore
+from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.testing import FakeRunner, FakeVocabulary, fake_model_info
 from tests.support.scheduler import PIECES
 

@@ -1,10 +1,10 @@
-"""The KV event model (core.kv_events): chained, scope-salted block hashes, holders counted per
+"""The KV event model (core.kv.events): chained, scope-salted block hashes, holders counted per
 tier, the bounded log, resumption and snapshots. `Subscriber` is what a router rebuilds from the
 stream, checking every event (test_kv_events_scheduler.py drives it with the scheduler)."""
 
 from __future__ import annotations
 
-from llama_grpc_server.core.kv_events import (
+from llama_grpc_server.core.kv.events import (
     BlocksRemoved,
     KvEventLog,
     KvEventPublisher,

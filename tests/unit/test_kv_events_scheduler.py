@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.kv_events import (
+from llama_grpc_server.core.kv.disk import KvDiskStore
+from llama_grpc_server.core.kv.events import (
     BLOCK_SIZE,
     BlocksStored,
     CacheCleared,
@@ -21,9 +22,8 @@ from llama_grpc_server.core.kv_events import (
     Tier,
     chain,
 )
-from llama_grpc_server.core.request import GenerationRequest, Request, StoppingParams
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
-from llama_grpc_server.kv_disk import KvDiskStore
+from llama_grpc_server.core.requests.request import GenerationRequest, Request, StoppingParams
+from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.testing import FakeRunner
 from tests.support.kv_events import Blocks, Subscriber
 from tests.support.scheduler import GREEDY, PIECES, Clock

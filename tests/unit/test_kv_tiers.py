@@ -8,8 +8,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from llama_grpc_server.core.plan import SeqOpKind
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.kv.disk import SUFFIX, KvDiskStore
+from llama_grpc_server.core.requests.request import (
     Event,
     Failed,
     Finished,
@@ -18,8 +18,8 @@ from llama_grpc_server.core.request import (
     RequestState,
     StoppingParams,
 )
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
-from llama_grpc_server.kv_disk import SUFFIX, KvDiskStore
+from llama_grpc_server.core.scheduling.plan import SeqOpKind
+from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.testing import FakeRunner
 from tests.support.scheduler import GREEDY, PIECES, Clock, finals, outputs, req
 from tests.support.scheduler import drive as drive_ticks

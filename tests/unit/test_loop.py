@@ -18,9 +18,15 @@ import structlog
 from structlog.testing import capture_logs
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.request import Event, Failed, Finished, GenerationRequest, TokenDelta
-from llama_grpc_server.core.strategies import Allocation, BatchView, DecodeMaximal
-from llama_grpc_server.loop import IDLE_RELEASE_S, EngineLoop, EngineState
+from llama_grpc_server.core.requests.request import (
+    Event,
+    Failed,
+    Finished,
+    GenerationRequest,
+    TokenDelta,
+)
+from llama_grpc_server.core.scheduling.strategies import Allocation, BatchView, DecodeMaximal
+from llama_grpc_server.engine.loop import IDLE_RELEASE_S, EngineLoop, EngineState
 from llama_grpc_server.observability.telemetry import configure_logging
 from llama_grpc_server.testing import FakeRunner
 from tests.support.loop import last_event, make_loop

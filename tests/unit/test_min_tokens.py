@@ -3,8 +3,13 @@ cached prompt count every delta carries (no model; the sampler's own ban is test
 
 from __future__ import annotations
 
-from llama_grpc_server.core.request import Finished, FinishReason, StoppingParams, TokenDelta
-from llama_grpc_server.core.text import TextAssembler
+from llama_grpc_server.core.requests.request import (
+    Finished,
+    FinishReason,
+    StoppingParams,
+    TokenDelta,
+)
+from llama_grpc_server.core.requests.text import TextAssembler
 from llama_grpc_server.testing import FakeRunner
 from tests.support.scheduler import PIECES, alone, drive, finals, make, req
 

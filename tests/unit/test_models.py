@@ -17,8 +17,13 @@ import pytest
 from llama_grpc_server import errors
 from llama_grpc_server.config import ModelSettings, PoolSettings, Settings
 from llama_grpc_server.core import stats
-from llama_grpc_server.core.request import Failed, Finished, GenerationRequest, StoppingParams
-from llama_grpc_server.core.tenants import TenantLimits
+from llama_grpc_server.core.requests.request import (
+    Failed,
+    Finished,
+    GenerationRequest,
+    StoppingParams,
+)
+from llama_grpc_server.core.scheduling.tenants import TenantLimits
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
 from llama_grpc_server.models.pool import (
     RESCAN_INTERVAL_S,

@@ -7,8 +7,7 @@ import random
 
 import pytest
 
-from llama_grpc_server.core.plan import Chunk, StepPlan
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     Event,
     Failed,
     Finished,
@@ -16,6 +15,7 @@ from llama_grpc_server.core.request import (
     Request,
     StoppingParams,
 )
+from llama_grpc_server.core.scheduling.plan import Chunk, StepPlan
 from llama_grpc_server.testing import FakeRunner
 from tests.support.scheduler import GREEDY, finals, make
 

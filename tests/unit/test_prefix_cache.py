@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from llama_grpc_server.core.prefix_cache import (
+from llama_grpc_server.core.kv.prefix_cache import (
     RamTier,
     choose_slot,
     common_prefix_length,
     eviction_order,
     place,
 )
-from llama_grpc_server.core.request import GenerationRequest, Request
-from llama_grpc_server.core.slot import Slot
+from llama_grpc_server.core.requests.request import GenerationRequest, Request
+from llama_grpc_server.core.scheduling.slot import Slot
 
 
 def idle(

@@ -1,10 +1,11 @@
-"""core.regex_grammar: regex and choice constraints as GBNF, and the features it refuses."""
+"""core.constrained.regex_grammar: regex and choice constraints as GBNF, and the features it
+refuses."""
 
 from __future__ import annotations
 
 import pytest
 
-from llama_grpc_server.core.regex_grammar import (
+from llama_grpc_server.core.constrained.regex_grammar import (
     MAX_REPEAT,
     RegexUnsupported,
     choice_to_gbnf,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from llama_grpc_server.core import response_cache as rc
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     Constraint,
     Finished,
     FinishReason,

@@ -20,7 +20,7 @@ from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import errors
 from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings, loading
 from llama_grpc_server.core.cached_engine import ResponseCachingEngine
-from llama_grpc_server.core.request import Finished, GenerationRequest, SamplingParams
+from llama_grpc_server.core.requests.request import Finished, GenerationRequest, SamplingParams
 from llama_grpc_server.core.response_cache import ResponseCache
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.plan import SeqOpKind
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     Failed,
     Finished,
     FinishReason,
@@ -16,8 +15,9 @@ from llama_grpc_server.core.request import (
     StoppingParams,
     TokenDelta,
 )
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
-from llama_grpc_server.core.strategies import PrefillPriority
+from llama_grpc_server.core.scheduling.plan import SeqOpKind
+from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.core.scheduling.strategies import PrefillPriority
 from llama_grpc_server.testing import FakeRunner
 from tests.support.scheduler import GREEDY, PIECES, Clock, alone, drive, finals, make, outputs, req
 
@@ -204,7 +204,7 @@ def test_decode_error_fails_only_that_batch() -> None:
     plan, _ = s.schedule()
     assert plan is not None
     runner.execute(plan)
-    from llama_grpc_server.core.plan import StepResult
+    from llama_grpc_server.core.scheduling.plan import StepResult
 
     events = s.update(plan, StepResult(status=-3))
     assert isinstance(events[0][1], Failed)

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import errors
-from llama_grpc_server.core.tenants import TenantLimits
+from llama_grpc_server.core.scheduling.tenants import TenantLimits
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import serve, start_server
 from llama_grpc_server.rpc.servicer import SERVICE_NAME

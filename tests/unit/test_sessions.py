@@ -6,8 +6,8 @@ sessions than slots the least recently used history moves to the RAM tier and co
 
 from __future__ import annotations
 
-from llama_grpc_server.core.request import GenerationRequest, Request, StoppingParams
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.core.requests.request import GenerationRequest, Request, StoppingParams
+from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.testing import FakeRunner
 from tests.support.scheduler import GREEDY, PIECES, Clock, drive, outputs
 

@@ -12,7 +12,7 @@ import pytest
 from deploy import smg_parsers
 from deploy.gateway import check_model
 
-from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
+from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 

@@ -1,5 +1,5 @@
-"""Speculative decoding, the pure parts: the n-gram drafter (core.ngram), the tick cost model,
-the acceptance estimate and the AUTO policy (core.spec_policy)."""
+"""Speculative decoding, the pure parts: the n-gram drafter (core.speculation.ngram), the tick cost
+model, the acceptance estimate and the AUTO policy (core.speculation.policy)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ import random
 
 import pytest
 
-from llama_grpc_server.core.kv_cells import CellMap
-from llama_grpc_server.core.ngram import Match, NgramIndex
-from llama_grpc_server.core.plan import MAX_PAD_ROWS
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.kv.cells import CellMap
+from llama_grpc_server.core.requests.request import (
     GenerationRequest,
     Request,
     SamplingParams,
@@ -18,7 +16,9 @@ from llama_grpc_server.core.request import (
     SpeculativeParams,
     StoppingParams,
 )
-from llama_grpc_server.core.spec_policy import (
+from llama_grpc_server.core.scheduling.plan import MAX_PAD_ROWS
+from llama_grpc_server.core.speculation.ngram import Match, NgramIndex
+from llama_grpc_server.core.speculation.policy import (
     ACCEPT_ALPHA,
     ACCEPT_ALPHA_NEXT,
     MIN_GAIN,
@@ -31,7 +31,13 @@ from llama_grpc_server.core.spec_policy import (
     expected_accepted,
     prior_shape,
 )
-from llama_grpc_server.core.speculative import AMBIGUOUS, AMBIGUOUS_PRIOR, LONG, SHORT, Speculator
+from llama_grpc_server.core.speculation.speculator import (
+    AMBIGUOUS,
+    AMBIGUOUS_PRIOR,
+    LONG,
+    SHORT,
+    Speculator,
+)
 from tests.support.speculative import BOX
 
 

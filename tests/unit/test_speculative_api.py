@@ -17,7 +17,7 @@ from llama_grpc_server import errors
 from llama_grpc_server.config.loading import ConfigError, load_settings
 from llama_grpc_server.core import response_cache
 from llama_grpc_server.core.api import StatsSnapshot
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     Finished,
     GenerationRequest,
     SamplingParams,

@@ -13,8 +13,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.plan import Chunk, SampledLogprob, SeqOpKind, StepPlan, StepResult
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     Event,
     Failed,
     Finished,
@@ -26,8 +25,15 @@ from llama_grpc_server.core.request import (
     SpeculativeParams,
     TokenDelta,
 )
-from llama_grpc_server.core.scheduler import Scheduler
-from llama_grpc_server.core.spec_policy import PRIOR_AVX512
+from llama_grpc_server.core.scheduling.plan import (
+    Chunk,
+    SampledLogprob,
+    SeqOpKind,
+    StepPlan,
+    StepResult,
+)
+from llama_grpc_server.core.scheduling.scheduler import Scheduler
+from llama_grpc_server.core.speculation.policy import PRIOR_AVX512
 from llama_grpc_server.testing import FakeRunner
 from tests.support.scheduler import drive as base_drive
 from tests.support.scheduler import finals, outputs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llama_grpc_server.core.strategies import (
+from llama_grpc_server.core.scheduling.strategies import (
     DEFAULT_PREFILL_STALL,
     MAX_DECODE_WAIT_TICKS,
     Balanced,
@@ -105,7 +105,7 @@ def test_no_prefill_starves_across_ticks(strategy: BatchStrategy) -> None:
 def test_load_strategy_by_name_and_path() -> None:
     """Built-ins load by name, custom ones by module:attr; unknown names fail clearly."""
     assert load_strategy("balanced").name == "balanced"
-    custom = load_strategy("llama_grpc_server.core.strategies:PrefillPriority")
+    custom = load_strategy("llama_grpc_server.core.scheduling.strategies:PrefillPriority")
     assert custom.name == "prefill_priority"
     with pytest.raises(ValueError, match="unknown batch strategy"):
         load_strategy("fastest")

@@ -1,6 +1,6 @@
-"""core.structural_tag: structural tags (xgrammar's format, as SMG and vLLM send them) as GBNF,
-which ones are lazy, the refusals by path, and the guard before a lazy grammar's trigger. The
-grammars' languages are checked against llama.cpp in tests/model/test_structural_tag.py."""
+"""core.constrained.structural_tag: structural tags (xgrammar's format, as SMG and vLLM send them)
+as GBNF, which ones are lazy, the refusals by path, and the guard before a lazy grammar's trigger.
+The grammars' languages are checked against llama.cpp in tests/model/test_structural_tag.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llama_grpc_server.core.structural_tag import (
+from llama_grpc_server.core.constrained.structural_tag import (
     CompiledStructuralTag,
     StructuralTagUnsupported,
     TriggerGuard,

@@ -12,8 +12,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.plan import StepPlan
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     Failed,
     Finished,
     FinishReason,
@@ -22,8 +21,9 @@ from llama_grpc_server.core.request import (
     Timings,
     Usage,
 )
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.core.scheduling.plan import StepPlan
+from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.observability import telemetry
 from llama_grpc_server.observability.telemetry import (
     Bus,

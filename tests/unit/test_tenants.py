@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     Finished,
     GenerationRequest,
     Priority,
@@ -17,8 +17,8 @@ from llama_grpc_server.core.request import (
     RequestState,
     StoppingParams,
 )
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
-from llama_grpc_server.core.tenants import FairShare, TenantLimits
+from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.core.scheduling.tenants import FairShare, TenantLimits
 from llama_grpc_server.testing import FakeRunner
 from tests.support.scheduler import GREEDY, PIECES, Clock, alone, drive, finals, outputs, req
 

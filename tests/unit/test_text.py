@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llama_grpc_server.core.text import TextAssembler, held_back_length
+from llama_grpc_server.core.requests.text import TextAssembler, held_back_length
 
 EURO = "€".encode()  # 3 bytes
 PIECES = [b"Hello", b" wor", b"ld", EURO[:1], EURO[1:2], EURO[2:], b"\xf0\x9f", b"\x98\x80", b"!"]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
+from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES
 from llama_grpc_server.models import catalog, tokenizer_export
 from llama_grpc_server.models import cli as models_cli
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
@@ -345,8 +345,8 @@ def test_export_tokenizer_command_writes_the_template_a_server_would_use(
     restore_logging: None,  # the command configures logging (warning level): undone after
 ) -> None:
     """Without --chat-template the files carry the template `llama-grpc serve` would render
-    messages with (core.chat.template_in_use): the file's own, else its family's built-in (a
-    Gemma file with none gets Gemma's), else none; --chat-template overrides both."""
+    messages with (core.requests.chat.template_in_use): the file's own, else its family's built-in
+    (a Gemma file with none gets Gemma's), else none; --chat-template overrides both."""
 
     def exported(name: str, *argv: str, **meta: Value | None) -> dict[str, Any]:
         path = _write(tmp_path / f"{name}.gguf", **meta)

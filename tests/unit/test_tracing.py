@@ -6,7 +6,7 @@ from typing import Any
 
 from structlog.testing import capture_logs
 
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     Finished,
     FinishReason,
     GenerationRequest,

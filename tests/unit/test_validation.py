@@ -11,7 +11,7 @@ import pytest
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
-from llama_grpc_server.core.request import GenerationRequest
+from llama_grpc_server.core.requests.request import GenerationRequest
 from llama_grpc_server.rpc import validation
 from llama_grpc_server.testing import N_VOCAB
 from tests.support.validation import INFO, LIMITS, N_CTX, text_request

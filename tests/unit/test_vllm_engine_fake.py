@@ -21,8 +21,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings
-from llama_grpc_server.core.kv_events import chain
-from llama_grpc_server.core.request import Constraint, OutputParams, SamplingParams
+from llama_grpc_server.core.kv.events import chain
+from llama_grpc_server.core.requests.request import Constraint, OutputParams, SamplingParams
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
 from llama_grpc_server.rpc.vllm_engine import VLLM_SERVICE_NAME

@@ -14,8 +14,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.request import Failed, Finished
-from llama_grpc_server.loop import EngineLoop
+from llama_grpc_server.core.requests.request import Failed, Finished
+from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.testing import FakeRunner, HangingRunner
 from llama_grpc_server.watchdog import TickWatchdog, auto_bound_s, bound_s
 from tests.support.loop import last_event, make_loop

@@ -36,8 +36,8 @@ from llama_grpc_server.config.settings import (
     ServerSettings,
     Settings,
 )
-from llama_grpc_server.core.request import SamplingParams
-from llama_grpc_server.core.tenants import TenantLimits
+from llama_grpc_server.core.requests.request import SamplingParams
+from llama_grpc_server.core.scheduling.tenants import TenantLimits
 from llama_grpc_server.models import catalog
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
 from llama_grpc_server.observability import tracing

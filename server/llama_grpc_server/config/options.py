@@ -16,14 +16,14 @@ from llama_grpc_server.config.settings import (
     SchedulerSettings,
     ServerSettings,
 )
-from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES
+from llama_grpc_server.core.requests.request import (
     MAX_DRAFT_TOKENS,
     MAX_NGRAM,
     SamplingParams,
     SpeculativeMode,
 )
-from llama_grpc_server.core.strategies import load_strategy
+from llama_grpc_server.core.scheduling.strategies import load_strategy
 from llama_grpc_server.models import catalog
 
 PROG = "llama-grpc serve"

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from llama_grpc_server.core.request import SamplingParams
-from llama_grpc_server.core.tenants import TenantLimits
+from llama_grpc_server.core.requests.request import SamplingParams
+from llama_grpc_server.core.scheduling.tenants import TenantLimits
 
 AUTO: Literal["auto"] = "auto"
 # Layers to offload: a number (-1 = all), or "auto": all when the build and a GPU allow, else 0
@@ -95,26 +95,27 @@ class SchedulerSettings:
     kv_cache_dir: str = ""  # the disk tier (kv_disk.py); "" = off
     kv_cache_disk_mb: int = 4096
     session_idle_s: float = 30.0
-    # An idle session's history is kept over other caches this long (core.prefix_cache).
+    # An idle session's history is kept over other caches this long (core.kv.prefix_cache).
     session_live_s: float = 600.0
     response_cache_mb: int = 0  # exact response cache (core.response_cache); 0 = off
     default_max_tokens: int = 256
-    # Prompt-lookup speculative decoding (core.speculative) of requests that do not choose:
-    # "off", "auto" (when the measured costs say it pays) or "on"; and its defaults.
+    # Prompt-lookup speculative decoding (core.speculation.speculator) of requests that do not
+    # choose: "off", "auto" (when the measured costs say it pays) or "on"; and its defaults.
     speculative: str = "off"
     draft_max: int = 16
     ngram_min: int = 2
     ngram_max: int = 4
     # Pad a decode-only pass with up to 3 rows that are never sampled when the measured costs
-    # say the larger batch is cheaper (core.drafts.Drafts._pad): llama.cpp's CPU output matmul
-    # makes some row counts dearer than larger ones. Was pad_odd_ticks (still read, deprecated).
+    # say the larger batch is cheaper (core.speculation.drafts.Drafts._pad): llama.cpp's CPU output
+    # matmul makes some row counts dearer than larger ones. Was pad_odd_ticks (still read,
+    # deprecated).
     pad_decode_batches: bool = True
     # Publish and deliver a tick's events while the next forward pass runs on a GPU
     # (loop.EngineLoop._tick): "on", "off", or "auto" = on when the model's layers are offloaded
     # to a GPU (a CPU build or --n-gpu-layers 0: off).
     overlap_decode: str = "auto"
-    # Back-pressure (core.backpressure.BackPressure.behind): a request stops decoding while its
-    # caller has this many generated tokens unread (0 = unbounded), and is ended with
+    # Back-pressure (core.scheduling.backpressure.BackPressure.behind): a request stops decoding
+    # while its caller has this many generated tokens unread (0 = unbounded), and is ended with
     # RESOURCE_EXHAUSTED (STALLED_READER) when the caller then reads nothing for
     # stalled_reader_s (0 = never).
     stream_buffer_tokens: int = 256

@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from llama_grpc_server.core.chat import ChatMessage
-from llama_grpc_server.core.kv_events import KvEventLog
-from llama_grpc_server.core.request import Event, GenerationRequest
-from llama_grpc_server.core.tenants import TenantLimits
+from llama_grpc_server.core.kv.events import KvEventLog
+from llama_grpc_server.core.requests.chat import ChatMessage
+from llama_grpc_server.core.requests.request import Event, GenerationRequest
+from llama_grpc_server.core.scheduling.tenants import TenantLimits
 from llama_grpc_server.errors import ServiceError
 
 
@@ -34,11 +34,12 @@ class ModelInfo:
     n_params: int
     add_bos: bool
     chat_template: str = ""  # the template in use for messages: a built-in, "gguf" or none
-    chat_template_origin: str = ""  # why that one (core.chat.template_origin), for the log
+    chat_template_origin: str = ""  # why that one (core.requests.chat.template_origin), for the log
     n_embd: int = 0  # the dimension of its embeddings
     pooling: str = ""  # the GGUF's pooling_type ("mean", "cls", "last", "none", "rank"; "": none)
     architecture: str = ""  # general.architecture
-    # An encoder-only model (BERT): it embeds and cannot generate (core.embedding.refuse_generation)
+    # An encoder-only model (BERT): it embeds and cannot generate
+    # (core.requests.embedding.refuse_generation)
     is_encoder: bool = False
 
 

@@ -22,9 +22,9 @@ from llama_grpc_server.core.api import (
     RequestStream,
     StatsSnapshot,
 )
-from llama_grpc_server.core.chat import ChatMessage
-from llama_grpc_server.core.kv_events import KvEventLog
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.kv.events import KvEventLog
+from llama_grpc_server.core.requests.chat import ChatMessage
+from llama_grpc_server.core.requests.request import (
     Event,
     Finished,
     GenerationRequest,
@@ -37,7 +37,7 @@ from llama_grpc_server.core.response_cache import (
     is_cacheable,
     response_key,
 )
-from llama_grpc_server.core.tenants import TenantLimits
+from llama_grpc_server.core.scheduling.tenants import TenantLimits
 from llama_grpc_server.errors import ServiceError
 
 RUNNING = "running"  # StatsSnapshot.engine_state of an engine that serves

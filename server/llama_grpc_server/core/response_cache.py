@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     Constraint,
     Finished,
     FinishReason,

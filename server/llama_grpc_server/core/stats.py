@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llama_grpc_server.core.api import DiskTierStats, SlotSnapshot, StatsSnapshot
-from llama_grpc_server.core.prefix_cache import RamTier
-from llama_grpc_server.core.request import Request
-from llama_grpc_server.core.slot import Slot
+from llama_grpc_server.core.kv.prefix_cache import RamTier
+from llama_grpc_server.core.requests.request import Request
+from llama_grpc_server.core.scheduling.slot import Slot
 
 
 @dataclass(slots=True)
@@ -37,7 +37,9 @@ class Counters:
     spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
     spec_accepted_tokens: int = 0  # ... the sampler agreed with (and the request took)
     spec_ticks: int = 0  # forward passes with at least one draft
-    pad_rows: int = 0  # pad rows added to decode-only passes (core.drafts; not in GetStats)
+    pad_rows: int = (
+        0  # pad rows added to decode-only passes (core.speculation.drafts; not in GetStats)
+    )
     reader_pauses: int = 0  # times a request stopped decoding for its slow reader
     reader_stalls: int = 0  # requests ended because their reader read nothing (StalledReader)
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import llama_cpp
 import numpy as np
 
-from llama_grpc_server.core.plan import Chunk
+from llama_grpc_server.core.scheduling.plan import Chunk
 
 _I32P = ctypes.POINTER(ctypes.c_int32)
 

@@ -9,16 +9,16 @@ import llama_cpp
 import structlog
 
 from llama_grpc_server.config import Settings, ram_tier_mb
-from llama_grpc_server.core.plan import Chunk, StepPlan
-from llama_grpc_server.core.request import SpeculativeConfig, SpeculativeMode
-from llama_grpc_server.core.scheduler import Scheduler, SchedulerLimits
-from llama_grpc_server.core.spec_policy import PRIOR_AVX512, PRIOR_X86_64_V3, TickCostModel
-from llama_grpc_server.core.strategies import load_strategy
+from llama_grpc_server.core.kv.disk import KvDiskStore
+from llama_grpc_server.core.requests.request import SpeculativeConfig, SpeculativeMode
+from llama_grpc_server.core.scheduling.plan import Chunk, StepPlan
+from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
+from llama_grpc_server.core.scheduling.strategies import load_strategy
+from llama_grpc_server.core.speculation.policy import PRIOR_AVX512, PRIOR_X86_64_V3, TickCostModel
 from llama_grpc_server.engine import logs, openmp
 from llama_grpc_server.engine.llama import LlamaModel, system_info
+from llama_grpc_server.engine.loop import DoneHook, EngineLoop, TickHook
 from llama_grpc_server.engine.runner import Runner
-from llama_grpc_server.kv_disk import KvDiskStore
-from llama_grpc_server.loop import DoneHook, EngineLoop, TickHook
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_path, file_sha256
 from llama_grpc_server.watchdog import bound_s
 
@@ -69,7 +69,7 @@ def calibrate(model: LlamaModel, runner: Runner, max_rows: int) -> list[tuple[in
     after a short context, logits for every row, like a speculative decode), twice each in
     interleaved sweeps (the cost model keeps the faster: other work on the machine can stretch
     one pass tenfold): about 2.5 s for 18 rows on 2 CPU cores for Gemma 3 270M. Every N, not a
-    few to interpolate between: the cost is not monotone in N (core.spec_policy). The model
+    few to interpolate between: the cost is not monotone in N (core.speculation.policy). The model
     then learns from real ticks."""
     context = tuple(model.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False))
     runner.time_decode((Chunk(0, "", 0, context, False),))
@@ -112,7 +112,7 @@ def build_engine(
             n_parallel=sched.n_parallel,
             n_ctx=model.n_ctx,
             n_batch=model.n_batch,
-            # an encoder's input goes whole in one pass (core.embedding.share_whole)
+            # an encoder's input goes whole in one pass (core.requests.embedding.share_whole)
             chunk_size=model.n_batch if model.is_encoder else min(sched.chunk_size, model.n_batch),
             prefill_stall=sched.prefill_stall,
             max_queue=sched.max_queue,
@@ -138,7 +138,7 @@ def build_engine(
         strategy=strategy,
         disk=disk,
     )
-    # the cost of a pass of N rows has another shape with AVX-512 (core.spec_policy)
+    # the cost of a pass of N rows has another shape with AVX-512 (core.speculation.policy)
     avx512 = "AVX512 = 1" in system_info()
     scheduler.spec.costs.prior = PRIOR_AVX512 if avx512 else PRIOR_X86_64_V3
 

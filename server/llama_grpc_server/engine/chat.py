@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from llama_grpc_server.core.chat import BUILTIN_TEMPLATES, GGUF_TEMPLATE, ChatMessage
+from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES, GGUF_TEMPLATE, ChatMessage
 
 MAX_MESSAGE_CHARS = 300
 

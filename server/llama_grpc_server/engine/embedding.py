@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from llama_grpc_server.core.embedding import EmbeddingParams, Pooling, Vectors
-from llama_grpc_server.core.plan import Chunk
+from llama_grpc_server.core.requests.embedding import EmbeddingParams, Pooling, Vectors
+from llama_grpc_server.core.scheduling.plan import Chunk
 
 Rows = np.ndarray[Any, np.dtype[np.float32]]  # (tokens, n_embd)
 

@@ -16,7 +16,7 @@ from typing import Any
 import llama_cpp
 from llama_cpp import llama_grammar
 
-from llama_grpc_server.core.structural_tag import trigger_pattern
+from llama_grpc_server.core.constrained.structural_tag import trigger_pattern
 from llama_grpc_server.engine import logs
 
 MAX_MESSAGE_CHARS = 300

@@ -13,7 +13,7 @@ import llama_cpp
 
 from llama_grpc_server.config import ModelSettings
 from llama_grpc_server.core.api import ModelInfo
-from llama_grpc_server.core.chat import ChatMessage, template_in_use, template_origin
+from llama_grpc_server.core.requests.chat import ChatMessage, template_in_use, template_origin
 from llama_grpc_server.engine import cpu_share, grammar
 from llama_grpc_server.engine.chat import ChatRenderer
 from llama_grpc_server.engine.offload import resolve_n_gpu_layers
@@ -119,8 +119,9 @@ class LlamaModel:
         params.swa_full = True  # partial prefix reuse stays correct on sliding-window models
         params.n_threads, params.n_threads_batch = s.threads()
         params.no_perf = True
-        # Embedding passes read every token's output and pool them in numpy (core.embedding),
-        # whatever the model's own pooling: one context for generation and every pooling.
+        # Embedding passes read every token's output and pool them in numpy
+        # (core.requests.embedding), whatever the model's own pooling: one context for generation
+        # and every pooling.
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
         # Measured on Gemma 3 270M (1,800-token prompt): a sequence's logits are bit-identical
         # when recomputed alone, but move by up to ~1.0 (mean ~0.2; argmax unchanged) with the
@@ -164,7 +165,7 @@ class LlamaModel:
         vocabulary with clean_spaces (llama-bpe: Llama 3) drops the space before . , ? ! and
         some apostrophes, as HuggingFace decode does. Joined pieces differed on both (tests/e2e/
         test_families.py: " Hello world" for phi-3's "Hello world"). The stream's deltas are
-        pieces joined (core/text.py): a continuation keeps its spaces."""
+        pieces joined (core/requests/text.py): a continuation keeps its spaces."""
         if not token_ids:
             return ""
         tokens = (llama_cpp.llama_token * len(token_ids))(*token_ids)
@@ -289,7 +290,7 @@ class LlamaModel:
             self.model = None
 
 
-# llama.cpp's enum llama_pooling_type by value, as core.embedding names them
+# llama.cpp's enum llama_pooling_type by value, as core.requests.embedding names them
 _POOLINGS = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from llama_grpc_server.core.plan import SampledLogprob
+from llama_grpc_server.core.scheduling.plan import SampledLogprob
 
 MAX_TOP_LOGPROBS = 20
 

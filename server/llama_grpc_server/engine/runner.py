@@ -10,8 +10,8 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from llama_grpc_server.core.embedding import Vectors
-from llama_grpc_server.core.plan import (
+from llama_grpc_server.core.requests.embedding import Vectors
+from llama_grpc_server.core.scheduling.plan import (
     DECODE_OK,
     Chunk,
     Collect,

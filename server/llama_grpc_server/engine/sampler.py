@@ -5,8 +5,8 @@ token, the grammar checks just that one, and only when it is refused does the gr
 whole vocabulary (llama.cpp's own trick: a full mask costs milliseconds at 262k tokens). The
 grammar is only ever told about tokens it allowed, so llama.cpp never aborts on it. A lazy
 grammar (a structural tag) allows everything until its trigger, so before it a
-core.structural_tag.TriggerGuard vets the token instead: the one that sets the grammar off must
-hand it text it accepts (llama.cpp replays that text unchecked and aborts on a refusal)."""
+core.constrained.structural_tag.TriggerGuard vets the token instead: the one that sets the grammar
+off must hand it text it accepts (llama.cpp replays that text unchecked and aborts on a refusal)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from llama_grpc_server.core.request import Constraint, SamplingParams
-from llama_grpc_server.core.structural_tag import TriggerGuard
+from llama_grpc_server.core.constrained.structural_tag import TriggerGuard
+from llama_grpc_server.core.requests.request import Constraint, SamplingParams
 from llama_grpc_server.engine.grammar import init_grammar, token_piece
 
 NO_TOKEN = -1

@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass
 
 from llama_grpc_server.config import GpuLayers, ModelSettings
-from llama_grpc_server.core import embedding
-from llama_grpc_server.core.plan import DECODE_OK, Chunk, SamplerSpec, StepPlan
-from llama_grpc_server.core.request import SamplingParams
+from llama_grpc_server.core.requests import embedding
+from llama_grpc_server.core.requests.request import SamplingParams
+from llama_grpc_server.core.scheduling.plan import DECODE_OK, Chunk, SamplerSpec, StepPlan
 from llama_grpc_server.engine import logs
 from llama_grpc_server.engine.llama import LlamaModel
 from llama_grpc_server.engine.runner import Runner

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from llama_grpc_server.config import AUTO, GpuLayers
-from llama_grpc_server.core.chat import BUILTIN_TEMPLATES, template_in_use
+from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES, template_in_use
 from llama_grpc_server.models import catalog
 from llama_grpc_server.models.catalog import MODELS_DIR_ENV, CatalogError, ModelEntry
 from llama_grpc_server.models.files import file_sha256
@@ -209,8 +209,8 @@ def run_export_tokenizer(args: argparse.Namespace) -> int:
 
     entry = catalog.lookup(args.model, _models_dir(args))
     header = read_header(entry.path)
-    # the template a server would use (core.chat.template_in_use): the given built-in, else the
-    # file's own, else its family's built-in (the embedded Gemma 3 gets Gemma's)
+    # the template a server would use (core.requests.chat.template_in_use): the given built-in, else
+    # the file's own, else its family's built-in (the embedded Gemma 3 gets Gemma's)
     name = template_in_use(args.chat_template or "", header.has_chat_template, header.architecture)
     template = BUILTIN_TEMPLATES.get(name)
     cache = None if args.no_cache else tokenizer_export.default_cache_dir()

@@ -42,7 +42,7 @@ from llama_grpc_server import errors
 from llama_grpc_server.config import Settings
 from llama_grpc_server.core import stats
 from llama_grpc_server.core.api import EngineApi, StatsSnapshot
-from llama_grpc_server.core.tenants import TenantLimits
+from llama_grpc_server.core.scheduling.tenants import TenantLimits
 from llama_grpc_server.models import catalog
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
 

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 import structlog
 from structlog.tracebacks import ExceptionDictTransformer
 
-from llama_grpc_server.core.plan import DECODE_OK, StepPlan, StepResult
-from llama_grpc_server.core.request import Event, Failed, Finished, FinishReason, Request
+from llama_grpc_server.core.requests.request import Event, Failed, Finished, FinishReason, Request
+from llama_grpc_server.core.scheduling.plan import DECODE_OK, StepPlan, StepResult
 
 if TYPE_CHECKING:
-    from llama_grpc_server.core.scheduler import Scheduler
+    from llama_grpc_server.core.scheduling.scheduler import Scheduler
 
 TICK = "tick"
 REQUEST_DONE = "request_done"
@@ -52,7 +52,7 @@ class TickEvent:
     # with (a request that finished inside its draft may not take them all).
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
-    # Rows added to make the pass cheaper, never sampled (core.drafts.Drafts._pad)
+    # Rows added to make the pass cheaper, never sampled (core.speculation.drafts.Drafts._pad)
     pad_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:

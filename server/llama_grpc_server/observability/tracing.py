@@ -2,8 +2,8 @@
 is set: one SERVER span per RPC continuing the caller's W3C `traceparent`, named and attributed
 after the gRPC and GenAI semantic conventions, with child spans for the request's time in the
 queue, its prefill and its decode. Those three come from the engine thread's own timings of the
-request (core.request.Timings), anchored at the wall-clock time the servicer submitted it; the
-event loop guesses nothing.
+request (core.requests.request.Timings), anchored at the wall-clock time the servicer submitted it;
+the event loop guesses nothing.
 
 Spans are exported by the SDK's BatchSpanProcessor on its own thread (OTLP over HTTP/protobuf),
 never on the engine thread, and carry no prompt or output text. When tracing is off, nothing
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 if TYPE_CHECKING:
-    from llama_grpc_server.core.request import Finished, GenerationRequest
+    from llama_grpc_server.core.requests.request import Finished, GenerationRequest
 
 ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 SERVICE_NAME = "llama-grpc"

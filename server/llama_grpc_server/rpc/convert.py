@@ -7,8 +7,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from llama_grpc.v1 import llm_service_pb2 as pb
-from llama_grpc_server.core import request as core
 from llama_grpc_server.core.api import ModelInfo, StatsSnapshot
+from llama_grpc_server.core.requests import request as core
 from llama_grpc_server.models.pool import ModelState, ModelStatus
 
 FINISH_REASONS: dict[core.FinishReason, pb.FinishReason.ValueType] = {

@@ -13,10 +13,10 @@ from typing import Any
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
 from llama_grpc_server.auth import scoped_cache_scope
-from llama_grpc_server.core import context_fit, embedding
 from llama_grpc_server.core.api import ModelInfo
-from llama_grpc_server.core.embedding import EmbeddingParams, Pooling
-from llama_grpc_server.core.request import Finished, GenerationRequest, Priority
+from llama_grpc_server.core.requests import context_fit, embedding
+from llama_grpc_server.core.requests.embedding import EmbeddingParams, Pooling
+from llama_grpc_server.core.requests.request import Finished, GenerationRequest, Priority
 from llama_grpc_server.rpc import validation
 
 MAX_INPUTS = 2048  # inputs of one Embed call (OpenAI's /v1/embeddings bound)

@@ -22,7 +22,7 @@ from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import errors
 from llama_grpc_server.config import Settings
 from llama_grpc_server.core.api import EngineApi, RequestStream, StatsSnapshot
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     Failed,
     Finished,
     GenerationRequest,

@@ -19,10 +19,15 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
 from llama_grpc_server.auth import scoped_cache_scope
 from llama_grpc_server.config import SchedulerSettings
-from llama_grpc_server.core import context_fit, embedding
 from llama_grpc_server.core.api import GrammarCompiler, ModelInfo
-from llama_grpc_server.core.chat import BUILTIN_TEMPLATES, GGUF_TEMPLATE, ROLES, ChatMessage
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests import context_fit, embedding
+from llama_grpc_server.core.requests.chat import (
+    BUILTIN_TEMPLATES,
+    GGUF_TEMPLATE,
+    ROLES,
+    ChatMessage,
+)
+from llama_grpc_server.core.requests.request import (
     MAX_DRAFT_TOKENS,
     MAX_NGRAM,
     Constraint,
@@ -50,7 +55,7 @@ TextRequest = pb.GenerateRequest | pb.StreamGenerateRequest
 
 class Message(enum.StrEnum):
     """Every validation message, written once; format() fills the numbers. The context-fit
-    messages live with their rule in core.context_fit."""
+    messages live with their rule in core.requests.context_fit."""
 
     EMPTY_PROMPT = "prompt must not be empty"
     EMPTY_TOKEN_IDS = "token_ids must not be empty"

@@ -19,7 +19,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server.auth import scoped_cache_scope
 from llama_grpc_server.core.api import ModelInfo
-from llama_grpc_server.core.kv_events import (
+from llama_grpc_server.core.kv.events import (
     BLOCK_SIZE,
     BlocksStored,
     CacheCleared,
@@ -27,7 +27,7 @@ from llama_grpc_server.core.kv_events import (
     KvEvent,
     LoadRecord,
 )
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     Finished,
     FinishReason,
     SamplingParams,

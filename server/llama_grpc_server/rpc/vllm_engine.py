@@ -32,8 +32,8 @@ from llama_grpc_server import errors
 from llama_grpc_server.config import Settings
 from llama_grpc_server.core import stats
 from llama_grpc_server.core.api import EngineApi, ModelInfo, RequestStream
-from llama_grpc_server.core.chat import BUILTIN_TEMPLATES
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES
+from llama_grpc_server.core.requests.request import (
     Finished,
     GenerationRequest,
     TokenDelta,
@@ -359,7 +359,7 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
     async def SubscribeKvEvents(
         self, request: cpb.SubscribeKvEventsRequest, context: Context
     ) -> AsyncIterator[cpb.KvEventBatch]:
-        """The default model's KV cache as block events (core.kv_events): the batches after
+        """The default model's KV cache as block events (core.kv.events): the batches after
         start_sequence_number, or a snapshot (cleared, then every block held) when it is 0, not
         kept any more, or from an earlier process; then each batch as the engine publishes it,
         and a load-only record when the load changes without KV events and every

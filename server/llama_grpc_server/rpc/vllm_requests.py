@@ -14,9 +14,10 @@ Each SamplingParams field is honoured or refused (INVALID_ARGUMENT naming it):
 - include_stop_str_in_output, skip_special_tokens and spaces_between_special_tokens shape text;
   this protocol carries token ids, which they do not change (the gateway detokenizes).
 - grammar_from_first_token: constraints always start at the first generated token here.
-- constraints: json_schema, grammar (GBNF), json_object, regex and choice (core.regex_grammar)
-  become one GBNF grammar; structural_tag (core.structural_tag) one too, lazy for triggered
-  tags: free text until a trigger, the tag's grammar from there on.
+- constraints: json_schema, grammar (GBNF), json_object, regex and choice
+(core.constrained.regex_grammar)
+  become one GBNF grammar; structural_tag (core.constrained.structural_tag) one too, lazy for
+  triggered tags: free text until a trigger, the tag's grammar from there on.
 - prompt_logprobs, multimodal inputs, KV transfer and data-parallel ranks are refused.
 """
 
@@ -31,17 +32,17 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from llama_grpc_server import errors
 from llama_grpc_server.config import SchedulerSettings
-from llama_grpc_server.core import context_fit
 from llama_grpc_server.core.api import GrammarCompiler, ModelInfo
-from llama_grpc_server.core.regex_grammar import choice_to_gbnf, regex_to_gbnf
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.constrained.regex_grammar import choice_to_gbnf, regex_to_gbnf
+from llama_grpc_server.core.constrained.structural_tag import structural_tag_to_gbnf
+from llama_grpc_server.core.requests import context_fit
+from llama_grpc_server.core.requests.request import (
     Constraint,
     GenerationRequest,
     OutputParams,
     SamplingParams,
     StoppingParams,
 )
-from llama_grpc_server.core.structural_tag import structural_tag_to_gbnf
 from llama_grpc_server.rpc import validation
 from llama_grpc_server.rpc.validation import SAMPLING_RANGES, Draft, SamplingField
 

@@ -9,9 +9,9 @@ from collections import deque
 from collections.abc import Sequence
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.backpressure import BackPressure
-from llama_grpc_server.core.request import FinishReason, Request
-from llama_grpc_server.core.slot import Slot
+from llama_grpc_server.core.requests.request import FinishReason, Request
+from llama_grpc_server.core.scheduling.backpressure import BackPressure
+from llama_grpc_server.core.scheduling.slot import Slot
 
 Ending = errors.ServiceError | FinishReason  # ended with an error, or finished for a reason
 

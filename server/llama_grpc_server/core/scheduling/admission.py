@@ -1,6 +1,6 @@
 """Admission: the way into the slots. Intake checks what may queue (the context fit, the queue
 bound, the tenant's bound) and stamps arrival and seed; the queue keeps arrival order; next()
-says which queued request a free slot goes to (core.tenants.FairShare: tenants' shares,
+says which queued request a free slot goes to (core.scheduling.tenants.FairShare: tenants' shares,
 priority, aging); a request whose KV the disk tier is reading waits in `restoring`, holding no
 slot, and re-enters at the head of the queue when the I/O thread answers. Pure Python; the
 Scheduler owns it on the engine thread (only the disk answers arrive from elsewhere)."""
@@ -13,13 +13,14 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 
 from llama_grpc_server import errors
-from llama_grpc_server.core import context_fit, embedding, prefix_cache
-from llama_grpc_server.core.kv_manager import KvCacheManager, Loaded
-from llama_grpc_server.core.limits import SchedulerLimits
-from llama_grpc_server.core.request import GenerationRequest, Request, RequestState
-from llama_grpc_server.core.slot import Slot
+from llama_grpc_server.core.kv import prefix_cache
+from llama_grpc_server.core.kv.manager import KvCacheManager, Loaded
+from llama_grpc_server.core.requests import context_fit, embedding
+from llama_grpc_server.core.requests.request import GenerationRequest, Request, RequestState
+from llama_grpc_server.core.scheduling.limits import SchedulerLimits
+from llama_grpc_server.core.scheduling.slot import Slot
+from llama_grpc_server.core.scheduling.tenants import FairShare, TenantLimits
 from llama_grpc_server.core.stats import Counters
-from llama_grpc_server.core.tenants import FairShare, TenantLimits
 
 
 def _nothing() -> None:

@@ -1,10 +1,10 @@
 """Scheduler: the queue, the slots and the per-tick decisions, in that order: admission
-(core.admission) fills free slots from the queue, schedule() turns the slots into a StepPlan
-(the batch strategy splits the token budget, core.drafts adds drafts and pads), update()
-applies the runner's StepResult and returns the events to deliver. KV edits belong to the
+(core.scheduling.admission) fills free slots from the queue, schedule() turns the slots into a
+StepPlan (the batch strategy splits the token budget, core.speculation.drafts adds drafts and pads),
+update() applies the runner's StepResult and returns the events to deliver. KV edits belong to the
 KvCacheManager (callers reach it as .kv), counters and snapshots to core.stats, slow readers to
-core.backpressure. Only the engine thread calls it. Pure Python: no llama_cpp, no grpc, no
-clock of its own."""
+core.scheduling.backpressure. Only the engine thread calls it. Pure Python: no llama_cpp, no grpc,
+no clock of its own."""
 
 from __future__ import annotations
 
@@ -14,17 +14,26 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 from llama_grpc_server import errors
-from llama_grpc_server.core import embedding, expiry, prefix_cache, stats
-from llama_grpc_server.core.admission import Admission
+from llama_grpc_server.core import stats
 from llama_grpc_server.core.api import StatsSnapshot
-from llama_grpc_server.core.backpressure import BackPressure
-from llama_grpc_server.core.drafts import DraftLimits, Drafts
-from llama_grpc_server.core.endings import Endings
-from llama_grpc_server.core.kv_events import KvEventPublisher, LoadRecord
-from llama_grpc_server.core.kv_manager import DiskTier, KvCacheManager
-from llama_grpc_server.core.limits import SchedulerLimits
-from llama_grpc_server.core.outputs import Outputs
-from llama_grpc_server.core.plan import (
+from llama_grpc_server.core.kv import prefix_cache
+from llama_grpc_server.core.kv.events import KvEventPublisher, LoadRecord
+from llama_grpc_server.core.kv.manager import DiskTier, KvCacheManager
+from llama_grpc_server.core.requests import embedding
+from llama_grpc_server.core.requests.outputs import Outputs
+from llama_grpc_server.core.requests.request import (
+    Event,
+    FinishReason,
+    Request,
+    RequestState,
+    request_key,
+)
+from llama_grpc_server.core.scheduling import expiry
+from llama_grpc_server.core.scheduling.admission import Admission
+from llama_grpc_server.core.scheduling.backpressure import BackPressure
+from llama_grpc_server.core.scheduling.endings import Endings
+from llama_grpc_server.core.scheduling.limits import SchedulerLimits
+from llama_grpc_server.core.scheduling.plan import (
     DECODE_KV_FULL,
     DECODE_OK,
     Chunk,
@@ -33,26 +42,24 @@ from llama_grpc_server.core.plan import (
     StepPlan,
     StepResult,
 )
-from llama_grpc_server.core.request import (
-    Event,
-    FinishReason,
-    Request,
-    RequestState,
-    request_key,
-)
-from llama_grpc_server.core.slot import Slot
-from llama_grpc_server.core.speculative import Speculator
-from llama_grpc_server.core.strategies import (
+from llama_grpc_server.core.scheduling.slot import Slot
+from llama_grpc_server.core.scheduling.strategies import (
     BatchStrategy,
     BatchView,
     DecodeMaximal,
     SlotView,
     TickCosts,
 )
-from llama_grpc_server.core.tenants import TenantLimits
+from llama_grpc_server.core.scheduling.tenants import TenantLimits
+from llama_grpc_server.core.speculation.drafts import DraftLimits, Drafts
+from llama_grpc_server.core.speculation.speculator import Speculator
 
 Emitted = list[tuple[Request, Event]]
-__all__ = ["Emitted", "Scheduler", "SchedulerLimits"]  # SchedulerLimits lives in core.limits
+__all__ = [
+    "Emitted",
+    "Scheduler",
+    "SchedulerLimits",
+]  # SchedulerLimits lives in core.scheduling.limits
 
 
 class Scheduler:
@@ -206,8 +213,8 @@ class Scheduler:
         return plan, events
 
     def _expire(self) -> Emitted:
-        """End what expired (core.expiry); skipped while no request has a deadline, a time limit
-        or a stall bound."""
+        """End what expired (core.scheduling.expiry); skipped while no request has a deadline, a
+        time limit or a stall bound."""
         if not (self.admission.timed or self.back_pressure.stall_ns):
             return []
         out: Emitted = []
@@ -248,7 +255,7 @@ class Scheduler:
         (sampled from those logits), never a generation prompt chunk (its every token's logits
         would be paid for). While generation prompts wait, embedding and generation passes
         alternate; otherwise every pass is an embedding pass while embeddings wait, its
-        embedding tokens costing the streams about half a decode tick (core.embedding)."""
+        embedding tokens costing the streams about half a decode tick (core.requests.embedding)."""
         active = [
             r
             for s in self.slots
@@ -275,7 +282,7 @@ class Scheduler:
 
     def _embedding_chunks(self, requests: list[Request], *, is_generating: bool) -> list[Chunk]:
         """Prompt tokens of embedding requests, least recently served first, within the
-        pass's budget (core.embedding.PassCosts: while generation requests run, what costs
+        pass's budget (core.requests.embedding.PassCosts: while generation requests run, what costs
         their streams half a decode tick); no logits asked: the runner reads every token's
         output."""
         requests.sort(key=lambda r: r.last_served_tick)

@@ -7,8 +7,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from llama_grpc_server.core.embedding import EmbeddingParams, Vectors
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.embedding import EmbeddingParams, Vectors
+from llama_grpc_server.core.requests.request import (
     MAX_DRAFT_TOKENS,
     Constraint,
     OutputParams,
@@ -60,8 +60,8 @@ class Chunk:
     last k + 1 positions; the runner samples position i only while the tokens it sampled so far
     equal d1 .. di (exact-match verification). A pad (is_pad, num_draft 1 .. MAX_PAD_ROWS) is a
     decode with tokens more whose logits are computed and never sampled: rows that make the pass
-    cheaper (core.drafts: llama.cpp's tiled matmul makes some row counts dearer than a larger
-    one), removed from the KV cache like a rejected draft."""
+    cheaper (core.speculation.drafts: llama.cpp's tiled matmul makes some row counts dearer than a
+    larger one), removed from the KV cache like a rejected draft."""
 
     slot_id: int
     request_id: str  # the request's key, as in SamplerSpec
@@ -114,7 +114,7 @@ class StepPlan:
     seq_ops: tuple[SeqOp, ...] = ()
     open_samplers: tuple[SamplerSpec, ...] = ()
     close_samplers: tuple[str, ...] = ()  # request keys
-    # An embedding pass (core.embedding): the chunks are embedding requests' prompt tokens,
+    # An embedding pass (core.requests.embedding): the chunks are embedding requests' prompt tokens,
     # every token an output, llama.cpp's embeddings read instead of logits sampled (the
     # runner turns llama_set_embeddings on for this pass only). Never mixed with generation.
     is_embedding: bool = False

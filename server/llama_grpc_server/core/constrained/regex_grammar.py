@@ -59,7 +59,8 @@ def choice_to_gbnf(choices: Sequence[str]) -> str:
 
 
 def gbnf_literal(text: str) -> str:
-    """`text` as a GBNF string literal (core/structural_tag.py builds grammars with it too)."""
+    """`text` as a GBNF string literal (core/constrained/structural_tag.py builds grammars with it
+    too)."""
     return _literal(text)
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from llama_grpc_server.core.kv_events import KvEventPublisher, Tier
-from llama_grpc_server.core.slot import Slot
+from llama_grpc_server.core.kv.events import KvEventPublisher, Tier
+from llama_grpc_server.core.scheduling.slot import Slot
 
 AFFINITY_MIN_RATIO = 0.10
 """An idle slot's cache wins over LRU only when the shared prefix covers more than this share of

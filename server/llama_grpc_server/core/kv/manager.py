@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from llama_grpc_server.core import prefix_cache
 from llama_grpc_server.core.api import CacheCleared, DiskTierStats
-from llama_grpc_server.core.kv_cells import CellMap
-from llama_grpc_server.core.kv_events import KvEventPublisher, Tier
-from llama_grpc_server.core.plan import Chunk, SeqOp, SeqOpKind, StepResult
-from llama_grpc_server.core.request import Request
-from llama_grpc_server.core.slot import Slot
+from llama_grpc_server.core.kv import prefix_cache
+from llama_grpc_server.core.kv.cells import CellMap
+from llama_grpc_server.core.kv.events import KvEventPublisher, Tier
+from llama_grpc_server.core.requests.request import Request
+from llama_grpc_server.core.scheduling.plan import Chunk, SeqOp, SeqOpKind, StepResult
+from llama_grpc_server.core.scheduling.slot import Slot
 
 MIN_SHARED_WAIT_TOKENS = 32
 """A request waits for a busy slot's prefill only to share at least this many more tokens."""

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn
 
-from llama_grpc_server.core.regex_grammar import gbnf_char, gbnf_literal, regex_to_gbnf
+from llama_grpc_server.core.constrained.regex_grammar import gbnf_char, gbnf_literal, regex_to_gbnf
 
 MAX_DEPTH = 32  # nesting of formats (a recursive document is refused, not a stack overflow)
 # Free text watching for strings has a rule per proper prefix of them: at most this many (the

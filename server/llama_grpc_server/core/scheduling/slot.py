@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llama_grpc_server.core.request import Request, RequestState
+from llama_grpc_server.core.requests.request import Request, RequestState
 
 
 @dataclass(slots=True)

@@ -37,9 +37,9 @@ MIN_PASS_TOKENS = 1
 # A pass of embedding tokens alone teaches their cost from this many tokens (fewer: mostly the
 # pass's fixed cost). A pass with decode rows teaches from one token: its marginal cost (the
 # pass less a decode tick) is what the budget bounds, and there llama.cpp's matmul makes some
-# row counts dear (3 rows cost ~10 ms more than 4 on the x86-64-v3 build; core.drafts pads for
-# it): measured, a 1-row stream with 2 embedding tokens per pass ran at 2.0x, not 1.5x, while
-# the budget had learned only from 128-token passes.
+# row counts dear (3 rows cost ~10 ms more than 4 on the x86-64-v3 build; core.speculation.drafts
+# pads for it): measured, a 1-row stream with 2 embedding tokens per pass ran at 2.0x, not 1.5x,
+# while the budget had learned only from 128-token passes.
 MIN_COST_SAMPLE_TOKENS = 4
 
 

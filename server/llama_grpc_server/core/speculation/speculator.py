@@ -1,7 +1,8 @@
 """Speculator: prompt-lookup (n-gram) speculative decoding for the scheduler. Per request it keeps
-an n-gram index over the request's own tokens (core.ngram) and an acceptance estimate; per tick
-it proposes drafts for the decoding slots (mode ON: whatever the lookup finds; AUTO: what
-core.spec_policy says pays at the measured tick costs) and learns from what the runner verified.
+an n-gram index over the request's own tokens (core.speculation.ngram) and an acceptance estimate;
+per tick it proposes drafts for the decoding slots (mode ON: whatever the lookup finds; AUTO: what
+core.speculation.policy says pays at the measured tick costs) and learns from what the runner
+verified.
 
 AUTO also drafts in the shadow: a draft it did not send is compared with the tokens generated
 next, so a request's acceptance stays measured while it does not speculate (a request that starts
@@ -13,14 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from llama_grpc_server.core.ngram import NgramIndex
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests.request import (
     MAX_DRAFT_TOKENS,
     Request,
     SpeculativeConfig,
     SpeculativeMode,
 )
-from llama_grpc_server.core.spec_policy import (
+from llama_grpc_server.core.speculation.ngram import NgramIndex
+from llama_grpc_server.core.speculation.policy import (
     ACCEPT_PRIOR,
     Acceptance,
     DraftOption,

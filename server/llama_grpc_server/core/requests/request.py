@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from llama_grpc_server.core.embedding import EmbeddingParams, Vectors
+from llama_grpc_server.core.requests.embedding import EmbeddingParams, Vectors
 from llama_grpc_server.errors import ServiceError
 
 
@@ -92,7 +92,7 @@ class OutputParams:
 
 
 class SpeculativeMode(enum.Enum):
-    """Prompt-lookup speculative decoding of one request (core.speculative)."""
+    """Prompt-lookup speculative decoding of one request (core.speculation.speculator)."""
 
     OFF = "off"
     AUTO = "auto"  # draft when the measured tick costs and the request's acceptance say it pays
@@ -135,8 +135,8 @@ class SpeculativeParams:
 class Constraint:
     """A GBNF grammar the output must match (a JSON Schema arrives converted to one); `field`
     is where an error about it points. With `triggers` the grammar is lazy (a structural tag,
-    core/structural_tag.py): the output is free until one of these strings appears, and the
-    grammar applies from there on, starting with one of `starts`."""
+    core/constrained/structural_tag.py): the output is free until one of these strings appears, and
+    the grammar applies from there on, starting with one of `starts`."""
 
     gbnf: str
     root: str = "root"
@@ -167,10 +167,11 @@ class GenerationRequest:
     priority: Priority = Priority.NORMAL
     # False: the response cache (core.response_cache) neither answers nor stores this request.
     cache_response: bool = True
-    # Prompt-lookup speculative decoding (core.speculative); unset fields take the server's.
+    # Prompt-lookup speculative decoding (core.speculation.speculator); unset fields take the
+    # server's.
     speculative: SpeculativeParams = SpeculativeParams()
-    # An embedding request (core.embedding): prefill only, every prompt token's output pooled
-    # into Finished.embedding; nothing is sampled or generated.
+    # An embedding request (core.requests.embedding): prefill only, every prompt token's output
+    # pooled into Finished.embedding; nothing is sampled or generated.
     embedding: EmbeddingParams | None = None
 
     def __post_init__(self) -> None:

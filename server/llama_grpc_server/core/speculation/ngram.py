@@ -61,7 +61,7 @@ class NgramIndex:
         """draft(), the length of the suffix it matched (0 when it found none: the longer, the
         likelier the draft is right) and whether that suffix is ambiguous, followed by another
         token at some earlier occurrence than the draft's (then the draft is far less likely to
-        be right: core.speculative)."""
+        be right: core.speculation.speculator)."""
         if max_tokens <= 0:
             return NO_MATCH
         self._extend(tokens)
@@ -77,7 +77,7 @@ class NgramIndex:
     def filler(self, tokens: Sequence[int]) -> int:
         """A one-token guess when draft() finds nothing: the token that last followed the last
         token, else the last token again. Nobody counts on it being accepted: it pads a forward
-        pass to a cheaper number of rows (core.spec_policy)."""
+        pass to a cheaper number of rows (core.speculation.policy)."""
         self._extend(tokens)
         return self._after.get(tokens[-1], tokens[-1])
 

@@ -39,10 +39,9 @@ from llama_grpc_server.core.api import (
     StatsSnapshot,
     Vocabulary,
 )
-from llama_grpc_server.core.chat import ChatMessage
-from llama_grpc_server.core.kv_events import KvEventLog
-from llama_grpc_server.core.plan import StepPlan, StepResult, StepRunner
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.kv.events import KvEventLog
+from llama_grpc_server.core.requests.chat import ChatMessage
+from llama_grpc_server.core.requests.request import (
     Event,
     Failed,
     Finished,
@@ -51,8 +50,9 @@ from llama_grpc_server.core.request import (
     Request,
     TokenDelta,
 )
-from llama_grpc_server.core.scheduler import Emitted, Scheduler
-from llama_grpc_server.core.tenants import TenantLimits
+from llama_grpc_server.core.scheduling.plan import StepPlan, StepResult, StepRunner
+from llama_grpc_server.core.scheduling.scheduler import Emitted, Scheduler
+from llama_grpc_server.core.scheduling.tenants import TenantLimits
 from llama_grpc_server.watchdog import TickWatchdog
 
 log = structlog.get_logger("llama_grpc.engine")

@@ -9,7 +9,7 @@ import enum
 from collections.abc import Sequence
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.request import FinishReason, StoppingParams
+from llama_grpc_server.core.requests.request import FinishReason, StoppingParams
 
 MAX_TOKENS_FIELD = "params.stopping.max_tokens"
 N_KEEP_FIELD = "params.context_overflow.n_keep"

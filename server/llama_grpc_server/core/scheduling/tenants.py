@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass
 
-from llama_grpc_server.core.request import Priority, Request
+from llama_grpc_server.core.requests.request import Priority, Request
 
 AGING_NS = 10 * 1_000_000_000  # waiting this long raises a request's priority by one level
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from llama_grpc_server.core import context_fit
-from llama_grpc_server.core.plan import SampledLogprob, SamplerSpec
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.requests import context_fit
+from llama_grpc_server.core.requests.request import (
     FinishReason,
     Request,
     StoppingParams,
@@ -18,7 +17,8 @@ from llama_grpc_server.core.request import (
     TokenLogprob,
     TopLogprob,
 )
-from llama_grpc_server.core.text import TextAssembler
+from llama_grpc_server.core.requests.text import TextAssembler
+from llama_grpc_server.core.scheduling.plan import SampledLogprob, SamplerSpec
 
 
 @dataclass(frozen=True, slots=True)

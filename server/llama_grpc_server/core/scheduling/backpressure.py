@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.request import Request
-from llama_grpc_server.core.slot import Slot
+from llama_grpc_server.core.requests.request import Request
+from llama_grpc_server.core.scheduling.slot import Slot
 from llama_grpc_server.core.stats import Counters
 
 

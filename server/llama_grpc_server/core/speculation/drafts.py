@@ -1,7 +1,7 @@
 """Drafts: what a planned tick's decode chunks carry beyond their one token. Speculating
-requests take their drafts (core.speculative proposes them), as far as the batch, the free KV
-cells and the readers' stream buffers have room; then a decode-only pass may take pad rows where
-the measured costs say the larger batch is cheaper. A draft or a pad never preempts anyone or
+requests take their drafts (core.speculation.speculator proposes them), as far as the batch, the
+free KV cells and the readers' stream buffers have room; then a decode-only pass may take pad rows
+where the measured costs say the larger batch is cheaper. A draft or a pad never preempts anyone or
 evicts a cache: a pass with them that finds no KV slot pauses them (pause()) and is retried
 without. Pure Python; the Scheduler calls it on the engine thread once per planned tick."""
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from llama_grpc_server.core.kv_manager import KvCacheManager
-from llama_grpc_server.core.plan import MAX_PAD_ROWS, Chunk
-from llama_grpc_server.core.request import Request, SpeculativeMode
-from llama_grpc_server.core.slot import Slot
-from llama_grpc_server.core.spec_policy import MIN_GAIN
-from llama_grpc_server.core.speculative import Speculator
+from llama_grpc_server.core.kv.manager import KvCacheManager
+from llama_grpc_server.core.requests.request import Request, SpeculativeMode
+from llama_grpc_server.core.scheduling.plan import MAX_PAD_ROWS, Chunk
+from llama_grpc_server.core.scheduling.slot import Slot
+from llama_grpc_server.core.speculation.policy import MIN_GAIN
+from llama_grpc_server.core.speculation.speculator import Speculator
 from llama_grpc_server.core.stats import Counters
 
 PAD_FROM_ROWS = 3  # one logits row takes llama.cpp's matrix-vector path: never padded
@@ -115,7 +115,7 @@ class Drafts:
         """pad_decode_batches: up to MAX_PAD_ROWS rows more where the measured costs say they
         make a decode-only pass cheaper by MIN_GAIN: llama.cpp's tiled CPU matmul of the output
         layer makes some row counts dearer than a larger one (x86-64-v3 build: 3 rows 42.8 ms,
-        4 rows 34.6; AVX-512 build: 6 rows 54.4 ms, 8 rows 47.5; core.spec_policy), so the
+        4 rows 34.6; AVX-512 build: 6 rows 54.4 ms, 8 rows 47.5; core.speculation.policy), so the
         cheapest of N .. N + 3 rows is taken. The pad repeats a plain decode's token at the next
         positions; its logits are never sampled and its KV cells are removed after the pass,
         like a rejected draft's (causal attention: no other row sees them). Requests of every

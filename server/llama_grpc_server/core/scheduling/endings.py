@@ -10,12 +10,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from llama_grpc_server import errors
-from llama_grpc_server.core.admission import Admission
-from llama_grpc_server.core.drafts import Drafts
-from llama_grpc_server.core.embedding import Vectors
-from llama_grpc_server.core.kv_manager import KvCacheManager
-from llama_grpc_server.core.outputs import Outputs
-from llama_grpc_server.core.request import (
+from llama_grpc_server.core.kv.manager import KvCacheManager
+from llama_grpc_server.core.requests.embedding import Vectors
+from llama_grpc_server.core.requests.outputs import Outputs
+from llama_grpc_server.core.requests.request import (
     Event,
     Failed,
     Finished,
@@ -24,7 +22,9 @@ from llama_grpc_server.core.request import (
     RequestState,
     TokenDelta,
 )
-from llama_grpc_server.core.slot import Slot
+from llama_grpc_server.core.scheduling.admission import Admission
+from llama_grpc_server.core.scheduling.slot import Slot
+from llama_grpc_server.core.speculation.drafts import Drafts
 from llama_grpc_server.core.stats import Counters
 
 Emitted = list[tuple[Request, Event]]

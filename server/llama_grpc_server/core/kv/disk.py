@@ -52,7 +52,7 @@ from pathlib import Path
 import structlog
 
 from llama_grpc_server.core.api import DiskTierStats
-from llama_grpc_server.core.prefix_cache import common_prefix_length
+from llama_grpc_server.core.kv.prefix_cache import common_prefix_length
 
 log = structlog.get_logger("llama_grpc.kv_disk")
 

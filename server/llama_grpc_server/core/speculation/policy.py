@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from llama_grpc_server.core.plan import MAX_PAD_ROWS
+from llama_grpc_server.core.scheduling.plan import MAX_PAD_ROWS
 
 MIN_GAIN = 1.10  # AUTO drafts only for at least 10 % more expected tokens per millisecond
 COST_ALPHA = 0.1  # EWMA weight of one measured tick
