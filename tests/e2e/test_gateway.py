@@ -214,8 +214,9 @@ async def test_tool_choice_required_is_a_structural_tag_the_worker_obeys(
 
 async def test_a_repeated_long_prefix_is_cached(sdk: Any, gateway: Gateway) -> None:
     """Of replicas + 1 identical requests, every one after the first goes where the prompt is
-    cached (the first finds at most the BOS the worker puts in front, shared with every earlier
-    prompt); the worker computes at least the last prompt token again."""
+    cached (the first finds at most the BOS the worker puts in front and the uuid's first tokens,
+    which an earlier prompt can share by chance); the worker computes at least the last prompt
+    token again."""
     prompt = f"{uuid.uuid4().hex} " + PROMPT * 30
     cached, lengths = [], []
     for _ in range(gateway.replicas + 1):
@@ -224,7 +225,7 @@ async def test_a_repeated_long_prefix_is_cached(sdk: Any, gateway: Gateway) -> N
         )
         cached.append(answer.usage.prompt_tokens_details.cached_tokens)
         lengths.append(answer.usage.prompt_tokens)
-    assert cached[0] <= 1
+    assert cached[0] < BLOCK
     assert cached[1:] == [lengths[0] - 1] * gateway.replicas
 
 
