@@ -1,7 +1,8 @@
 """Batch strategies on a mixed workload: short interactive streams are generating when long
-prompts arrive. For each configuration (strategy, chunk size) one llama-grpc server runs with
-`--batch-strategy`; all servers are started up front and the repetitions rotate through them,
-so background noise hits every strategy alike (an idle server's engine thread sleeps).
+prompts arrive. For each configuration (strategy, chunk size, prefill stall) one llama-grpc
+server runs with `--batch-strategy`; all servers are started up front and the repetitions
+rotate through them, so background noise hits every strategy alike (an idle server's engine
+thread sleeps).
 
 One episode: 4 interactive streams (32-token prompts, greedy) start together; once each has
 generated 24 tokens (the idle window: from each stream's 4th token to then), two 2,048-token
@@ -9,7 +10,9 @@ prompts arrive 0.5 s apart (16 tokens each); the streams are stopped 0.3 s after
 requests have finished. Measured per configuration, over all repetitions:
   - inter-token latency (ITL) of the interactive streams while idle (before the first long
     prompt arrives) and while a long prompt is prefilling (arrival to its first token): p50/p95,
-    and the ratio p95 during prefill / p95 idle (target for decode_maximal: <= 2);
+    and the ratio p95 during prefill / p95 idle (target for decode_maximal with
+    --prefill-stall 2, the interactive setting: <= 2; the default, no stall bound, feeds a
+    prompt in whole chunks, as llama-server does);
   - TTFT of the long prompts;
   - throughput: generated tokens/s and all tokens (prompt + generated)/s over the episode.
 
@@ -131,12 +134,18 @@ async def episode(stub: Any, rep: int) -> dict[str, Any]:
     }
 
 
-def parse_configs(spec: str) -> list[tuple[str, int]]:
+def parse_configs(spec: str) -> list[tuple[str, int, float]]:
+    """strategy[@chunk_size[@prefill_stall]],... -> (strategy, chunk size, stall); the chunk size
+    512 and the stall 0 (no bound: the default) where not given."""
     out = []
     for item in spec.split(","):
-        name, _, chunk = item.partition("@")
-        out.append((name, int(chunk or 512)))
+        name, chunk, stall, *_ = [*item.split("@"), "", ""]
+        out.append((name, int(chunk or 512), float(stall or 0)))
     return out
+
+
+def config_key(name: str, chunk: int, stall: float) -> str:
+    return f"{name}@{chunk}" + (f"@{stall:g}" if stall else "")
 
 
 async def measure(targets: dict[str, str], reps: int) -> dict[str, list[dict[str, Any]]]:
@@ -173,8 +182,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--configs",
-        default="decode_maximal,prefill_priority,balanced,decode_maximal@64,decode_maximal@16",
-        help="strategy[@chunk_size],... (chunk size default 512)",
+        default="decode_maximal,decode_maximal@512@2,prefill_priority,balanced",
+        help="strategy[@chunk_size[@prefill_stall]],... (chunk size 512, stall 0 by default)",
     )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
@@ -184,10 +193,11 @@ def main() -> int:
     n_par = N_STREAMS + N_LONG
     with contextlib.ExitStack() as stack:
         targets = {}
-        for name, chunk in configs:
-            key = f"{name}@{chunk}"
+        for name, chunk, stall in configs:
+            key = config_key(name, chunk, stall)
             progress(f"starting llama-grpc {key}")
-            extra = ["--batch-strategy", name, "--chunk-size", str(chunk), "--n-parallel"]
+            extra = ["--batch-strategy", name, "--chunk-size", str(chunk)]
+            extra += ["--prefill-stall", f"{stall:g}", "--n-parallel"]
             targets[key] = stack.enter_context(
                 llama_grpc_server(*server_args(args.threads, *extra, str(n_par)))
             )
@@ -197,12 +207,13 @@ def main() -> int:
         idle = [g * 1000 for ep in eps for g in ep["idle_gaps_s"]]
         busy = [g * 1000 for ep in eps for g in ep["prefill_gaps_s"]]
         idle_p95, busy_p95 = percentile(idle, 0.95), percentile(busy, 0.95)
-        name, chunk = key.split("@")
+        name, chunk, *stall = key.split("@")
         rows.append(
             {
                 "config": key,
                 "strategy": name,
                 "chunk_size": int(chunk),
+                "prefill_stall": float(stall[0]) if stall else 0.0,
                 "itl_idle_ms": spread(idle),
                 "itl_during_prefill_ms": spread(busy),
                 "p95_ratio_prefill_vs_idle": busy_p95 / idle_p95,

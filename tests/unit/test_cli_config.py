@@ -273,7 +273,8 @@ def test_custom_batch_strategy_accepted() -> None:
         (["--n-gpu-layers", "all"], {}, ["--n-gpu-layers", "an integer or auto, got 'all'"]),
         (["--prompt-cache-ram-mb", "-2"], {}, ["--prompt-cache-ram-mb", ">= -1"]),
         (["--session-live-s", "-1"], {}, ["--session-live-s", ">= 0"]),
-        (["--prefill-stall", "1"], {}, ["--prefill-stall", "between 1.25 and 64"]),
+        (["--prefill-stall", "1"], {}, ["--prefill-stall", "must be 0 or between 1.25 and 64"]),
+        (["--prefill-stall", "-1"], {}, ["--prefill-stall", "must be 0 or between 1.25 and 64"]),
     ],
 )
 def test_invalid_option_names_option_and_source(

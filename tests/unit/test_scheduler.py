@@ -380,13 +380,14 @@ def test_clear_cache_forgets_idle_caches_and_the_ram_tier_but_not_running_work()
     assert again.num_cached_prompt == 0
 
 
-@pytest.mark.parametrize(("stall", "chunk"), [(2.0, 12), (4.0, 38), (16.0, 192)])
+@pytest.mark.parametrize(("stall", "chunk"), [(2.0, 12), (4.0, 38), (16.0, 192), (0.0, 400)])
 def test_prefill_stall_sets_the_prompt_chunk_beside_a_decoding_slot(
     stall: float, chunk: int
 ) -> None:
     """With a 40 ms decode tick and 2.5 ms per prompt token measured, a 400-token prompt
     arriving while another request generates gets 0.8 * (stall - 1) * 40 / 2.5 tokens a tick
-    (SchedulerLimits.prefill_stall, --prefill-stall), the generating slot its one token."""
+    (SchedulerLimits.prefill_stall, --prefill-stall), the generating slot its one token; at 0
+    (the default) the whole prompt goes in that tick."""
     limits = SchedulerLimits(2, 4096, 512, 512, 8, prefill_stall=stall)
     s, runner = Scheduler(limits, pieces=PIECES, eog_ids=frozenset()), FakeRunner()
     s.add(req("gen", 8, 50))

@@ -6,6 +6,7 @@ import pytest
 
 from llama_grpc_server.core.scheduling.strategies import (
     DEFAULT_PREFILL_STALL,
+    INTERACTIVE_PREFILL_STALL,
     MAX_DECODE_WAIT_TICKS,
     Balanced,
     BatchStrategy,
@@ -130,14 +131,14 @@ def test_tick_costs_turn_measured_times_into_an_allowance() -> None:
     """A 40 ms decode tick and 2.5 ms per prompt token allow 0.8 * 40 / 2.5 = 12 tokens;
     bounded below (prompts progress) and above (chunk size); 0 until both are measured."""
     costs = TickCosts()
-    assert costs.prefill_allowance(512) == 0
+    assert costs.prefill_allowance(512, INTERACTIVE_PREFILL_STALL) == 0
     costs.observe(num_decode=4, num_prefill=0, eval_ms=40.0)
-    assert costs.prefill_allowance(512) == 0
+    assert costs.prefill_allowance(512, INTERACTIVE_PREFILL_STALL) == 0
     costs.observe(num_decode=0, num_prefill=512, eval_ms=1280.0)
-    assert costs.prefill_allowance(512) == 12
-    assert costs.prefill_allowance(10) == 10
+    assert costs.prefill_allowance(512, INTERACTIVE_PREFILL_STALL) == 12
+    assert costs.prefill_allowance(10, INTERACTIVE_PREFILL_STALL) == 10
     costs.observe(num_decode=0, num_prefill=512, eval_ms=512_000.0)  # very slow prompt tokens
-    assert costs.prefill_allowance(512) == 8
+    assert costs.prefill_allowance(512, INTERACTIVE_PREFILL_STALL) == 8
 
 
 def test_prefill_stall_scales_the_allowance() -> None:
@@ -147,8 +148,20 @@ def test_prefill_stall_scales_the_allowance() -> None:
     costs = TickCosts()
     costs.observe(num_decode=4, num_prefill=0, eval_ms=40.0)
     costs.observe(num_decode=0, num_prefill=512, eval_ms=1280.0)
-    assert costs.prefill_allowance(512, DEFAULT_PREFILL_STALL) == 12
+    assert costs.prefill_allowance(512, INTERACTIVE_PREFILL_STALL) == 12
     assert costs.prefill_allowance(512, 4.0) == 38
     assert costs.prefill_allowance(512, 16.0) == 192
     assert costs.prefill_allowance(128, 16.0) == 128
     assert costs.prefill_allowance(512, 1.25) == 8  # 3.2 tokens: the floor
+
+
+def test_the_default_stall_sets_no_allowance() -> None:
+    """The default (0): measured costs or not, prompts are not held back beside generating
+    slots (DEFAULT_PREFILL_STALL: throughput on prompt-heavy traffic, issue 40)."""
+    costs = TickCosts()
+    costs.observe(num_decode=4, num_prefill=0, eval_ms=40.0)
+    costs.observe(num_decode=0, num_prefill=512, eval_ms=1280.0)
+    assert DEFAULT_PREFILL_STALL == 0.0
+    assert costs.prefill_allowance(512) == 0
+    assert costs.prefill_allowance(512, 0.0) == 0
+    assert costs.prefill_allowance(512, INTERACTIVE_PREFILL_STALL) == 12

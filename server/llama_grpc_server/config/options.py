@@ -61,6 +61,16 @@ def one_of(*choices: str) -> Check:
     return lambda v: None if v in choices else f"must be one of {', '.join(choices)}"
 
 
+def zero_or(check: Check) -> Check:
+    """`check`, but 0 is fine too (an option whose 0 means off)."""
+
+    def either(v: Value) -> str | None:
+        problem = None if v == 0 else check(v)
+        return None if problem is None else f"must be 0 or {problem.removeprefix('must be ')}"
+
+    return either
+
+
 def or_auto(check: Check) -> Check:
     """`check`, but the word auto is fine too (an option with auto=True)."""
     return lambda v: None if v == AUTO else check(v)
@@ -182,8 +192,10 @@ OPTIONS: tuple[Option, ...] = (
            at_least(1)),
     Option("prefill_stall", float, "scheduler.prefill_stall",
            "decode_maximal: while slots generate, a pass carrying prompt tokens lasts about this "
-           "many decode-only passes at most (larger: prompts in bigger, cheaper chunks and sooner "
-           "first tokens, longer inter-token gaps meanwhile)", between(1.25, 64), "X"),
+           "many decode-only passes at most (2: streams' inter-token gaps at most ~2x while a "
+           "prompt arrives; larger: prompts in bigger, cheaper chunks and sooner first tokens, "
+           "longer gaps meanwhile; 0: no bound, the most tokens per second)",
+           zero_or(between(1.25, 64)), "X"),
     Option("threads", int, "model.n_threads", "generation threads (0 = all CPUs)", at_least(0)),
     Option("threads_batch", int, "model.n_threads_batch", "prompt threads (0 = --threads)",
            at_least(0)),

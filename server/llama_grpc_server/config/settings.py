@@ -83,8 +83,9 @@ class SchedulerSettings:
     chunk_size: int = 512
     # decode_maximal: while slots generate, a pass carrying prompt tokens lasts about this many
     # decode-only passes at most (2: the running streams' ITL at most ~2x during a prefill;
-    # more: prompts in larger, cheaper chunks, sooner first tokens, longer gaps meanwhile).
-    prefill_stall: float = 2.0
+    # more: prompts in larger, cheaper chunks, sooner first tokens, longer gaps meanwhile);
+    # 0 (the default): no bound (core.scheduling.strategies.DEFAULT_PREFILL_STALL).
+    prefill_stall: float = 0.0
     max_queue: int = 64
     batch_strategy: str = "decode_maximal"
     # When the engine is idle, a request waits until arrivals pause this long (5x at most)

@@ -32,7 +32,8 @@ class BatchView:
     queue_depth: int
     slots: tuple[SlotView, ...]
     # Prompt tokens a tick may add to the decode tokens and still take at most about twice a
-    # decode-only tick, as the scheduler measured it; 0 = not measured yet (no limit).
+    # decode-only tick, as the scheduler measured it; 0 = no limit (--prefill-stall 0, the
+    # default, or not measured yet).
     prefill_allowance: int = 0
 
     def waited(self, slot: SlotView) -> int:
@@ -44,9 +45,18 @@ Allocation = Mapping[int, int]  # slot_id -> tokens fed this tick
 MIN_COST_SAMPLE_TOKENS = 32  # prompt tokens in a tick for it to measure the per-token cost
 MIN_PREFILL_ALLOWANCE = 8  # prompts always progress, however slow a prompt token is
 ALLOWANCE_SHARE = 0.8  # keep below the bound: at 2 (the p95 target), below one extra decode tick
-DEFAULT_PREFILL_STALL = 2.0
-"""A pass carrying prompt tokens while slots generate takes at most about this many decode-only
-passes' time (--prefill-stall)."""
+INTERACTIVE_PREFILL_STALL = 2.0
+"""--prefill-stall 2: a pass carrying prompt tokens while slots generate takes at most about two
+decode-only passes' time, so a long prompt arriving stretches the running streams' inter-token
+gaps by at most ~2x (bench/strategies.py), and its prompt goes in many small chunks."""
+DEFAULT_PREFILL_STALL = 0.0
+"""The default: no bound. Prompts take the pass's token budget after the decode tokens, at most
+the chunk size each, as llama-server and vLLM do. On a CPU a forward pass costs about as much
+for one decode row as for four (the weights are read once either way: ~70-90 ms of the
+embedded model's pass at one thread); a prompt fed in k chunks beside generating slots keeps
+its slot out of the decode batch for k passes, and closed-loop prompt-heavy traffic pays each
+of them: 512/64-token requests at 4 concurrent cost 19 % more CPU per token at a bound of 2
+than without one (bench/packing.py; aiperf saw the same, issue 40)."""
 
 
 @dataclass(slots=True)
@@ -69,9 +79,10 @@ class TickCosts:
             )
 
     def prefill_allowance(self, chunk_size: int, stall: float = DEFAULT_PREFILL_STALL) -> int:
-        """Prompt tokens that make a tick last about `stall` decode ticks (at the default 2,
-        they add about one decode tick); 0 = not measured yet."""
-        if self.decode_tick_ms <= 0 or self.prefill_token_ms <= 0:
+        """Prompt tokens that make a tick last about `stall` decode ticks (at 2, they add about
+        one decode tick); 0 = no limit: `stall` is 0 (the default) or the costs are not
+        measured yet."""
+        if stall <= 0 or self.decode_tick_ms <= 0 or self.prefill_token_ms <= 0:
             return 0
         n = int(ALLOWANCE_SHARE * (stall - 1) * self.decode_tick_ms / self.prefill_token_ms)
         return max(MIN_PREFILL_ALLOWANCE, min(chunk_size, n))
@@ -122,10 +133,11 @@ def _split(view: BatchView) -> tuple[list[SlotView], list[SlotView], list[SlotVi
 
 @dataclass(frozen=True, slots=True)
 class DecodeMaximal:
-    """Every generating slot gets its token first; prompt chunks take the rest (interactive).
-    While slots are generating, prompt chunks get only the measured prefill allowance, so a long
-    prompt arriving does not stretch the running streams' inter-token latency beyond ~2x (with
-    whole 512-token chunks it went to 65x on 2 CPU cores: bench/strategies.py)."""
+    """Every generating slot gets its token first; prompt chunks take the rest. With a prefill
+    allowance (--prefill-stall 2: BatchView.prefill_allowance > 0), while slots are generating,
+    prompt chunks get only that many tokens, so a long prompt arriving does not stretch the
+    running streams' inter-token latency beyond ~2x (with whole 512-token chunks it went to 65x
+    on 2 CPU cores: bench/strategies.py), at a cost in throughput (DEFAULT_PREFILL_STALL)."""
 
     name: str = "decode_maximal"
 
