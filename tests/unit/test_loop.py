@@ -26,6 +26,7 @@ from llama_grpc_server.core.requests.request import (
     TokenDelta,
 )
 from llama_grpc_server.core.scheduling.strategies import Allocation, BatchView, DecodeMaximal
+from llama_grpc_server.engine.burst import LONE_STARTS_TO_SKIP, BurstDetector
 from llama_grpc_server.engine.loop import IDLE_RELEASE_S, EngineLoop, EngineState
 from llama_grpc_server.observability.telemetry import configure_logging
 from llama_grpc_server.testing import FakeRunner
@@ -252,6 +253,69 @@ async def test_admission_window_starts_a_burst_as_one_batch() -> None:
     """The second request arrives 10 ms after the first, within the 200 ms window (it need
     not wait out the window: the arrivals pause, and the pass starts)."""
     assert await first_plan_requests(0.2, 0.01) == {"a", "b"}
+
+
+async def test_a_caller_sending_one_at_a_time_stops_paying_the_window() -> None:
+    """Three lone starts that each waited a whole window for nothing: the fourth start does not
+    wait, so a request sent right after it rides in a later pass (with the window, both would
+    start together); that arrival, which the window would have caught, turns the window back
+    on: the next burst starts as one batch again."""
+    runner = FakeRunner()
+    runner.delay_s = 0.05
+    engine = make_loop(n_parallel=2, runner=runner, admission_window_s=0.2)
+
+    def first_pass(request_id: str) -> set[str] | None:
+        """The requests in the first pass that fed request_id (None: none yet)."""
+        for plan in list(runner.plans):
+            ids = {chunk.request_id for chunk in plan.chunks}
+            if request_id in ids:
+                return ids
+        return None
+
+    async def burst(tag: str) -> set[str] | None:
+        first, start = engine.submit(req(f"{tag}a", 4, 3).spec), time.monotonic()
+        # until its first pass has started, or for 150 ms of the 200 ms window
+        while first_pass(f"{tag}a") is None and time.monotonic() - start < 0.15:
+            await asyncio.sleep(0.002)
+        second = engine.submit(req(f"{tag}b", 4, 3).spec)
+        finals = await asyncio.wait_for(asyncio.gather(last_event(first), last_event(second)), 5)
+        assert all(isinstance(f, Finished) for f in finals)
+        return first_pass(f"{tag}a")
+
+    try:
+        for i in range(LONE_STARTS_TO_SKIP):
+            final = await asyncio.wait_for(last_event(engine.submit(req(f"lone{i}", 4, 2).spec)), 5)
+            assert isinstance(final, Finished)
+        assert await burst("x") == {"xa"}  # started at once: the second came too late for it
+        assert await burst("y") == {"ya", "yb"}  # the window is on again
+    finally:
+        await asyncio.to_thread(engine.close)
+
+
+@pytest.mark.parametrize(
+    ("events", "waits"),
+    [
+        # (gathered n | arrived after s), then whether the next start waits
+        ([], True),
+        ([("gathered", 1)] * LONE_STARTS_TO_SKIP, False),
+        ([("gathered", 1)] * (LONE_STARTS_TO_SKIP - 1), True),
+        ([("gathered", 1), ("gathered", 1), ("gathered", 2), ("gathered", 1)], True),
+        ([("gathered", 1)] * LONE_STARTS_TO_SKIP + [("skip", 0), ("arrived", 0.005)], True),
+        ([("gathered", 1)] * LONE_STARTS_TO_SKIP + [("skip", 0), ("arrived", 0.5)], False),
+    ],
+)
+def test_burst_detector(events: list[tuple[str, float]], waits: bool) -> None:
+    """Lone starts in a row turn the window off; an arrival within the horizon (10 ms) of a
+    start that skipped it turns it back on; a later one (a new request, not a straggler) not."""
+    detector, now = BurstDetector(horizon_s=0.01), 100.0
+    for kind, value in events:
+        if kind == "gathered":
+            detector.gathered(int(value))
+        elif kind == "skip":
+            assert not detector.should_wait(now)
+        else:
+            detector.arrived(now + value)
+    assert detector.should_wait(now + 1.0) is waits
 
 
 async def test_admission_window_never_holds_back_work_while_busy() -> None:
