@@ -259,10 +259,18 @@ async def test_a_caller_sending_one_at_a_time_stops_paying_the_window() -> None:
     """Three lone starts that each waited a whole window for nothing: the fourth start does not
     wait, so a request sent right after it rides in a later pass (with the window, both would
     start together); that arrival, which the window would have caught, turns the window back
-    on: the next burst starts as one batch again."""
+    on: the next burst starts as one batch again. Each start is an idle one: a request that
+    arrives while the engine still finishes the last one is not (no window then at all)."""
     runner = FakeRunner()
     runner.delay_s = 0.05
-    engine = make_loop(n_parallel=2, runner=runner, admission_window_s=0.2)
+    engine = make_loop(n_parallel=2, runner=runner, admission_window_s=0.5)
+
+    async def idle() -> None:
+        for _ in range(1000):
+            if not engine._scheduler.has_work:
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError("the engine never went idle")
 
     def first_pass(request_id: str) -> set[str] | None:
         """The requests in the first pass that fed request_id (None: none yet)."""
@@ -273,9 +281,10 @@ async def test_a_caller_sending_one_at_a_time_stops_paying_the_window() -> None:
         return None
 
     async def burst(tag: str) -> set[str] | None:
+        await idle()
         first, start = engine.submit(req(f"{tag}a", 4, 3).spec), time.monotonic()
-        # until its first pass has started, or for 150 ms of the 200 ms window
-        while first_pass(f"{tag}a") is None and time.monotonic() - start < 0.15:
+        # until its first pass has started, or for 400 ms of the 500 ms window
+        while first_pass(f"{tag}a") is None and time.monotonic() - start < 0.4:
             await asyncio.sleep(0.002)
         second = engine.submit(req(f"{tag}b", 4, 3).spec)
         finals = await asyncio.wait_for(asyncio.gather(last_event(first), last_event(second)), 5)
@@ -284,6 +293,7 @@ async def test_a_caller_sending_one_at_a_time_stops_paying_the_window() -> None:
 
     try:
         for i in range(LONE_STARTS_TO_SKIP):
+            await idle()
             final = await asyncio.wait_for(last_event(engine.submit(req(f"lone{i}", 4, 2).spec)), 5)
             assert isinstance(final, Finished)
         assert await burst("x") == {"xa"}  # started at once: the second came too late for it
