@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--targets", type=parse_targets, default=list(TARGETS))
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument(
+        "--n-ctx",
+        type=int,
+        default=N_CTX,
+        help="both servers' context, shared by the 4 slots (2048/64 needs > 8,448)",
+    )
+    parser.add_argument(
         "--requests-per-stream",
         type=int,
         default=3,
@@ -492,7 +498,7 @@ async def run_direct(
 
 @contextlib.contextmanager
 def servers(
-    threads: int, targets: Sequence[str], replica_args: Sequence[str]
+    threads: int, targets: Sequence[str], replica_args: Sequence[str], n_ctx: int = N_CTX
 ) -> Iterator[dict[str, Any]]:
     model = str(default_model_path())
     up: dict[str, Any] = {}
@@ -502,7 +508,8 @@ def servers(
             if binary is None:
                 raise SystemExit("no llama-server: run bench/build_llama_server.sh first")
             progress(f"starting llama-server ({threads} threads, {SLOTS} slots)")
-            ctx = llama_server(binary, model, SLOTS, threads, extra=("--metrics",))
+            extra_args = ("--metrics", "-c", str(n_ctx))  # the last -c counts
+            ctx = llama_server(binary, model, SLOTS, threads, extra=extra_args)
             up["llama-server-port"] = stack.enter_context(ctx)
         if "smg" in targets or "direct" in targets:
             progress(f"starting one llama-grpc replica ({threads} threads, {SLOTS} slots) and SMG")
@@ -510,7 +517,7 @@ def servers(
                 "--n-parallel",
                 str(SLOTS),
                 "--n-ctx",
-                str(N_CTX),
+                str(n_ctx),
                 "--no-cache-prompt",
                 *replica_args,
             ]
@@ -626,7 +633,7 @@ async def measure(args: argparse.Namespace, tokenizer: Path, work: Path) -> list
         replica_args = args.replica_args.split() + (
             ["--log-level", "debug"] if args.tick_log else []
         )
-        with servers(threads, args.targets, replica_args) as started:
+        with servers(threads, args.targets, replica_args, args.n_ctx) as started:
             up = Up(tokenizer, args.seed, gateway=started.get("gateway"))
             up.tick_log, up.py_spy = args.tick_log, args.py_spy
             if up.tick_log and up.gateway is not None:  # the start's own ticks are not a run's
@@ -715,7 +722,7 @@ def main() -> int:
             **vars(args),
             "lengths": [f"{p}/{a}" for p, a in args.lengths],
             "slots": SLOTS,
-            "n_ctx": N_CTX,
+            "n_ctx": args.n_ctx,
         },
         "machine": facts | peer_facts(),
         "rows": rows,
