@@ -136,8 +136,12 @@ serve: run
 test-data: $(STAMP)
 	$(PY) bench/llama_sdist.py
 
+# TEST_WORKERS pytest processes (pytest-xdist), each module in one of them (--dist loadfile:
+# its module-scoped servers start once); every test engine and server runs llama.cpp on one
+# thread (tests/conftest.py TEST_THREADS), so two workers fill the two cores. 0 = no workers.
+TEST_WORKERS ?= 2
 test: $(STAMP) test-data
-	$(PY) -m pytest tests --durations=15 $(ARGS)
+	$(PY) -m pytest tests --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(ARGS)
 
 test-unit: $(STAMP) test-data
 	$(PY) -m pytest tests/unit $(ARGS)
