@@ -136,10 +136,11 @@ serve: run
 test-data: $(STAMP)
 	$(PY) bench/llama_sdist.py
 
-# TEST_WORKERS pytest processes (pytest-xdist), each module in one of them (--dist loadfile:
-# its module-scoped servers start once); every test engine and server runs llama.cpp on one
-# thread (tests/conftest.py TEST_THREADS), so two workers fill the two cores. 0 = no workers.
-TEST_WORKERS ?= 2
+# TEST_WORKERS=2: two pytest processes (pytest-xdist), each module in one of them (--dist
+# loadfile: its module-scoped servers start once); every test engine and server runs llama.cpp
+# on one thread (tests/conftest.py TEST_THREADS), so two workers fill two cores (docs/install.md).
+# 0 (the default, and CI's): one process, the order every test has been proven in.
+TEST_WORKERS ?= 0
 test: $(STAMP) test-data
 	$(PY) -m pytest tests --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(ARGS)
 
