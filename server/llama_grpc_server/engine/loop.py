@@ -490,13 +490,12 @@ class EngineLoop:
         """Apply submissions and cancellations; sleep while there is nothing to do."""
         with self._wake:
             self._sleep_while_idle()
-            if self._admission_window_s > 0:
-                if not self._scheduler.has_work:
-                    self._gather_burst()
-                else:
-                    for kind, item in self._inbox:
-                        if kind == "add":
-                            self._burst.arrived(item.request.arrival_ns / 1e9)
+            if self._admission_window_s > 0 and not self._scheduler.has_work:
+                self._gather_burst()
+            elif self._burst.skipped_at is not None:  # busy since a start that did not wait
+                for kind, item in self._inbox:
+                    if kind == "add":
+                        self._burst.arrived(item.request.arrival_ns / 1e9)
             inbox, self._inbox = self._inbox, []
             if self._is_stopping:
                 inbox += [
