@@ -37,6 +37,7 @@ from deploy.envoy import render
 
 DRAIN_DELAY_S = 2.0  # > Envoy's health interval: it stops routing to a draining replica first
 START_TIMEOUT_S = 180.0
+REPLICA_STOP_S = 30.0  # a replica's drain and grace on SIGTERM, then SIGKILL
 
 
 def free_port() -> int:
@@ -111,11 +112,7 @@ class Replica:
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
         self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return reap(self.proc, timeout_s)
 
 
 class Started:
@@ -138,16 +135,28 @@ class Started:
         self.close()
 
 
-def terminate(proc: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) -> None:
-    """SIGTERM a child still running, SIGKILL it after `timeout_s`."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
+def reap(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """Wait for a signalled child's exit code, SIGKILL it after `timeout_s`."""
     try:
-        proc.wait(timeout=timeout_s)
+        return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
+        return proc.wait()
+
+
+def terminate(proc: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) -> None:
+    """SIGTERM a child still running, SIGKILL it after `timeout_s`."""
+    terminate_all([proc], timeout_s)
+
+
+def terminate_all(procs: Sequence[subprocess.Popen[bytes] | None], timeout_s: float) -> None:
+    """SIGTERM every child still running at once, then reap each (SIGKILL after `timeout_s`):
+    their shutdowns overlap (a replica's drain alone is DRAIN_DELAY_S)."""
+    running = [p for p in procs if p is not None and p.poll() is None]
+    for proc in running:
+        proc.terminate()
+    for proc in running:
+        reap(proc, timeout_s)
 
 
 @dataclass
@@ -248,9 +257,10 @@ class Cluster(Started):
         terminate(self.envoy)
 
     def close(self) -> None:
-        for replica in self.members:
-            replica.stop(signal.SIGTERM, timeout_s=30)
-        self.close_envoy()
+        terminate_all([self.envoy, *self.replica_processes()], REPLICA_STOP_S)
+
+    def replica_processes(self) -> list[subprocess.Popen[bytes] | None]:
+        return [replica.proc for replica in self.members]
 
 
 @contextlib.contextmanager

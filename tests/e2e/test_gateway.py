@@ -19,7 +19,7 @@ import grpc
 import openai
 import pytest
 from deploy.cluster import free_port
-from deploy.gateway import NO_WARM_UP, Gateway
+from deploy.gateway import NO_WARM_UP, QUICK_EXIT, Gateway
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
@@ -42,7 +42,9 @@ QUESTIONS = ["What is two plus two?", "Name a color.", "Say hello.", "Count to t
 def gateway() -> Iterator[Gateway]:
     # make gateway as it comes (the embedded model's family template), but SMG's mistral tool
     # parser, which sends structural tags for tools (test_structural_tag_* below)
-    with Gateway(replicas=2, port=free_port(), smg_args=NO_WARM_UP, tool_parser="mistral") as gw:
+    with Gateway(
+        replicas=2, port=free_port(), smg_args=(*NO_WARM_UP, *QUICK_EXIT), tool_parser="mistral"
+    ) as gw:
         assert gw.policy == "cache_aware"  # make gateway's default
         yield gw
 

@@ -23,7 +23,7 @@ import openai
 import pytest
 import pytest_asyncio
 from deploy.cluster import START_TIMEOUT_S, Replica, free_port
-from deploy.gateway import HEALTH_ARGS, HEALTH_INTERVAL_S, NO_WARM_UP, Gateway, _http
+from deploy.gateway import HEALTH_ARGS, HEALTH_INTERVAL_S, NO_WARM_UP, QUICK_EXIT, Gateway, _http
 from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
@@ -48,7 +48,7 @@ def kv_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def gateway(kv_dir: Path) -> Iterator[Gateway]:
     server_args = ["--chat-template", "gemma", "--n-ctx", "8192", "--n-parallel", "8",
                    "--grace-s", "30", "--kv-cache-dir", str(kv_dir)]  # fmt: skip
-    smg_args = [*NO_WARM_UP, *HEALTH_ARGS]  # probes every second (deploy/gateway.py)
+    smg_args = [*NO_WARM_UP, *HEALTH_ARGS, *QUICK_EXIT]  # probes every second (deploy/gateway.py)
     with Gateway(replicas=3, port=free_port(), server_args=server_args, smg_args=smg_args) as gw:
         yield gw
 

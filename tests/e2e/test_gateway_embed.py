@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from deploy.cluster import free_port
-from deploy.gateway import NO_WARM_UP, Gateway
+from deploy.gateway import NO_WARM_UP, QUICK_EXIT, Gateway
 
 from llama_grpc import AsyncClient
 
@@ -20,7 +20,7 @@ TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply on Monday mornin
 
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[Gateway]:
-    with Gateway(replicas=1, port=free_port(), smg_args=NO_WARM_UP) as gw:
+    with Gateway(replicas=1, port=free_port(), smg_args=(*NO_WARM_UP, *QUICK_EXIT)) as gw:
         yield gw
 
 

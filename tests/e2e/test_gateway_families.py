@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from deploy.cluster import free_port
-from deploy.gateway import NO_WARM_UP, Gateway
+from deploy.gateway import NO_WARM_UP, QUICK_EXIT, Gateway
 
 from llama_grpc import AsyncClient
 
@@ -85,7 +85,9 @@ def gateway(request: pytest.FixtureRequest) -> Iterator[Gateway]:
     args = ["--model", str(synth_gguf.family_model(family.name)), "--n-ctx", "2048"]
     if family.server_template:
         args += ["--chat-template", family.server_template]
-    with Gateway(replicas=1, port=free_port(), server_args=args, smg_args=NO_WARM_UP) as gw:
+    with Gateway(
+        replicas=1, port=free_port(), server_args=args, smg_args=(*NO_WARM_UP, *QUICK_EXIT)
+    ) as gw:
         yield gw
 
 
