@@ -136,13 +136,15 @@ serve: run
 test-data: $(STAMP)
 	$(PY) bench/llama_sdist.py
 
-# TEST_WORKERS=2: two pytest processes (pytest-xdist), each module in one of them (--dist
-# loadfile: its module-scoped servers start once); every test engine and server runs llama.cpp
-# on one thread (tests/conftest.py TEST_THREADS), so two workers fill two cores (docs/install.md).
-# 0 (the default, and CI's): one process, the order every test has been proven in.
-TEST_WORKERS ?= 0
+# TEST_WORKERS=2 (the default, and CI's): two pytest processes (pytest-xdist), each module in
+# one of them (--dist loadgroup: its module-scoped servers start once; the modules that run
+# replica clusters share one group, tests/conftest.py REPLICA_MODULES), in collection order
+# (end-to-end first, the many short unit tests last, so the workers finish together). Every
+# test engine and server runs llama.cpp on one thread (tests/conftest.py TEST_THREADS), so two
+# workers fill two cores: 9:32 vs 15:34 in one process (docs/install.md). 0: one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) test-data
-	$(PY) -m pytest tests --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(ARGS)
+	$(PY) -m pytest tests --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder) $(ARGS)
 
 test-unit: $(STAMP) test-data
 	$(PY) -m pytest tests/unit $(ARGS)
