@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -40,8 +41,36 @@ START_TIMEOUT_S = 180.0
 REPLICA_STOP_S = 30.0  # a replica's drain and grace on SIGTERM, then SIGKILL
 
 
+# free_port() hands out ports below the kernel's ephemeral range: a port from bind(("", 0)) is
+# free only until something else binds it, and every outgoing connection on the machine takes
+# its source port from that same range. Two pytest-xdist workers each starting servers lost
+# that race (a test's /metrics port, picked free, was some other connection's source port by
+# the time the server bound it: EADDRINUSE, three errors in one run). Below the range only
+# another free_port() caller can take it, and a random pick makes that unlikely.
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_random = random.Random()
+
+
+def _free_port_range() -> tuple[int, int]:
+    try:
+        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    return max(1024, low - 12288), low
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port on 127.0.0.1 that was free a moment ago, outside the ephemeral range (above)."""
+    first, end = _free_port_range()
+    for _ in range(200):
+        port = _random.randrange(first, end)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that range is full: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import urllib.request
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import structlog
+from deploy.cluster import free_port  # noqa: F401 (re-exported: the tests import it from here)
 from prometheus_client.parser import text_string_to_metric_families
 
 # The modules that run several server processes at once (replicas behind Envoy or SMG, SMG
@@ -113,13 +113,6 @@ TINY_N_VOCAB = 1024  # synth_gguf.SHAPES["tiny"].n_vocab (a test checks they agr
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
     return tiny_model_file()
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- Prometheus ------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import urllib.request
 
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from llama_grpc import AsyncClient, Done, UnavailableError
 from tests.support.fault_support import ServerProcess, json_lines, poll, server_process, support_env
 
-from ..conftest import tiny_model_file
+from ..conftest import free_port, tiny_model_file
 
 WATCHDOG_S = "3"
 # One llama.cpp thread: on the shared 2-core box a 2-thread pass beside other work was seen to
@@ -31,12 +30,6 @@ SLOW_WATCHDOG_S = 2.0
 SLOW_PASS_S = 0.75  # added to every pass: slow, but well within SLOW_WATCHDOG_S
 EXIT_ENGINE_HUNG = 71
 SECRET = "walrus-indigo-secret-marker"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int, name: str) -> float:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -27,6 +26,8 @@ from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import serve, start_server
 from llama_grpc_server.testing import EOS_ID, N_VOCAB, FakeEngine, HangingRunner, fake_model_info
 from llama_grpc_server.watchdog import EXIT_ENGINE_HUNG
+
+from ..conftest import free_port
 
 SETTINGS = Settings(
     model=dataclasses.replace(Settings().model, model_path="/models/a.gguf", model_name="a"),
@@ -132,9 +133,7 @@ async def test_another_models_hang_exits_the_server_even_with_keep_alive() -> No
             engine.runner, engine.watchdog_s = runner, 0.3
         return engine
 
-    with socket.socket() as s:  # serve() does not tell its port: pick a free one
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()  # serve() does not tell its port: pick a free one
     server = dataclasses.replace(SETTINGS.server, port=port, keep_alive_on_engine_error=True)
     settings = dataclasses.replace(SETTINGS, server=server)
     default = ModelSpec("a", "/models/a.gguf")
