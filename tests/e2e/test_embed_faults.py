@@ -25,7 +25,9 @@ from tests.support.fault_support import (
 
 from .conftest import settings
 
-PROMPTS = ("1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "A, B, C, D, E, F, G, H,")
+# Wide top-2 margins at every step, so the solo comparison covers every token ("A, B, C, ...",
+# used before, had a narrow first step: its Reference.sound was 0, a length check only).
+PROMPTS = ("1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "Counting by 1: 40, 41, 42, 43, 44, 45,")
 MAX_TOKENS = 32
 TEXTS = ["The cat sat on the mat.", "Hi", "Stock markets fell sharply on Monday morning."]
 
@@ -41,6 +43,7 @@ async def test_failed_embedding_pass(served: ProbedServer) -> None:
     fails: the call's status, the streams' tokens, health, and the next calls."""
     client = served.client
     alone = [await reference(client, p, MAX_TOKENS) for p in PROMPTS]
+    assert all(ref.sound >= MAX_TOKENS // 2 for ref in alone), alone
     stats0 = await client.stats()
     with fail_embedding_passes(1) as fault:
         streams = [
