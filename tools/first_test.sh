@@ -43,8 +43,9 @@ timed_make() {
 		HOME="$fresh_home" /usr/bin/time -f '%U %S' -o "$work/$target.cpu" \
 		make "$target" "${workers[@]}" >"$out" 2>&1) || rc=$?
 	t1=$(date +%s.%N)
-	awk -v a="$t0" -v b="$t1" -v rc="$rc" '{ printf "%.1f %.1f %d\n", b - a, $1 + $2, rc }' \
-		"$work/$target.cpu"
+	# the last line: GNU time writes "Command exited with non-zero status N" first on a failure
+	tail -1 "$work/$target.cpu" |
+		awk -v a="$t0" -v b="$t1" -v rc="$rc" '{ printf "%.1f %.1f %d\n", b - a, $1 + $2, rc }'
 }
 
 load_start=$(cut -d' ' -f1-3 /proc/loadavg)
