@@ -349,10 +349,23 @@ async def test_bad_input_is_a_400_naming_it_and_the_gateway_keeps_serving(
     assert answer.usage.completion_tokens == 3
 
 
-def test_smg_holds_one_event_stream_per_worker(gateway: Gateway) -> None:
+async def test_smg_holds_one_event_stream_per_worker(gateway: Gateway) -> None:
     """After every test above (run last in this module): SMG subscribed to each worker's
     SubscribeKvEvents once, has never had to reconnect, resync (but for the first snapshot) or
-    recover a gap, applied batches with blocks from both, and logged no error."""
+    recover a gap, applied batches with blocks from both, and logged no error.
+
+    Each worker first gets a prompt of its own, sent to it directly: the tests above go through
+    SMG's routing, which on a loaded machine (another test worker beside this one) once sent
+    every one of them to the same replica, and the other had published no block at all."""
+    applied = 'smg_kv_event_batches_total{{worker="grpc://{}",disposition="applied"}}'
+    for replica in gateway.cluster.members:
+        async with AsyncClient(replica.target, timeout=60) as client:
+            prompt = f"{uuid.uuid4().hex} A prompt of a few blocks for this worker alone. " * 4
+            await client.generate(prompt, max_tokens=1)
+        for _ in range(200):  # SMG applies the batch a moment later
+            if gateway.metrics().get(applied.format(replica.target), 0) > 0:
+                break
+            await asyncio.sleep(0.05)
     metrics = gateway.metrics()
     for replica in gateway.cluster.members:
         worker = f'worker="grpc://{replica.target}"'
