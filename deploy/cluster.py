@@ -62,7 +62,7 @@ def _free_port_range() -> tuple[int, int]:
 def free_port() -> int:
     """A port on 127.0.0.1 that was free a moment ago, outside the ephemeral range (above)."""
     first, end = _free_port_range()
-    for _ in range(200):
+    for _ in range(200 if first < end else 0):  # none below a range that starts at 1024
         port = _random.randrange(first, end)
         with socket.socket() as s:
             try:

@@ -150,3 +150,20 @@ def test_smg_gateway_wiring() -> None:
     [service] = [d for (kind, _), d in got.items() if kind == "Service"]
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+
+
+@pytest.mark.parametrize(
+    ("ephemeral", "low", "high"), [("32768\t60999\n", 20480, 32768), ("1024\t65535\n", 1024, 65536)]
+)
+def test_free_ports_come_from_below_the_ephemeral_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ephemeral: str, low: int, high: int
+) -> None:
+    """Below the range where outgoing connections take their source ports; where the range
+    starts at 1024 there is nothing below it, and the kernel picks."""
+    from deploy import cluster
+
+    path = tmp_path / "ip_local_port_range"
+    path.write_text(ephemeral)
+    monkeypatch.setattr(cluster, "_EPHEMERAL_RANGE", path)
+    ports = [cluster.free_port() for _ in range(20)]
+    assert all(low <= p < high for p in ports), ports
