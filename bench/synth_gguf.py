@@ -15,6 +15,15 @@ out like Gemma 3's: <pad> 0, <eos> 1, <bos> 2, <unk> 3, the 256 byte tokens, the
 Shapes: `270m` is the embedded Gemma 3 270M's (hyperparameters read off its GGUF), `1b` Gemma 3
 1B's (~1.0 B parameters, 262,144-token vocabulary), `tiny` a few hundred kB for tests.
 
+The tests' tiny model is the counting model (`counting_model()`, `write_counting`): the
+`counting` shape with weights set, not drawn, so that its greedy next token is always
+`successor(last token)` ("▁a" "▁b" "▁c" ...) by a margin of 10+ nats, whatever the batch: tests
+that compare outputs token for token, or need streams in flight, get exact answers for
+microseconds a pass. Its vocabulary ends with "▁" and the letters, so the tokenizer export
+(SMG) takes it:
+
+    python bench/synth_gguf.py --counting --out /tmp/counting.gguf
+
 Families (`FAMILIES`): tiny random-weight models of real model families, each with its llama.cpp
 architecture (tensor names and hyperparameter keys of the pinned llama.cpp's
 `src/models/<arch>.cpp`), every `tokenizer.ggml.*` key of the family's real vocabulary GGUF and
@@ -101,41 +110,72 @@ SHAPES = {
     # Gemma 3 1B: 1152 wide, 26 layers, 4 heads / 1 KV head of 256, FFN 6912
     "1b": Shape(1152, 26, 4, 1, 256, 6912, 262144),
     "tiny": Shape(64, 2, 2, 1, 32, 128, 1024, n_ctx_train=4096, sliding_window=64),
+    # the counting model's (write_counting): wider, for wider margins (random rows of 128 are
+    # closer to orthogonal than rows of 64)
+    "counting": Shape(128, 2, 2, 1, 64, 256, 1024, n_ctx_train=4096, sliding_window=64),
 }
 
 
-def vocabulary(n_vocab: int) -> tuple[list[bytes], list[float], list[int]]:
-    if n_vocab < FIRST_PIECE + 1:
-        raise ValueError(f"n_vocab must be at least {FIRST_PIECE + 1}")
+ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+# The counting model's vocabulary ends with "▁" and the letters, so that every piece is a merge of
+# two tokens ("▁ab" = "▁a" + "b") and the tokenizer export (a BPE model) can say so.
+LETTERS = ("\u2581", *ALPHABET)
+
+
+def vocabulary(n_vocab: int, letters: bool = False) -> tuple[list[bytes], list[float], list[int]]:
+    tail = list(LETTERS) if letters else []
+    if n_vocab < FIRST_PIECE + len(tail) + 1:
+        raise ValueError(f"n_vocab must be at least {FIRST_PIECE + len(tail) + 1}")
     tokens = [b"<pad>", b"<eos>", b"<bos>", b"<unk>"]
     types = [TOKEN_CONTROL, TOKEN_CONTROL, TOKEN_CONTROL, TOKEN_UNKNOWN]
     tokens += [f"<0x{b:02X}>".encode() for b in range(256)]
     types += [TOKEN_BYTE] * 256
-    alphabet = "abcdefghijklmnopqrstuvwxyz"
-    for i in range(n_vocab - FIRST_PIECE):
+    n_words = n_vocab - FIRST_PIECE - len(tail)
+    for i in range(n_words):
         word, n = "", i
         while True:  # bijective base 26: a .. z, aa .. zz, aaa ..
-            word = alphabet[n % 26] + word
+            word = ALPHABET[n % 26] + word
             n = n // 26 - 1
             if n < 0:
                 break
         tokens.append(("\u2581" + word).encode())
         types.append(TOKEN_NORMAL)
+    tokens += [t.encode() for t in tail]
+    types += [TOKEN_NORMAL] * len(tail)
     scores = [0.0] * FIRST_PIECE + [-float(i) for i in range(n_vocab - FIRST_PIECE)]
     return tokens, scores, types
 
 
 def write(shape: Shape, path: Path, seed: int = 0) -> None:
+    writer = _gemma3_writer(
+        shape, path, f"synthetic gemma3 {shape.n_params / 1e6:.0f}M (random weights)"
+    )
+    tensors = shape.tensors()
+    _tensor_infos(writer, [(name, dims) for name, dims in tensors])
+    rng = np.random.default_rng(seed)
+    pool = (rng.standard_normal(POOL, dtype=np.float32) * WEIGHT_STD).astype(np.float16)
+    for _, dims in tensors:
+        if len(dims) == 1:
+            writer.write_tensor_data(np.ones(dims, dtype=np.float32))
+            continue
+        n = int(np.prod(dims))
+        start = int(rng.integers(POOL))
+        writer.write_tensor_data(np.resize(np.roll(pool, -start), n).reshape(dims))
+    writer.close()
+
+
+def _gemma3_writer(shape: Shape, path: Path, name: str, letters: bool = False) -> Any:
+    """A GGUF writer with every key of a Gemma 3 of `shape` and the synthetic vocabulary."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), ARCH)
-    writer.add_name(f"synthetic gemma3 {shape.n_params / 1e6:.0f}M (random weights)")
+    writer.add_name(name)
     _shape_keys(writer, shape)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1e6)
     writer.add_sliding_window(shape.sliding_window)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    tokens, scores, types = vocabulary(shape.n_vocab)
+    tokens, scores, types = vocabulary(shape.n_vocab, letters)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -148,7 +188,11 @@ def write(shape: Shape, path: Path, seed: int = 0) -> None:
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(False)
-    tensors = shape.tensors()
+    return writer
+
+
+def _tensor_infos(writer: Any, tensors: list[tuple[str, tuple[int, ...]]]) -> None:
+    """Declare the tensors (vectors f32, matrices f16) and write everything before their data."""
     for name, dims in tensors:
         dtype = np.float32 if len(dims) == 1 else np.float16
         n_bytes = int(np.prod(dims)) * np.dtype(dtype).itemsize
@@ -156,16 +200,68 @@ def write(shape: Shape, path: Path, seed: int = 0) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
+
+
+# -- a counting model: the tests' tiny model, whose greedy output is known ------------------------
+
+# The block outputs' post-norm weight: each block adds a vector of RMS 0.02 to a residual of RMS
+# ~8 (the embedding row, RMS ~1, times Gemma's sqrt(n_embd)), so attention and the FFN run on
+# the real KV cache but cannot move the argmax.
+COUNTING_BLOCK_GAIN = 0.02
+# The output rows' scale: the right next token's logit is ~COUNTING_LOGIT_SCALE * n_embd (16
+# for 64 wide); a wrong one's is a dot product of two random rows, ~N(0, scale^2 * n_embd).
+COUNTING_LOGIT_SCALE = 0.25
+
+
+def successor(token: int, n_vocab: int) -> int:
+    """The counting model's greedy next token after `token`: the next word piece ("▁a", "▁b",
+    ..., the last wraps to the first); any other token t (control, byte, letter) is followed by
+    the word piece FIRST_PIECE + t % (the number of word pieces). Never EOS: a stream runs to
+    max_tokens, and its text is words (" a b c ...") that tokenize back to the same ids."""
+    n_words = n_vocab - FIRST_PIECE - len(LETTERS)
+    if FIRST_PIECE <= token < FIRST_PIECE + n_words:
+        return FIRST_PIECE + (token - FIRST_PIECE + 1) % n_words
+    return FIRST_PIECE + token % n_words
+
+
+def write_counting(shape: Shape, path: Path, seed: int = 0) -> None:
+    """A Gemma 3 of `shape` whose greedy next token is successor(last token), by a margin of
+    several nats whatever came before: a forward pass costs what the random `tiny` one does, but
+    its output is known and does not change with the batch (the random model's top-2 margins
+    are hundredths of a nat, so batching alone changes its greedy text). The embedding rows are
+    random (RMS 1), an untied output matrix (`output.weight`, which llama.cpp's Gemma 3 reads
+    when present) maps row t to successor(t); attention and the FFN are random, damped by their
+    post-norms (COUNTING_BLOCK_GAIN), so a pass still reads and writes the KV cache."""
+    writer = _gemma3_writer(
+        shape, path, "synthetic gemma3 counting model (successor weights)", letters=True
+    )
+    tensors = [*shape.tensors(), ("output.weight", (shape.n_vocab, shape.n_embd))]
+    _tensor_infos(writer, tensors)
     rng = np.random.default_rng(seed)
-    pool = (rng.standard_normal(POOL, dtype=np.float32) * WEIGHT_STD).astype(np.float16)
-    for _, dims in tensors:
-        if len(dims) == 1:
-            writer.write_tensor_data(np.ones(dims, dtype=np.float32))
-            continue
-        n = int(np.prod(dims))
-        start = int(rng.integers(POOL))
-        writer.write_tensor_data(np.resize(np.roll(pool, -start), n).reshape(dims))
+    embd = rng.standard_normal((shape.n_vocab, shape.n_embd), dtype=np.float32)
+    embd /= np.sqrt(np.mean(embd**2, axis=1, keepdims=True))  # every row RMS 1
+    output = np.zeros_like(embd)
+    for token in range(shape.n_vocab):
+        output[successor(token, shape.n_vocab)] += COUNTING_LOGIT_SCALE * embd[token]
+    for name, dims in tensors:
+        if name == "token_embd.weight":
+            data = embd
+        elif name == "output.weight":
+            data = output
+        elif name.endswith(("post_attention_norm.weight", "post_ffw_norm.weight")):
+            data = np.full(dims, COUNTING_BLOCK_GAIN, dtype=np.float32)
+        elif len(dims) == 1:
+            data = np.ones(dims, dtype=np.float32)
+        else:
+            data = rng.standard_normal(dims, dtype=np.float32) * WEIGHT_STD
+        writer.write_tensor_data(data.astype(np.float32 if len(dims) == 1 else np.float16))
     writer.close()
+
+
+def counting_model() -> Path:
+    """The `tiny` counting model (write_counting), written once per machine like shape_model's:
+    the tests' tiny model."""
+    return _cached("gemma3-counting", lambda tmp: write_counting(SHAPES["counting"], tmp))
 
 
 # -- families: real vocabularies and templates on tiny random-weight models ----------------------
@@ -640,6 +736,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="270m")
     parser.add_argument("--family", choices=sorted(FAMILIES), help="a family's model instead")
+    parser.add_argument("--counting", action="store_true", help="the counting model instead")
     parser.add_argument(
         "--bert", choices=sorted(BERT_POOLING), help="a BERT encoder with this pooling instead"
     )
@@ -672,6 +769,10 @@ def main() -> int:
     if args.bert:
         write_bert(out, args.bert, args.seed)
         print(f"{out}: bert ({args.bert} pooling), {out.stat().st_size / 2**20:.0f} MiB")
+        return 0
+    if args.counting:
+        write_counting(SHAPES["counting"], out, args.seed)
+        print(f"{out}: counting model, {out.stat().st_size / 2**20:.1f} MiB")
         return 0
     if args.family:
         write_family(FAMILIES[args.family], out, args.seed)

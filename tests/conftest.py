@@ -94,20 +94,33 @@ TEST_THREADS = 1
 
 
 def tiny_model_file() -> Path:
-    """bench/synth_gguf.py's `tiny` Gemma 3 (64 wide, 2 layers, a 1,024-token synthetic vocabulary,
-    random weights): a forward pass costs microseconds where the embedded model's costs tens of
-    milliseconds. For the tests of statuses, token flow, cancellation, limits, streams and metrics,
-    which do not read the words (its output is noise: they ask for ignore_eos and count tokens).
-    Written once per machine under ~/.cache/llama-grpc/test-models/."""
+    """bench/synth_gguf.py's counting model (a Gemma 3 128 wide, 2 layers, a 1,024-token
+    synthetic vocabulary): a forward pass costs microseconds where the embedded model's costs
+    tens of milliseconds, and its greedy next token is always `synth_gguf.successor` of the last
+    one by several nats, whatever the batch (never EOS: a stream runs to max_tokens). For the
+    tests of statuses, token flow, cancellation, limits, streams and metrics, which do not read
+    the words. Written once per machine under ~/.cache/llama-grpc/test-models/."""
     bench = str(Path(__file__).resolve().parents[1] / "bench")
     if bench not in sys.path:
         sys.path.insert(0, bench)
     import synth_gguf  # bench/ is not a package
 
-    return synth_gguf.shape_model("tiny")
+    return synth_gguf.counting_model()
 
 
-TINY_N_VOCAB = 1024  # synth_gguf.SHAPES["tiny"].n_vocab (a test checks they agree)
+TINY_N_VOCAB = 1024  # synth_gguf.SHAPES["counting"].n_vocab (a test checks they agree)
+TINY_BOS = 2  # synth_gguf.BOS
+
+
+def counting(after: int, n: int) -> list[int]:
+    """The tiny model's greedy output: the n tokens that follow token `after`."""
+    tiny_model_file()  # bench/ on the path
+    import synth_gguf
+
+    out = [synth_gguf.successor(after, TINY_N_VOCAB)]
+    while len(out) < n:
+        out.append(synth_gguf.successor(out[-1], TINY_N_VOCAB))
+    return out[:n]
 
 
 @pytest.fixture(scope="session")

@@ -19,9 +19,14 @@ from llama_grpc.errors import from_rpc_error
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 
-# 8 slots a replica: more than the sessions a replica gets, so a session's idle slot keeps its
-# cache until it comes back.
-SERVER_ARGS = ("--n-ctx", "8192", "--n-parallel", "8", "--grace-s", "15")
+from ..conftest import tiny_model_file
+
+# The tiny counting model (tests/conftest.py): what is tested here is routing, caching and
+# failure, not words, and its passes cost microseconds, so three replicas and sixteen callers
+# leave the machine to the rest of the suite. 8 slots a replica: more than the sessions a replica
+# gets, so a session's idle slot keeps its cache until it comes back; 4,096 positions each, for
+# streams long enough to be in flight when something happens (KILL_TOKENS).
+SERVER_ARGS = ("--n-ctx", "32768", "--n-parallel", "8", "--grace-s", "15")
 QUESTIONS = (
     "What is the capital of France?",
     "And what river flows through it?",
@@ -32,7 +37,7 @@ QUESTIONS = (
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    with Cluster(3, server_args=SERVER_ARGS) as running:
+    with Cluster(3, server_args=(*SERVER_ARGS, "--model", str(tiny_model_file()))) as running:
         yield running
 
 
@@ -127,11 +132,12 @@ async def test_sessions_stick_to_their_replica_and_round_robin_does_not(
 async def test_a_hot_session_spills_over_instead_of_queueing_on_one_replica(
     cluster: Cluster, stub: pb_grpc.LlmServiceStub
 ) -> None:
-    """20 concurrent requests of one session (sent 20 ms apart, all in flight together):
+    """20 concurrent requests of one session (sent 20 ms apart, all in flight together: 1,000
+    tokens each, seconds on a replica's 8 slots):
     bounded load (hash_balance_factor 250) sends the excess to other replicas once its own
     holds 11 of them (2.5x the average)."""
     before = await started_per_replica(cluster)
-    request = pb.GenerateRequest(prompt="Hot key: count to ten.", params=params(48))
+    request = pb.GenerateRequest(prompt="Hot key: count to ten.", params=params(1000))
     calls = []
     for _ in range(20):
         calls.append(stub.Generate(request, metadata=session_metadata("hot")))
@@ -166,7 +172,7 @@ async def stream_turn(
     return "OK", received
 
 
-KILL_TOKENS = 96
+KILL_TOKENS = 2000  # a second or more for the victim's streams, even on a quiet box
 
 
 async def test_a_killed_replica_costs_only_its_own_streams(
@@ -180,7 +186,6 @@ async def test_a_killed_replica_costs_only_its_own_streams(
     already sent."""
     sessions = [f"kill-{i}" for i in range(12)]
     before = await started_per_replica(cluster)
-    # 96 tokens: on a quiet box 48-token streams could all be done before the kill
     streams = [asyncio.create_task(stream_turn(stub, s, KILL_TOKENS)) for s in sessions]
     # Every stream admitted into a slot (polled: on a loaded box 1.5 s was not always enough,
     # and a stream the victim had not yet counted made its failures look too many). The victim
@@ -220,6 +225,9 @@ async def test_a_killed_replica_costs_only_its_own_streams(
         victim.wait_serving()
 
 
+ROLL_TOKENS = 400
+
+
 async def test_rolling_restart_under_load_loses_nothing(
     cluster: Cluster, stub: pb_grpc.LlmServiceStub
 ) -> None:
@@ -235,7 +243,8 @@ async def test_rolling_restart_under_load_loses_nothing(
     async def caller(i: int) -> None:
         turn = 0
         while not done.is_set():
-            outcomes.append(await stream_turn(stub, f"roll-{i}-{turn}", 16))
+            # 400 tokens, ~0.1-0.5 s: in flight across each SIGTERM, and no busy loop of calls
+            outcomes.append(await stream_turn(stub, f"roll-{i}-{turn}", ROLL_TOKENS))
             turn += 1
 
     callers = [asyncio.create_task(caller(i)) for i in range(16)]
@@ -248,4 +257,5 @@ async def test_rolling_restart_under_load_loses_nothing(
     failed = [o for o in outcomes if o[0] != "OK"]
     assert failed == [], failed
     assert len(outcomes) >= 16 * 2
+    assert all(n == ROLL_TOKENS for _, n in outcomes)
     assert codes == [0, 0, 0]

@@ -1,10 +1,14 @@
-"""Fault injection against real servers (embedded Gemma 3 270M on 127.0.0.1): random client
-cancellations, deadlines expiring in every phase, SIGTERM with streams in flight, KV exhaustion,
-and a client that stops reading. Each test gets its own server with the settings it needs.
+"""Fault injection against real servers on 127.0.0.1: random client cancellations, deadlines
+expiring in every phase, SIGTERM with streams in flight, KV exhaustion, and a client that stops
+reading. Each test gets its own server with the settings it needs.
 
 Greedy outputs are compared with solo runs of the same request token for token over the prefix
 where the solo run's top-2 margin is wide (fault_support.Reference): the prompts count by one,
-whose every step has a margin of several nats, so that prefix is in practice the whole output."""
+whose every step has a margin of several nats on the embedded Gemma 3 270M, so that prefix is in
+practice the whole output. The tests whose timing does not hang on the model's speed (random
+cancellations, KV exhaustion, a stopped reader) run the tiny counting model
+(tests/conftest.py: every step wide by construction, passes of microseconds); deadlines in
+each phase and SIGTERM's grace period are measured against the embedded model's passes."""
 
 from __future__ import annotations
 
@@ -35,9 +39,12 @@ from tests.support.fault_support import (
     until,
 )
 
+from ..conftest import tiny_model_file
 from .conftest import settings
 
 pytestmark = pytest.mark.slow
+
+TINY = str(tiny_model_file())
 
 
 def counting(start: int) -> str:
@@ -70,8 +77,11 @@ async def tick_seconds(client: AsyncClient, ticks: int = 5) -> float:
 
 
 async def read_then_cancel(client: AsyncClient, prompt: str, n: int, request: str) -> int:
-    """Read `n` tokens of a long stream, then cancel it (the call stays open until then)."""
-    stream = client.stream(prompt, max_tokens=256, ignore_eos=True, metadata=rid(request))
+    """Read at least `n` tokens of a long stream, then cancel it (the call stays open until
+    then); the tokens read (a delta carries every token decoded since the last one was sent, so
+    a fast model's can overshoot n)."""
+    # 3,000 tokens: seconds of decoding on the counting model, so every cancel comes first
+    stream = client.stream(prompt, max_tokens=3000, ignore_eos=True, metadata=rid(request))
     got = 0
     async for event in stream:
         assert isinstance(event, Delta), event
@@ -88,7 +98,7 @@ async def test_random_cancellations_free_every_slot_within_one_tick() -> None:
     then no slot is busy, nothing is queued and the engine stops ticking."""
     rng = random.Random(20261123)
     stop_after = [rng.randint(1, 12) for _ in range(32)]
-    async with probed_server(settings(n_parallel=8, max_queue=64)) as s:
+    async with probed_server(settings(TINY, n_parallel=8, n_ctx=32768, max_queue=64)) as s:
         before = await s.client.stats()
         ids = [request_id("cancel") for _ in stop_after]
         got = await gather_bounded(
@@ -97,7 +107,7 @@ async def test_random_cancellations_free_every_slot_within_one_tick() -> None:
                 for i, n in enumerate(stop_after)
             )
         )
-        assert got == stop_after
+        assert all(n <= g < 3000 for g, n in zip(got, stop_after, strict=True)), got
         stats = await poll(
             s.client,
             lambda st: is_idle(st) and st.requests_cancelled >= before.requests_cancelled + 32,
@@ -251,7 +261,7 @@ KV_TOKENS = 40
 async def test_kv_exhaustion_preempts_and_resumes_without_losing_a_token() -> None:
     """16 requests of 65 cells each on 8 slots sharing 256 KV cells: the scheduler preempts and
     resumes; every request completes with exactly its solo output (greedy token ids)."""
-    async with probed_server(settings(n_parallel=8, n_ctx=256, max_queue=64)) as s:
+    async with probed_server(settings(TINY, n_parallel=8, n_ctx=256, max_queue=64)) as s:
         refs = await references(s.client, KV_PROMPTS, KV_TOKENS)
         before = await s.client.stats()
         ids = [request_id("kv") for _ in range(16)]
@@ -299,7 +309,7 @@ async def test_client_that_stops_reading_does_not_stall_others() -> None:
     stops the server's writes to it; three streams started after that finish with their solo
     output while it stays stalled; it stops decoding with --stream-buffer-tokens unread (the
     default, 256); cancelling it frees its slot."""
-    async with probed_server(settings(n_parallel=4, n_ctx=4096)) as s:
+    async with probed_server(settings(TINY, n_parallel=4, n_ctx=4096)) as s:
         prompts = OTHERS[:3]
         refs = await references(s.client, prompts, OTHER_TOKENS)
         stalled_id = request_id("stalled")

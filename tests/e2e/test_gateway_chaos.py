@@ -31,11 +31,17 @@ from llama_grpc import AsyncClient, Delta
 from llama_grpc_server.core.kv.events import chain
 from tests.support.vllm_engine_fake import kv_until, stored_blocks
 
+from ..conftest import tiny_model_file
+
 pytestmark = pytest.mark.slow
 
 CALL_TIMEOUT_S = 120.0
-STREAM_TOKENS = 96  # long enough to be in flight when the replica dies, even on a quiet box
-PLAIN_TOKENS = 64
+# The replicas run the tiny counting model (tests/conftest.py): routing, retries and draining do
+# not read the words, and its passes cost microseconds, so calls must be long to be in flight
+# when a replica dies: 2,000 tokens are a second or more on a quiet box.
+STREAM_TOKENS = 2000
+PLAIN_TOKENS = 2000
+ROLL_TOKENS = 400  # the rolling restart's calls: ~0.1-0.5 s each, not a busy loop of calls
 DISK_BLOCK = 64  # the disk tier saves whole 64-token blocks (core.kv.events' docstring)
 
 
@@ -46,7 +52,7 @@ def kv_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def gateway(kv_dir: Path) -> Iterator[Gateway]:
-    server_args = ["--chat-template", "gemma", "--n-ctx", "8192", "--n-parallel", "8",
+    server_args = ["--model", str(tiny_model_file()), "--n-ctx", "32768", "--n-parallel", "8",
                    "--grace-s", "30", "--kv-cache-dir", str(kv_dir)]  # fmt: skip
     smg_args = [*NO_WARM_UP, *HEALTH_ARGS, *QUICK_EXIT]  # probes every second (deploy/gateway.py)
     with Gateway(replicas=3, port=free_port(), server_args=server_args, smg_args=smg_args) as gw:
@@ -221,10 +227,10 @@ async def test_rolling_restart_with_drain_loses_nothing(sdk: Any, gateway: Gatew
         while not done.is_set():
             prompt = f"{tag} caller {i} turn {turn}: name a fruit."
             if i % 2:
-                outcomes.append(await streamed(sdk, model, prompt, 16))
+                outcomes.append(await streamed(sdk, model, prompt, ROLL_TOKENS))
             else:
                 try:
-                    outcomes.append(("OK", await plain(sdk, model, prompt, 16)))
+                    outcomes.append(("OK", await plain(sdk, model, prompt, ROLL_TOKENS)))
                 except openai.APIError as exc:
                     outcomes.append((type(exc).__name__, -1))
             turn += 1
@@ -246,7 +252,7 @@ async def test_rolling_restart_with_drain_loses_nothing(sdk: Any, gateway: Gatew
     finally:
         done.set()
         await asyncio.gather(*callers)
-    assert [o for o in outcomes if o != ("OK", 16)] == []
+    assert [o for o in outcomes if o != ("OK", ROLL_TOKENS)] == []
     assert len(outcomes) >= 8 * 3
     assert codes == [0, 0, 0]
 

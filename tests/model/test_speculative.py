@@ -32,6 +32,7 @@ from llama_grpc_server.core.requests.request import (
 from llama_grpc_server.engine.loop import EngineLoop
 from tests.support.greedy import assert_greedy_equal
 
+from ..conftest import TINY_BOS, counting
 from .conftest import Outcome, make_engine, make_tiny_engine, request, run, run_all, wait_idle
 
 ON = SpeculativeParams(SpeculativeMode.ON)
@@ -65,7 +66,7 @@ FREE = [
 
 
 def spec(
-    engine: EngineLoop, prompt: str, mode: SpeculativeParams, **kw: object
+    engine: EngineLoop, prompt: str | list[int], mode: SpeculativeParams, **kw: object
 ) -> GenerationRequest:
     kw.setdefault("cache_prompt", False)  # a prefix hit would change the prompt's batch shapes
     return dataclasses.replace(request(engine, prompt, **kw), speculative=mode)  # type: ignore[arg-type]
@@ -269,13 +270,15 @@ async def test_auto_calibrates_and_speculates_on_a_copy() -> None:
 async def test_kv_pressure_while_speculating_completes_every_request() -> None:
     """A small KV cache and four speculating requests: drafts that find no KV slot are retried
     without drafts, preemption happens only for the requests themselves, and every request
-    ends with exactly max_tokens tokens (none lost or repeated). Counts, not words: on the tiny
-    synthetic model (whose greedy runs repeat themselves, so n-gram drafts are found)."""
+    ends with exactly max_tokens tokens (none lost or repeated), each the tiny counting
+    model's own output. Each prompt holds a counting run and then its first three tokens again,
+    so the n-gram drafts find the rest of the run in the prompt."""
     eng = make_tiny_engine(n_parallel=4, n_ctx=512, cache_prompt=True)
     try:
-        reqs = [spec(eng, GROUNDED[i] + f" {i}", ON, max_tokens=100) for i in range(4)]
+        runs = [[TINY_BOS, *counting(300 + 150 * i, 120)] for i in range(4)]
+        reqs = [spec(eng, run + run[1:4], ON, max_tokens=100) for run in runs]
         outs = await run_all(eng, reqs)
-        assert [len(o.token_ids) for o in outs] == [100] * 4
+        assert [list(o.token_ids) for o in outs] == [counting(run[3], 100) for run in runs]
         assert all(o.finished.reason is FinishReason.MAX_TOKENS for o in outs)
         assert sum(o.finished.usage.draft_tokens for o in outs) > 0
         assert eng.stats().preemptions >= 1  # the cache was short

@@ -16,6 +16,7 @@ from llama_grpc_server.config import ModelSettings, SchedulerSettings, Settings
 from llama_grpc_server.core.requests.request import (
     Finished,
     GenerationRequest,
+    OutputParams,
     SamplingParams,
     StoppingParams,
 )
@@ -36,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import synth_gguf
 
-from ..conftest import TINY_N_VOCAB, tiny_model_file
-from .conftest import run
+from ..conftest import TINY_BOS, TINY_N_VOCAB, counting, tiny_model_file
+from .conftest import make_tiny_engine, run, run_all
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +52,14 @@ def test_the_tests_tiny_model_is_the_tiny_shape_written_once() -> None:
     """tests/conftest.py's tiny model: the `tiny` shape (its vocabulary size as the tests know
     it), cached: a second call returns the same file, not rewritten."""
     path = tiny_model_file()
-    assert path == synth_gguf.shape_model("tiny") and path.parent == synth_gguf.models_dir()
+    assert path == synth_gguf.counting_model() and path.parent == synth_gguf.models_dir()
     mtime = path.stat().st_mtime_ns
     assert tiny_model_file().stat().st_mtime_ns == mtime
-    assert synth_gguf.SHAPES["tiny"].n_vocab == TINY_N_VOCAB
+    assert synth_gguf.SHAPES["counting"].n_vocab == TINY_N_VOCAB
+    assert synth_gguf.BOS == TINY_BOS
     meta = read_header(path).metadata
     assert meta["general.architecture"] == "gemma3"
-    assert meta["gemma3.embedding_length"] == synth_gguf.SHAPES["tiny"].n_embd
+    assert meta["gemma3.embedding_length"] == synth_gguf.SHAPES["counting"].n_embd
 
 
 def test_shapes_are_the_models_they_stand_for() -> None:
@@ -108,6 +110,50 @@ async def test_llama_cpp_quantizes_and_serves_it(tiny: Path) -> None:
         assert isinstance(out.final, Finished)
         assert len(ids) == 6 and all(0 <= t < synth_gguf.SHAPES["tiny"].n_vocab for t in ids)
         assert engine.detokenize(prompt[1:], render_special=False) == " a h ko"
+    finally:
+        await asyncio.to_thread(engine.close)
+
+
+# -- the counting model (the tests' tiny model) ----------------------------------------------------
+
+
+def test_successor_counts_through_the_word_pieces_and_never_ends() -> None:
+    n_vocab, first = TINY_N_VOCAB, synth_gguf.FIRST_PIECE
+    n_words = n_vocab - first - len(synth_gguf.LETTERS)
+    assert synth_gguf.successor(first, n_vocab) == first + 1
+    assert synth_gguf.successor(first + n_words - 1, n_vocab) == first  # wraps
+    assert synth_gguf.successor(TINY_BOS, n_vocab) == first + TINY_BOS
+    assert synth_gguf.successor(n_vocab - 1, n_vocab) == first + (n_vocab - 1) % n_words
+    images = {synth_gguf.successor(t, n_vocab) for t in range(n_vocab)}
+    assert images == set(range(first, first + n_words)), "only word pieces, never EOS"
+    tokens, _, _ = synth_gguf.vocabulary(n_vocab, letters=True)
+    assert [t.decode() for t in tokens[-27:]] == list(synth_gguf.LETTERS)
+
+
+async def test_the_counting_model_counts_by_wide_margins_whatever_the_batch() -> None:
+    """Four greedy requests at once (prompts ending in a word piece, a byte, BOS and a letter):
+    each generates exactly the successor chain of its last prompt token, every step's top-2
+    logprob margin at least 5 nats (fault_support.SOUND_MARGIN is 2), batched or alone."""
+    engine = make_tiny_engine(n_parallel=4)
+    try:
+        first = synth_gguf.FIRST_PIECE
+        prompts = [(TINY_BOS, first + 5, first + 6), (TINY_BOS, 40, 41), (TINY_BOS,),
+                   (TINY_BOS, first + 3, TINY_N_VOCAB - 1)]  # fmt: skip
+
+        def greedy(i: int, prompt: tuple[int, ...]) -> GenerationRequest:
+            return GenerationRequest(
+                f"count-{i}", prompt, SamplingParams(temperature=0.0),
+                StoppingParams(max_tokens=300, ignore_eos=True),
+                output=OutputParams(logprobs=True, top_logprobs=2),
+            )  # fmt: skip
+
+        together = await run_all(engine, [greedy(i, p) for i, p in enumerate(prompts)])
+        alone = [await run(engine, greedy(i, p)) for i, p in enumerate(prompts)]
+        for prompt, batched, solo in zip(prompts, together, alone, strict=True):
+            expected = counting(prompt[-1], 300)
+            assert batched.token_ids == solo.token_ids == expected
+            margins = [lp.top[0].logprob - lp.top[1].logprob for lp in batched.logprobs]
+            assert len(margins) == 300 and min(margins) >= 5.0, min(margins)
     finally:
         await asyncio.to_thread(engine.close)
 
