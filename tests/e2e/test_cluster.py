@@ -19,7 +19,7 @@ from llama_grpc.errors import from_rpc_error
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 
-from ..conftest import tiny_model_file
+from ..conftest import TEST_THREADS, tiny_model_file
 
 # The tiny counting model (tests/conftest.py): what is tested here is routing, caching and
 # failure, not words, and its passes cost microseconds, so three replicas and sixteen callers
@@ -37,7 +37,8 @@ QUESTIONS = (
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    with Cluster(3, server_args=(*SERVER_ARGS, "--model", str(tiny_model_file()))) as running:
+    args = (*SERVER_ARGS, "--model", str(tiny_model_file()))
+    with Cluster(3, server_args=args, threads=TEST_THREADS) as running:
         yield running
 
 

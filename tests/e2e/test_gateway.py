@@ -25,7 +25,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc import AsyncClient, Delta
 
-from ..conftest import PERSON_SCHEMA, check_person
+from ..conftest import PERSON_SCHEMA, TEST_THREADS, check_person
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
 
@@ -43,7 +43,11 @@ def gateway() -> Iterator[Gateway]:
     # make gateway as it comes (the embedded model's family template), but SMG's mistral tool
     # parser, which sends structural tags for tools (test_structural_tag_* below)
     with Gateway(
-        replicas=2, port=free_port(), smg_args=(*NO_WARM_UP, *QUICK_EXIT), tool_parser="mistral"
+        replicas=2,
+        port=free_port(),
+        smg_args=(*NO_WARM_UP, *QUICK_EXIT),
+        tool_parser="mistral",
+        threads=TEST_THREADS,
     ) as gw:
         assert gw.policy == "cache_aware"  # make gateway's default
         yield gw

@@ -31,7 +31,7 @@ from llama_grpc import AsyncClient, Delta
 from llama_grpc_server.core.kv.events import chain
 from tests.support.vllm_engine_fake import kv_until, stored_blocks
 
-from ..conftest import tiny_model_file
+from ..conftest import TEST_THREADS, tiny_model_file
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,13 @@ def gateway(kv_dir: Path) -> Iterator[Gateway]:
     server_args = ["--model", str(tiny_model_file()), "--n-ctx", "32768", "--n-parallel", "8",
                    "--grace-s", "30", "--kv-cache-dir", str(kv_dir)]  # fmt: skip
     smg_args = [*NO_WARM_UP, *HEALTH_ARGS, *QUICK_EXIT]  # probes every second (deploy/gateway.py)
-    with Gateway(replicas=3, port=free_port(), server_args=server_args, smg_args=smg_args) as gw:
+    with Gateway(
+        replicas=3,
+        port=free_port(),
+        server_args=server_args,
+        smg_args=smg_args,
+        threads=TEST_THREADS,
+    ) as gw:
         yield gw
 
 

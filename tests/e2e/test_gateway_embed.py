@@ -13,6 +13,8 @@ from deploy.gateway import NO_WARM_UP, QUICK_EXIT, Gateway
 
 from llama_grpc import AsyncClient
 
+from ..conftest import TEST_THREADS
+
 pytestmark = pytest.mark.slow
 
 TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply on Monday morning."]
@@ -20,7 +22,9 @@ TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply on Monday mornin
 
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[Gateway]:
-    with Gateway(replicas=1, port=free_port(), smg_args=(*NO_WARM_UP, *QUICK_EXIT)) as gw:
+    with Gateway(
+        replicas=1, port=free_port(), smg_args=(*NO_WARM_UP, *QUICK_EXIT), threads=TEST_THREADS
+    ) as gw:
         yield gw
 
 

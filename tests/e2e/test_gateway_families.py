@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import synth_gguf
 
+from ..conftest import TEST_THREADS
+
 pytestmark = pytest.mark.slow
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -86,7 +88,11 @@ def gateway(request: pytest.FixtureRequest) -> Iterator[Gateway]:
     if family.server_template:
         args += ["--chat-template", family.server_template]
     with Gateway(
-        replicas=1, port=free_port(), server_args=args, smg_args=(*NO_WARM_UP, *QUICK_EXIT)
+        replicas=1,
+        port=free_port(),
+        server_args=args,
+        smg_args=(*NO_WARM_UP, *QUICK_EXIT),
+        threads=TEST_THREADS,
     ) as gw:
         yield gw
 

@@ -13,11 +13,14 @@ import pytest
 
 from llama_grpc import AsyncClient, Delta, Done, UnauthenticatedError
 
+from ..conftest import TEST_THREADS
+
 
 async def test_sigterm_drains_in_flight_stream_and_exits_zero() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "llama_grpc_server", "--port", "0", "--n-ctx", "2048",
         "--n-parallel", "2", "--grace-s", "30", "--log-format", "json",
+        "--threads", str(TEST_THREADS),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     assert proc.stdout is not None
@@ -59,6 +62,7 @@ async def test_sighup_reloads_the_tokens_file(tmp_path: Path) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "llama_grpc_server", "--port", "0", "--n-ctx", "1024",
         "--n-parallel", "1", "--log-format", "json", "--auth-tokens-file", str(tokens),
+        "--threads", str(TEST_THREADS),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     assert proc.stdout is not None
