@@ -136,15 +136,14 @@ serve: run
 test-data: $(STAMP)
 	$(PY) bench/llama_sdist.py
 
-# TEST_WORKERS=2: two pytest processes (pytest-xdist), each module in one of them (--dist
-# loadgroup: its module-scoped servers start once; the modules that run replica clusters share
-# one group, tests/conftest.py REPLICA_MODULES), in collection order (end-to-end first, the
-# many short unit tests last, so the workers finish together). Every test engine and server
-# runs llama.cpp on one thread (tests/conftest.py TEST_THREADS), so two workers fill two cores:
-# 9:32 vs 15:34 in one process (docs/install.md). 0 (the default, and CI's): one process. Three
-# of six two-worker runs each found a test that assumed the machine to itself (all fixed); CI
-# stays in one process until more such runs are green.
-TEST_WORKERS ?= 0
+# TEST_WORKERS=2 (the default, and CI's): two pytest processes (pytest-xdist), each module in
+# one of them (--dist loadgroup: its module-scoped servers start once; the modules that run
+# replica clusters share one group, tests/conftest.py REPLICA_MODULES), in collection order
+# (end-to-end first, the many short unit tests last, so the workers finish together). Every
+# test engine, server and replica runs llama.cpp on one thread (tests/conftest.py TEST_THREADS),
+# so two workers fill two cores without spin-barrier fights (docs/install.md has the timings).
+# TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) test-data
 	$(PY) -m pytest tests --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder) $(ARGS)
 

@@ -161,6 +161,7 @@ def test_configs_name_the_engines_special_tokens(
     assert model_config["max_position_embeddings"] == info.n_ctx_train == 32_768
 
 
+@pytest.mark.usefixtures("restore_logging")  # the CLI configures structlog at its "error" level
 def test_export_tokenizer_cli_writes_the_files(tmp_path: Path) -> None:
     """`llama-grpc models export-tokenizer NAME DIR` with the embedded model's name: the files,
     with the chosen built-in chat template; they load with `tokenizers`."""

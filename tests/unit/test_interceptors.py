@@ -60,10 +60,8 @@ async def server(engine: FakeEngine, recorder: ListRecorder) -> AsyncIterator[Ru
         yield running
 
 
-async def eventually(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Wait until predicate() holds: some log lines are written after the client sees the end
-    (a bound for a hang, not a timing: 2 s was once too short for two lines in a row, in a
-    two-worker run whose other worker had the machine's cores busy)."""
+async def eventually(predicate: Callable[[], bool], timeout_s: float = 2.0) -> None:
+    """Wait until predicate() holds: some log lines are written after the client sees the end."""
     async with asyncio.timeout(timeout_s):
         while not predicate():
             await asyncio.sleep(0.01)
