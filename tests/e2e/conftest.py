@@ -24,6 +24,10 @@ from llama_grpc_server.rpc.server import start_server
 from ..conftest import TEST_THREADS
 
 GREEDY = SamplingParams(temperature=0.0)
+# Replica options for a gateway module that never stops a replica while it is routed to: no
+# drain delay (deploy.cluster's 2 s lets Envoy and SMG stop routing to a replica before it
+# stops), so closing the module's gateway takes 0.7 s instead of 2.2.
+NO_DRAIN = ("--drain-delay-s", "0")
 
 
 def settings(model_path: str = "", n_threads: int = TEST_THREADS, **scheduler: object) -> Settings:

@@ -26,6 +26,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from llama_grpc import AsyncClient, Delta
 
 from ..conftest import PERSON_SCHEMA, TEST_THREADS, check_person
+from .conftest import NO_DRAIN
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
 
@@ -45,6 +46,7 @@ def gateway() -> Iterator[Gateway]:
     with Gateway(
         replicas=2,
         port=free_port(),
+        server_args=NO_DRAIN,
         smg_args=(*NO_WARM_UP, *QUICK_EXIT),
         tool_parser="mistral",
         threads=TEST_THREADS,

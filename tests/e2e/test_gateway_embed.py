@@ -14,6 +14,7 @@ from deploy.gateway import NO_WARM_UP, QUICK_EXIT, Gateway
 from llama_grpc import AsyncClient
 
 from ..conftest import TEST_THREADS
+from .conftest import NO_DRAIN
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,11 @@ TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply on Monday mornin
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[Gateway]:
     with Gateway(
-        replicas=1, port=free_port(), smg_args=(*NO_WARM_UP, *QUICK_EXIT), threads=TEST_THREADS
+        replicas=1,
+        port=free_port(),
+        server_args=NO_DRAIN,
+        smg_args=(*NO_WARM_UP, *QUICK_EXIT),
+        threads=TEST_THREADS,
     ) as gw:
         yield gw
 

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import synth_gguf
 
 from ..conftest import TEST_THREADS
+from .conftest import NO_DRAIN
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +85,7 @@ def literal(text: str) -> str:
 @pytest.fixture(scope="module", params=FAMILY_NAMES)
 def gateway(request: pytest.FixtureRequest) -> Iterator[Gateway]:
     family = synth_gguf.FAMILIES[request.param]
-    args = ["--model", str(synth_gguf.family_model(family.name)), "--n-ctx", "2048"]
+    args = ["--model", str(synth_gguf.family_model(family.name)), "--n-ctx", "2048", *NO_DRAIN]
     if family.server_template:
         args += ["--chat-template", family.server_template]
     with Gateway(
