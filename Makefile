@@ -137,15 +137,17 @@ test-data: $(STAMP)
 	$(PY) bench/llama_sdist.py
 
 # TEST_WORKERS=2 (the default, and CI's): two pytest processes (pytest-xdist), each module in
-# one of them (--dist loadgroup: its module-scoped servers start once; the modules that run
-# replica clusters share one group, tests/conftest.py REPLICA_MODULES), in collection order
-# (end-to-end first, the many short unit tests last, so the workers finish together). Every
-# test engine, server and replica runs llama.cpp on one thread (tests/conftest.py TEST_THREADS),
-# so two workers fill two cores without spin-barrier fights (docs/install.md has the timings).
+# one of them (--dist loadfile: its module-scoped servers start once), in collection order
+# (--no-loadscope-reorder: end-to-end first, the many short unit tests last, so the workers
+# finish together). Every test engine, server and replica runs llama.cpp on one thread
+# (tests/conftest.py TEST_THREADS), so two workers fill two cores without spin-barrier fights
+# (docs/install.md has the timings). Not --dist loadgroup: pytest-xdist 3.8 groups by a suffix it
+# writes into item._nodeid, which pytest 9 no longer reads (Node.nodeid is str(self._id)), so
+# every test was its own unit and a module's servers started in both workers.
 # TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(STAMP) test-data
-	$(PY) -m pytest tests --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder) $(ARGS)
+	$(PY) -m pytest tests --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(ARGS)
 
 test-unit: $(STAMP) test-data
 	$(PY) -m pytest tests/unit $(ARGS)

@@ -15,15 +15,6 @@ import structlog
 from deploy.cluster import free_port  # noqa: F401 (re-exported: the tests import it from here)
 from prometheus_client.parser import text_string_to_metric_families
 
-# The modules that run several server processes at once (replicas behind Envoy or SMG, SMG
-# itself): under `make test TEST_WORKERS=2` they share one xdist group, so they run one after
-# the other in one worker and never two such clusters side by side on two cores (seen before:
-# the two were scheduled last and together, six replicas on two cores for two minutes).
-REPLICA_MODULES = frozenset(
-    ("test_cluster", "test_gateway", "test_gateway_chaos", "test_gateway_embed",
-     "test_gateway_families")
-)  # fmt: skip
-
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
@@ -32,10 +23,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.model)
         if "e2e" in parts:
             item.add_marker(pytest.mark.e2e)
-        # --dist loadgroup: a module runs in one worker (its module-scoped servers start once)
-        stem = item.path.stem
-        group = "replicas" if stem in REPLICA_MODULES else "/".join(parts[-2:])
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture
