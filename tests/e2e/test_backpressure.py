@@ -22,7 +22,11 @@ from ..conftest import tiny_model_file
 from .conftest import settings
 
 BOUND = 16
-MAX_TOKENS = 128  # the paused stream pauses ~90 tokens in (HTTP/2 window, socket buffers, BOUND)
+# The paused stream pauses once its messages fill the slow client's HTTP/2 window: ~90 tokens
+# in on the real model (a token a message); the counting model decodes faster than a client
+# reads, so a message carries up to BOUND tokens and the window holds hundreds (a two-worker run
+# had all of 128 through, and nothing paused). 3,000 leave the window full whatever it holds.
+MAX_TOKENS = 3000
 # The slow client's receive window: small, so the server's writes wait for it within a few
 # dozen tokens (by default HTTP/2 flow control lets ~2,000 small deltas through unread).
 SLOW_OPTIONS = (("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0))
@@ -37,7 +41,7 @@ PROMPTS = tuple(
 @asynccontextmanager
 async def served(**scheduler: object) -> AsyncIterator[tuple[AsyncClient, AsyncClient]]:
     """A server with the options, a client and a slow client (a small receive window)."""
-    conf = settings(str(tiny_model_file()), n_parallel=4, **scheduler)
+    conf = settings(str(tiny_model_file()), n_parallel=4, n_ctx=16384, **scheduler)
     async with start_server(conf, lambda: build_engine(conf)) as running:
         assert await running.wait_loaded()
         target = f"127.0.0.1:{running.port}"

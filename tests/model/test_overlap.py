@@ -1,6 +1,9 @@
-"""--overlap-decode on the real model: a tick's events are published and delivered while the next
-forward pass runs (loop.EngineLoop._tick). On this CPU build nothing overlaps, but the switch
-must change no output: the same plans, the same greedy tokens, whatever the delivery timing."""
+"""--overlap-decode: a tick's events are published and delivered while the next forward pass runs
+(loop.EngineLoop._tick). On this CPU build nothing overlaps, but the switch must change no
+output: the same plans, the same greedy tokens, whatever the delivery timing. On the tiny
+counting model (tests/conftest.py), whose output is known whatever the batch: on the real model
+a loaded box once split a burst over two passes (the engine thread ticked between two
+submissions), and a near-tie then flipped a token."""
 
 from __future__ import annotations
 
@@ -8,7 +11,8 @@ import asyncio
 
 from llama_grpc_server.engine.loop import EngineLoop
 
-from .conftest import Outcome, make_engine, request, run_all
+from ..conftest import counting
+from .conftest import Outcome, make_tiny_engine, request, run_all
 
 PROMPTS = [
     "The capital of France is",
@@ -26,7 +30,10 @@ async def burst(engine: EngineLoop) -> list[Outcome]:
     reqs = [
         request(engine, p, max_tokens=6 + 3 * i, cache_prompt=False) for i, p in enumerate(PROMPTS)
     ]
-    return await run_all(engine, reqs)  # each submits before it first waits: one burst
+    outs = await run_all(engine, reqs)  # each submits before it first waits: one burst
+    for req, out in zip(reqs, outs, strict=True):  # each its own, not another request's
+        assert out.token_ids == counting(req.prompt_tokens[-1], req.stopping.max_tokens)
+    return outs
 
 
 async def two_bursts(overlap: str) -> list[list[Outcome]]:
@@ -36,7 +43,7 @@ async def two_bursts(overlap: str) -> list[list[Outcome]]:
     no pass is padded (pads follow measured costs too), so the outputs must be equal bit for
     bit, not only up to a near-tie (tests/support/greedy.py)."""
     engine = await asyncio.to_thread(
-        make_engine, n_parallel=len(PROMPTS), overlap_decode=overlap, pad_decode_batches=False
+        make_tiny_engine, n_parallel=len(PROMPTS), overlap_decode=overlap, pad_decode_batches=False
     )
     try:
         assert engine._overlap_decode is (overlap == "on")
