@@ -22,11 +22,12 @@ from ..conftest import tiny_model_file
 from .conftest import settings
 
 BOUND = 16
-# The paused stream pauses once its messages fill the slow client's HTTP/2 window: ~90 tokens
-# in on the real model (a token a message); the counting model decodes faster than a client
-# reads, so a message carries up to BOUND tokens and the window holds hundreds (a two-worker run
-# had all of 128 through, and nothing paused). 3,000 leave the window full whatever it holds.
-MAX_TOKENS = 3000
+# The paused stream pauses once its messages fill the slow client's HTTP/2 window: ~86 tokens
+# in, alone on the box (three runs). A message carries every token decoded since the last send,
+# up to BOUND, and a busy box lets more of them gather: bytes per token fall to about a third, so
+# a window may hold ~300 (a two-worker run had all of 128 through, and nothing paused). 1,000
+# leave it full with room to spare; 3,000 did too, and took 15 s of slow reading.
+MAX_TOKENS = 1000
 # The slow client's receive window: small, so the server's writes wait for it within a few
 # dozen tokens (by default HTTP/2 flow control lets ~2,000 small deltas through unread).
 SLOW_OPTIONS = (("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0))
