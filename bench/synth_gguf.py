@@ -151,7 +151,7 @@ def write(shape: Shape, path: Path, seed: int = 0) -> None:
         shape, path, f"synthetic gemma3 {shape.n_params / 1e6:.0f}M (random weights)"
     )
     tensors = shape.tensors()
-    _tensor_infos(writer, [(name, dims) for name, dims in tensors])
+    _tensor_infos(writer, tensors)
     rng = np.random.default_rng(seed)
     pool = (rng.standard_normal(POOL, dtype=np.float32) * WEIGHT_STD).astype(np.float16)
     for _, dims in tensors:

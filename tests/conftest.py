@@ -9,6 +9,7 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import structlog
@@ -87,12 +88,17 @@ def tiny_model_file() -> Path:
     one by several nats, whatever the batch (never EOS: a stream runs to max_tokens). For the
     tests of statuses, token flow, cancellation, limits, streams and metrics, which do not read
     the words. Written once per machine under ~/.cache/llama-grpc/test-models/."""
+    return _synth_gguf().counting_model()
+
+
+def _synth_gguf() -> ModuleType:
+    """bench/synth_gguf.py (bench/ is not a package: put on the path)."""
     bench = str(Path(__file__).resolve().parents[1] / "bench")
     if bench not in sys.path:
         sys.path.insert(0, bench)
-    import synth_gguf  # bench/ is not a package
+    import synth_gguf
 
-    return synth_gguf.counting_model()
+    return synth_gguf
 
 
 TINY_N_VOCAB = 1024  # synth_gguf.SHAPES["counting"].n_vocab (a test checks they agree)
@@ -101,12 +107,10 @@ TINY_BOS = 2  # synth_gguf.BOS
 
 def counting(after: int, n: int) -> list[int]:
     """The tiny model's greedy output: the n tokens that follow token `after`."""
-    tiny_model_file()  # bench/ on the path
-    import synth_gguf
-
-    out = [synth_gguf.successor(after, TINY_N_VOCAB)]
+    successor = _synth_gguf().successor
+    out = [successor(after, TINY_N_VOCAB)]
     while len(out) < n:
-        out.append(synth_gguf.successor(out[-1], TINY_N_VOCAB))
+        out.append(successor(out[-1], TINY_N_VOCAB))
     return out[:n]
 
 
