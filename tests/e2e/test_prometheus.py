@@ -38,7 +38,7 @@ from llama_grpc_server.rpc.server import start_server
 from tests.support.crashing_strategy import CRASH_NOW
 from tests.support.dashboard import load_dashboard, panels
 
-from ..conftest import free_port
+from ..conftest import free_port, tiny_model_file
 from .conftest import settings
 
 PROMETHEUS = shutil.which("prometheus")
@@ -51,6 +51,7 @@ pytestmark = pytest.mark.skipif(
 JOB = "llama-grpc"
 RATE_INTERVAL = "4s"  # what Grafana's $__rate_interval is at a 1 s scrape interval (4 scrapes)
 WAIT_S = 90.0  # bound on every wait for Prometheus to see a change (polled, never slept)
+LONG = 30_000  # max_tokens of a stream closed before its end: ~10 s of counting tokens alone
 PROMPT = (
     "A monitoring system scrapes the metrics of a language model server every second and keeps "
     "each series in its time-series database, so that a dashboard can show tokens per second, "
@@ -170,14 +171,17 @@ def resolve(expr: str, instance: str) -> str:
 
 @contextlib.asynccontextmanager
 async def scraped_server(tmp_path: Path) -> AsyncIterator[tuple[RunningServer, Prometheus]]:
-    """A server (1 slot and 1 place in the queue, a 1k context, a disk tier saving idle caches
-    after 0.3 s, a strategy that kills the engine on demand) with a Prometheus scraping it."""
+    """A server on the tiny counting model (the test reads statuses and counters, not words: a
+    stream of LONG tokens outlasts every wait below), with 1 slot and 1 place in the queue, a
+    disk tier saving idle caches after 0.3 s, a strategy that kills the engine on demand, and a
+    Prometheus scraping it."""
     metrics = Metrics()
     hooks = Telemetry(bus=Bus(), sink=metrics)
     base = settings(
+        str(tiny_model_file()),
         n_parallel=1,
         max_queue=1,
-        n_ctx=1024,
+        n_ctx=LONG + 1024,
         kv_cache_dir=str(tmp_path / "kv"),
         session_idle_s=0.3,
         batch_strategy="tests.support.crashing_strategy:on_demand",
@@ -239,17 +243,17 @@ async def test_prometheus_evaluates_every_panel_and_sees_each_fault(tmp_path: Pa
             raise AssertionError("the stream ended without a delta")
 
         # A client cancel.
-        await (await started(client.stream(PROMPT, max_tokens=900, ignore_eos=True))).aclose()
+        await (await started(client.stream(PROMPT, max_tokens=LONG, ignore_eos=True))).aclose()
         # A deadline that passes while the request decodes.
-        late = await started(client.stream(PROMPT, max_tokens=900, ignore_eos=True, timeout=5))
+        late = await started(client.stream(PROMPT, max_tokens=LONG, ignore_eos=True, timeout=1))
         with pytest.raises(DeadlineExceededError):
             async for _ in late:
                 pass
         # The queue full (1 slot, max_queue 1): of two more requests beside a running one, the
         # second to reach the engine is rejected, the first waits; then both others are closed.
-        running_one = await started(client.stream(PROMPT, max_tokens=900, ignore_eos=True))
+        running_one = await started(client.stream(PROMPT, max_tokens=LONG, ignore_eos=True))
         outcomes = await asyncio.gather(
-            *(client.generate(PROMPT, max_tokens=8, timeout=3) for _ in range(2)),
+            *(client.generate(PROMPT, max_tokens=8, timeout=1.5) for _ in range(2)),
             return_exceptions=True,
         )
         assert sorted(type(o).__name__ for o in outcomes) == [
