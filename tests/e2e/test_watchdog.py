@@ -1,9 +1,9 @@
-"""The engine watchdog in a real server process: the embedded Gemma 3 270M and the real runner
-with a fault injected (hanging_runner.py). A forward pass that never returns ends every stream
-in flight or queued with UNAVAILABLE (ENGINE_HUNG) naming the bound, turns health NOT_SERVING,
-counts the trip in GetStats and /metrics, logs the engine thread's stack and exits 71 after
---grace-s. Passes slowed to well within the bound (on the tiny synthetic model), many bounds
-in all, trip nothing."""
+"""The engine watchdog in a real server process: the tiny counting model (the tests count
+passes and statuses, not words: tests/conftest.py) and the real runner with a fault injected
+(hanging_runner.py). A forward pass that never returns ends every stream in flight or queued
+with UNAVAILABLE (ENGINE_HUNG) naming the bound, turns health NOT_SERVING, counts the trip in
+GetStats and /metrics, logs the engine thread's stack and exits 71 after --grace-s. Passes
+slowed to well within the bound, many bounds in all, trip nothing."""
 
 from __future__ import annotations
 
@@ -18,16 +18,20 @@ from tests.support.fault_support import ServerProcess, json_lines, poll, server_
 
 from ..conftest import free_port, tiny_model_file
 
-WATCHDOG_S = "3"
+WATCHDOG_S = "2"
+# The hang test's passes before the hung one each take this much more (a pass of the counting
+# model alone costs about a millisecond): all four requests arrive before the second pass, as
+# on the embedded model, so two decode and two wait whatever the machine's pace.
+PACED_PASS_S = "0.05"
+GRACE_S = "3"
 # One llama.cpp thread: on the shared 2-core box a 2-thread pass beside other work was seen to
 # take seconds (OpenMP barrier spinning), which would trip a bound this short legitimately.
 THREADS = ("--threads", "1")
-# The slow-pass test runs the tiny synthetic model (its own pass costs about a millisecond, so
-# the pass is SLOW_PASS_S and nothing else, whatever else the machine runs): it counts passes
-# and statuses, not words. 0.75 s of 2 s, as 1.5 of 4 on the embedded model before (in half the
-# time: 11 passes).
-SLOW_WATCHDOG_S = 2.0
-SLOW_PASS_S = 0.75  # added to every pass: slow, but well within SLOW_WATCHDOG_S
+# In the slow-pass test a pass of the counting model (about a millisecond) is SLOW_PASS_S and
+# nothing else, whatever else the machine runs. 0.4 s of 1 s (0.6 s to spare), as 0.75 of 2 and
+# 1.5 of 4 on the embedded model before, in less time: 11 passes.
+SLOW_WATCHDOG_S = 1.0
+SLOW_PASS_S = 0.4  # added to every pass: slow, but well within SLOW_WATCHDOG_S
 EXIT_ENGINE_HUNG = 71
 SECRET = "walrus-indigo-secret-marker"
 
@@ -59,9 +63,10 @@ async def test_hung_forward_pass_fails_every_caller_and_exits_71() -> None:
     """Two streams decode and two wait in the queue when forward pass 8 never returns."""
     metrics_port = free_port()
     async with server_process(
-        "--n-ctx", "2048", "--n-parallel", "2", "--temperature", "0", "--watchdog-s", WATCHDOG_S,
-        "--grace-s", "5", "--metrics-port", str(metrics_port), *THREADS,
-        env=support_env(HANG_AT_PASS="8"), module="hanging_runner",
+        "--model", str(tiny_model_file()), "--n-ctx", "2048", "--n-parallel", "2",
+        "--temperature", "0", "--watchdog-s", WATCHDOG_S, "--grace-s", GRACE_S,
+        "--metrics-port", str(metrics_port), *THREADS,
+        env=support_env(HANG_AT_PASS="8", SLOW_PASS_S=PACED_PASS_S), module="hanging_runner",
     ) as proc:  # fmt: skip
         async with AsyncClient(f"127.0.0.1:{proc.port}", timeout=60) as client:
             results = await asyncio.wait_for(
