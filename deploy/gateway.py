@@ -201,7 +201,7 @@ class Gateway(Started):
         self.checked = check_model(self.server_args)
         self.cluster.start_replicas()
         self.start_smg()
-        wait_for(self.is_ready, START_TIMEOUT_S, "the gateway is not ready", interval_s=0.5)
+        wait_for(self.is_ready, START_TIMEOUT_S, "the gateway is not ready", interval_s=0.1)
         self.ready_log_offset = (self.workdir / "smg.log").stat().st_size
         return self
 

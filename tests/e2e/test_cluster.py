@@ -248,10 +248,19 @@ async def test_rolling_restart_under_load_loses_nothing(
             outcomes.append(await stream_turn(stub, f"roll-{i}-{turn}", ROLL_TOKENS))
             turn += 1
 
+    async def more_outcomes(n: int) -> None:
+        """Calls keep completing between restarts (each restart's drain alone is 2 s)."""
+        target = len(outcomes) + n
+        for _ in range(1200):
+            if len(outcomes) >= target:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no calls completing: {len(outcomes)} of {target}")
+
     callers = [asyncio.create_task(caller(i)) for i in range(16)]
     codes = []
     for index in range(len(cluster.members)):
-        await asyncio.sleep(1.0)
+        await more_outcomes(8)
         codes.append(await asyncio.to_thread(cluster.restart, index))
     done.set()
     await asyncio.gather(*callers)
