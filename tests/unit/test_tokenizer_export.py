@@ -5,6 +5,7 @@ llama.cpp itself on the real models is tests/model/test_tokenizer_export.py."""
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import zipfile
@@ -254,6 +255,29 @@ def test_unsupported_files_are_refused(
 ) -> None:
     with pytest.raises(TokenizerExportError, match=message):
         tokenizer_export.export_files(_write(tmp_path / "x.gguf", **overrides), None)
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_an_export_leaves_the_garbage_collector_as_it_found_it(
+    tmp_path: Path, collecting: bool
+) -> None:
+    """The collector is paused while an export builds (tokenizer_export._collector_paused) and
+    is as it was after one that succeeds and one that is refused: on again if it was on, still
+    off if the application had turned it off."""
+    good = _write(tmp_path / "good.gguf")
+    bad = _write(tmp_path / "bad.gguf", **{"tokenizer.ggml.model": None})
+    was = gc.isenabled()
+    try:
+        gc.enable() if collecting else gc.disable()
+        tokenizer_export.clear_cache()
+        assert tokenizer_export.export_files(good, None)
+        assert gc.isenabled() is collecting
+        with pytest.raises(TokenizerExportError):
+            tokenizer_export.export_files(bad, None)
+        assert gc.isenabled() is collecting
+    finally:
+        gc.enable() if was else gc.disable()
+        tokenizer_export.clear_cache()
 
 
 def _with_pieces(tmp_path: Path, pieces: list[tuple[str, int, float]]) -> Path:

