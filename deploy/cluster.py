@@ -46,9 +46,14 @@ REPLICA_STOP_S = 30.0  # a replica's drain and grace on SIGTERM, then SIGKILL
 # its source port from that same range. Two pytest-xdist workers each starting servers lost
 # that race (a test's /metrics port, picked free, was some other connection's source port by
 # the time the server bound it: EADDRINUSE, three errors in one run). Below the range only
-# another free_port() caller can take it, and a random pick makes that unlikely.
+# another free_port() caller can take it, and a port one caller picked is held for the others
+# (RESERVED_S, in a machine-wide file): a gateway's port is picked seconds before SMG binds it,
+# after the replicas start, and once, with random picks alone, a replica of the other test
+# worker had bound it first (SMG's readiness probe read that gRPC server's HTTP/2 frames).
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _random = random.Random()
+RESERVED_S = 300.0  # how long a port free_port() handed out is not handed out again
+_RESERVATIONS = Path(tempfile.gettempdir()) / "llama-grpc-free-ports.json"
 
 
 def _free_port_range() -> tuple[int, int]:
@@ -59,16 +64,49 @@ def _free_port_range() -> tuple[int, int]:
     return max(1024, low - 12288), low
 
 
+@contextlib.contextmanager
+def _reservations() -> Iterator[dict[str, float]]:
+    """The ports free_port() handed out in the last RESERVED_S seconds on this machine ({port:
+    when}), read and written back under an exclusive lock on the file. A file that cannot be
+    used (another user's, a read-only /tmp) reserves nothing: the random pick alone remains."""
+    import fcntl
+    import json
+
+    try:
+        handle = _RESERVATIONS.open("a+", encoding="utf-8")
+    except OSError:
+        yield {}
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+        handle.seek(0)
+        try:
+            held = {k: float(v) for k, v in json.loads(handle.read() or "{}").items()}
+        except (ValueError, TypeError, AttributeError):
+            held = {}
+        now = time.time()
+        held = {port: when for port, when in held.items() if now - when < RESERVED_S}
+        yield held
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps(held))
+
+
 def free_port() -> int:
-    """A port on 127.0.0.1 that was free a moment ago, outside the ephemeral range (above)."""
+    """A port on 127.0.0.1 that was free a moment ago, outside the ephemeral range and not
+    handed out by another free_port() call on this machine in the last RESERVED_S (above)."""
     first, end = _free_port_range()
-    for _ in range(200 if first < end else 0):  # none below a range that starts at 1024
-        port = _random.randrange(first, end)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
+    with _reservations() as held:
+        for _ in range(200 if first < end else 0):  # none below a range that starts at 1024
+            port = _random.randrange(first, end)
+            if str(port) in held:
                 continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            held[str(port)] = time.time()
             return port
     with socket.socket() as s:  # that range is full: the kernel's pick
         s.bind(("127.0.0.1", 0))

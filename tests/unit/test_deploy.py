@@ -3,8 +3,10 @@ parse and are wired together (ports, probes, the drain, the headless Service).""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,8 @@ import yaml
 from deploy.cluster import envoy_binary
 from deploy.envoy import render
 from deploy.gateway import CPU_LIVENESS_ARGS
+
+ROOT = Path(__file__).resolve().parents[2]
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 
@@ -167,3 +171,59 @@ def test_free_ports_come_from_below_the_ephemeral_range(
     monkeypatch.setattr(cluster, "_EPHEMERAL_RANGE", path)
     ports = [cluster.free_port() for _ in range(20)]
     assert all(low <= p < high for p in ports), ports
+
+
+def test_a_port_handed_out_is_not_handed_out_again_on_this_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """free_port() keeps the ports it handed out (for RESERVED_S) in a file every process on
+    the machine shares: with a range of 8 ports, 8 calls (half of them in another process) get
+    8 different ports, and a ninth finds none left below the ephemeral range, so the kernel
+    picks. Once the reservations are older than RESERVED_S, the range is free again."""
+    from deploy import cluster
+
+    start = cluster._free_port_range()[0]
+    reservations = tmp_path / "ports.json"
+    monkeypatch.setattr(cluster, "_RESERVATIONS", reservations)
+    monkeypatch.setattr(cluster, "_free_port_range", lambda: (start, start + 8))
+    ours = [cluster.free_port() for _ in range(4)]
+    script = (
+        "import sys; from pathlib import Path; from deploy import cluster; "
+        f"cluster._RESERVATIONS = Path({str(reservations)!r}); "
+        f"cluster._free_port_range = lambda: ({start}, {start + 8}); "
+        "print(*[cluster.free_port() for _ in range(4)])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], check=True, capture_output=True, text=True, cwd=ROOT
+    )
+    theirs = [int(p) for p in out.stdout.split()]
+    taken = [*ours, *theirs]
+    in_range = [p for p in taken if start <= p < start + 8]
+    # a port of the 8 that something else on the machine holds is skipped, never repeated
+    assert len(set(taken)) == 8 and len(in_range) == len(set(in_range)), taken
+    assert cluster.free_port() not in in_range
+    aged = {
+        port: when - cluster.RESERVED_S
+        for port, when in json.loads(reservations.read_text()).items()
+    }
+    reservations.write_text(json.dumps(aged))
+    again = {cluster.free_port() for _ in range(4)}
+    assert again & set(in_range), (again, in_range)
+
+
+def test_an_unusable_reservations_file_leaves_the_random_pick(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reservations path that cannot be opened (here a directory) or holds no JSON: free_port
+    still hands out free ports below the ephemeral range."""
+    from deploy import cluster
+
+    monkeypatch.setattr(cluster, "_RESERVATIONS", tmp_path)
+    first, end = cluster._free_port_range()
+    assert first <= cluster.free_port() < end
+    garbage = tmp_path / "ports.json"
+    garbage.write_text("not json [")
+    monkeypatch.setattr(cluster, "_RESERVATIONS", garbage)
+    port = cluster.free_port()
+    assert first <= port < end
+    assert json.loads(garbage.read_text()).keys() == {str(port)}
