@@ -87,9 +87,11 @@ def _reservations() -> Iterator[dict[str, float]]:
         now = time.time()
         held = {port: when for port, when in held.items() if now - when < RESERVED_S}
         yield held
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps(held))
+        with contextlib.suppress(OSError):  # a full disk: this pick goes unrecorded
+            handle.seek(0)
+            handle.truncate()
+            handle.write(json.dumps(held))
+            handle.flush()
 
 
 def free_port() -> int:
