@@ -53,6 +53,7 @@ REPLICA_STOP_S = 30.0  # a replica's drain and grace on SIGTERM, then SIGKILL
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _random = random.Random()
 RESERVED_S = 300.0  # how long a port free_port() handed out is not handed out again
+LOCK_WAIT_S = 2.0  # the longest free_port() waits for the reservations file's lock
 _RESERVATIONS = Path(tempfile.gettempdir()) / "llama-grpc-free-ports.json"
 
 
@@ -78,7 +79,16 @@ def _reservations() -> Iterator[dict[str, float]]:
         yield {}
         return
     with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:  # a holder takes milliseconds; one stopped (SIGSTOP) must not hang us
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released at close
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield {}
+                    return
+                time.sleep(0.01)
         handle.seek(0)
         try:
             held = {k: float(v) for k, v in json.loads(handle.read() or "{}").items()}

@@ -227,3 +227,25 @@ def test_an_unusable_reservations_file_leaves_the_random_pick(
     port = cluster.free_port()
     assert first <= port < end
     assert json.loads(garbage.read_text()).keys() == {str(port)}
+
+
+def test_a_reservations_lock_held_elsewhere_does_not_hang_the_pick(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another holder of the file's lock (here a second open file in this process, as a stopped
+    process would hold it): free_port gives up on the lock after LOCK_WAIT_S and hands out a
+    random free port without recording it; once the lock is free, it records again."""
+    import fcntl
+
+    from deploy import cluster
+
+    reservations = tmp_path / "ports.json"
+    monkeypatch.setattr(cluster, "_RESERVATIONS", reservations)
+    monkeypatch.setattr(cluster, "LOCK_WAIT_S", 0.3)
+    first, end = cluster._free_port_range()
+    with reservations.open("a+") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        port = cluster.free_port()
+    assert first <= port < end
+    assert reservations.read_text() == ""
+    assert str(cluster.free_port()) in json.loads(reservations.read_text())
