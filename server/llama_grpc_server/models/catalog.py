@@ -8,7 +8,9 @@ catalog.toml, which `llama-grpc models add` writes:
     [models.my-model]
     path = "/abs/path/to/my-model.gguf"
 
-When two sources give the same name, the first wins: embedded, then catalog.toml, then files."""
+When two sources give the same name, the first wins: embedded, then catalog.toml, then files.
+A name none of them gives may be a trained model of models/trained.py: `lookup` fetches it into
+the per-machine cache on first use (models/assemble.py); `list_models` leaves them out."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from llama_grpc_server.models import assemble, trained
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_path
 from llama_grpc_server.models.gguf_header import read_header
 
@@ -27,6 +30,7 @@ MODELS_DIR_ENV = "LLAMA_GRPC_MODELS_DIR"
 CATALOG_FILE = "catalog.toml"
 SUFFIX = ".gguf"
 EMBEDDED, CATALOG, DIRECTORY, PATH = "embedded", "catalog", "directory", "path"
+TRAINED = "trained"
 # A name never looks like a path or a NAME=PATH pair, so `resolve` can tell them apart.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -39,7 +43,7 @@ class CatalogError(Exception):
 class ModelEntry:
     name: str
     path: Path
-    source: str  # EMBEDDED, CATALOG, DIRECTORY, or PATH (given as a path, not a name)
+    source: str  # EMBEDDED, CATALOG, DIRECTORY, TRAINED, or PATH (given as a path, not a name)
 
 
 def models_dir_from(
@@ -105,9 +109,10 @@ def looks_like_path(name_or_path: str) -> bool:
 
 
 def lookup(name_or_path: str, models_dir: Path | None) -> ModelEntry:
-    """The entry a name (from list_models) or a path means; a path is anything with a slash or
-    ending in .gguf, must exist, and comes back as source PATH named by its stem. CatalogError
-    lists the known names for an unknown one."""
+    """The entry a name (from list_models, else a trained model's, fetched first if need be)
+    or a path means; a path is anything with a slash or ending in .gguf, must exist, and comes
+    back as source PATH named by its stem. CatalogError lists the known names for an unknown
+    one, and says why a trained model could not be fetched."""
     if looks_like_path(name_or_path):
         path = Path(name_or_path).expanduser()
         if not path.is_file():
@@ -117,13 +122,30 @@ def lookup(name_or_path: str, models_dir: Path | None) -> ModelEntry:
     for entry in entries:
         if entry.name == name_or_path:
             return entry
+    model = trained.find(name_or_path)
+    if model is not None:
+        return ModelEntry(model.name, fetch_trained(model), TRAINED)
     known = ", ".join(entry.name for entry in entries)
     where = (
         f"models directory {models_dir}"
         if models_dir
         else f"no models directory: give --models-dir or set {MODELS_DIR_ENV}"
     )
-    raise CatalogError(f"unknown model {name_or_path!r} ({where}); available: {known}")
+    raise CatalogError(
+        f"unknown model {name_or_path!r} ({where}); available: {known}; or a trained model, "
+        f"fetched on first use: {', '.join(trained.names())}"
+    )
+
+
+def fetch_trained(model: trained.TrainedModel) -> Path:
+    """The trained model's file in the per-machine cache, downloaded and assembled the first
+    time (progress on stderr); CatalogError when it cannot be."""
+    try:
+        return assemble.fetch(model)
+    except assemble.FetchError as exc:  # names the model
+        raise CatalogError(str(exc)) from None
+    except OSError as exc:
+        raise CatalogError(f"{model.name}: cannot fetch it: {exc}") from None
 
 
 def resolve(name_or_path: str, models_dir: Path | None) -> Path:

