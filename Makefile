@@ -18,7 +18,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 .PHONY: install wheelhouse llama-cmake-args FORCE run serve test test-data test-unit test-model test-e2e check docs prometheus lint format types \
 	proto proto-check \
 	proto-lint proto-breaking check-min-deps model cluster gateway bench bench-single bench-concurrency bench-strategies bench-prefix \
-	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-gateway bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-aiperf bench-soak bench-backpressure bench-embeddings \
+	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-gateway bench-tools bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-aiperf bench-soak bench-backpressure bench-embeddings \
 	bench-gpu-bundle bench-gpu-cpu clean
 
 install: $(STAMP)
@@ -268,6 +268,14 @@ bench-cluster: $(BENCH_STAMP)
 # ARGS="--reps 1 --batches 1,8 --gen-tokens 16 --name gateway_smoke"
 bench-gateway: $(BENCH_STAMP)
 	$(PY) bench/gateway.py $(ARGS)
+	$(PY) bench/summary.py
+# Tool calling (issue 49): 47 BFCL-style cases (bench/tool_cases.json) on llama-grpc v1, the same
+# replica through SMG and llama-server --jinja (bench/build_llama_server.sh builds it), greedy, on
+# the trained Qwen2.5-Coder-0.5B-Instruct; rates per category, judged like BFCL's AST checker.
+# Not part of `make bench`. A subset: ARGS="--model PATH --systems v1,llama-server --cases simple"
+bench-tools: $(BENCH_STAMP)
+	PYTHON=$(PYTHON) bench/build_llama_server.sh
+	$(PY) bench/tools.py $(ARGS)
 	$(PY) bench/summary.py
 bench-kv-tiers: $(BENCH_STAMP)
 	$(PY) bench/kv_tiers.py $(ARGS)

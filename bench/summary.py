@@ -944,6 +944,37 @@ def speculative(data: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def tools(data: dict[str, Any]) -> list[str]:
+    """Issue 49: tool calls judged like BFCL's AST checker, v1 vs SMG vs llama-server."""
+    model = Path(data.get("model", {}).get("path", "?")).name
+    lines = header(data, "Tool calling: llama-grpc v1, through SMG, llama-server --jinja",
+                   "tools.png")  # fmt: skip
+    s = data["settings"]
+    lines += [
+        f"{s['case_count']} cases (bench/tool_cases.json), {model}, greedy, max_tokens "
+        f"{s['max_tokens']}, {s['threads']} threads, tool_choice {s['tool_choice']}; passed / "
+        "cases per category, judged like BFCL's AST checker.",
+        "",
+    ]
+    rates = data["rates"]
+    systems = list(data["systems"])
+    groups = [g for g in next(iter(rates.values()), {}) if g != "overall"] + ["overall"]
+    lines += ["| system | " + " | ".join(g.replace("_", " ") for g in groups)
+              + " | median wall s | median server CPU s |",
+              "| --- |" + " ---: |" * (len(groups) + 2)]  # fmt: skip
+    for name in systems:
+        cells = []
+        for g in groups:
+            c = rates[name].get(g)
+            cells.append(f"{c['passed']}/{c['total']}" if c else "–")
+        cost = data["costs"][name]
+        cells += [f"{cost['wall_s_median']:.2f}", f"{cost['cpu_s_median']:.2f}"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if data.get("skipped"):
+        lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in data["skipped"].items())]
+    return [*lines, ""]
+
+
 def main() -> int:
     parts = ["# Benchmark summary", ""]
     first = None
@@ -961,6 +992,7 @@ def main() -> int:
         ("models", models),
         ("cluster", cluster),
         ("gateway", gateway),
+        ("tools", tools),
         ("kv_tiers", kv_tiers),
         ("chat_turns", chat_turns),
         ("chat_turns_shared", chat_turns_shared),

@@ -301,6 +301,7 @@ DOORS: dict[str, str] = {
     "messages": "v1 messages (its template)",
     "generate_tokens": "v1 GenerateTokens",
     "end_of_turn": "end of turn ends a stream",
+    "v1_tools": "v1 tools: its call format streamed as a call, a named call, a tool result",
     "gateway_chat": "gateway chat: stream, stop, usage",
     "gateway_forced_tools": "gateway tool_choice required / named",
     "gateway_own_tools": "gateway tool call in its own format",
@@ -592,10 +593,13 @@ def doors_table() -> str:
     from deploy import smg_parsers
 
     from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES
+    from llama_grpc_server.core.tools import formats
 
     rows = [
-        "| family | " + " | ".join(DOORS.values()) + " | SMG parsers (tool, reasoning) |",
-        "| --- |" + " --- |" * (len(DOORS) + 1),
+        "| family | "
+        + " | ".join(DOORS.values())
+        + " | v1 tool format | SMG parsers (tool, reasoning) |",
+        "| --- |" + " --- |" * (len(DOORS) + 2),
     ]
     for f in FAMILIES.values():
         template = BUILTIN_TEMPLATES[f.server_template] if f.server_template else None
@@ -606,6 +610,7 @@ def doors_table() -> str:
         parsers = smg_parsers.choose(template)
         cells = [f"`{f.name}`"]
         cells += [f.limit(door) or "✔" for door in DOORS]
+        cells.append(f"`{formats.format_for(template).name}`")
         cells.append(f"`{parsers.tool}`, `{parsers.reasoning}`")
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows) + "\n"

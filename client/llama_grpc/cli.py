@@ -1,5 +1,5 @@
-"""`llama-grpc` command line: call a server (generate, stream, tokenize...), `serve` one, or
-list and check local `models`.
+"""`llama-grpc` command line: call a server (generate, stream, chat, tokenize...), `serve` one,
+or list and check local `models`.
 
 Reads LLAMA_GRPC_TARGET and LLAMA_GRPC_TOKEN; `serve` and `models` are handed to
 llama_grpc_server.cli and llama_grpc_server.models.cli, imported only when asked.
@@ -8,18 +8,27 @@ llama_grpc_server.cli and llama_grpc_server.models.cli, imported only when asked
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from llama_grpc.client import DEFAULT_TARGET, Client, GenerationParams
+from llama_grpc.client import (
+    DEFAULT_TARGET,
+    ChatStream,
+    Client,
+    GenerationParams,
+    tool_choice_message,
+    tool_message,
+)
 from llama_grpc.errors import LlamaGrpcError
 from llama_grpc.tls import TlsConfig
-from llama_grpc.types import Delta, Done, Usage
+from llama_grpc.types import ChatMessage, Delta, Done, ToolCall, Usage
 
 TARGET_ENV = "LLAMA_GRPC_TARGET"
 TOKEN_ENV = "LLAMA_GRPC_TOKEN"
@@ -46,7 +55,7 @@ def _prompt(args: argparse.Namespace) -> str:
 
 def _generation_params(args: argparse.Namespace) -> GenerationParams:
     """The sampling flags given on the command line; flags left out stay unset."""
-    return GenerationParams(
+    params = GenerationParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,
@@ -61,6 +70,9 @@ def _generation_params(args: argparse.Namespace) -> GenerationParams:
         priority=args.priority,
         speculative=args.speculative,
     )
+    if getattr(args, "chat_template", None) is not None:
+        params["chat_template"] = args.chat_template
+    return params
 
 
 def _summary(done: Done) -> str:
@@ -101,6 +113,163 @@ def run_stream(client: Client, args: argparse.Namespace) -> int:
             else:
                 sys.stdout.write("\n")
                 print(_summary(event), file=sys.stderr)
+    return 0
+
+
+CHAT_HELP = """commands: /bye (or end of input) quits, /clear forgets the conversation (keeps the
+system prompt), /help prints this"""
+
+
+class _Quit(Exception):
+    """The user ended the conversation (/bye, or end of input where a line was expected)."""
+
+
+def _load_tools(path: str) -> list[Any]:
+    """The tools of --tools FILE: a JSON list of OpenAI tools, or an object with "tools";
+    ValueError for anything chat() would refuse."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    tools = data.get("tools") if isinstance(data, dict) else data
+    if not isinstance(tools, list):
+        raise ValueError(f'{path}: expected a JSON list of tools (or {{"tools": [...]}})')
+    for tool in tools:
+        if not isinstance(tool, dict):
+            raise ValueError(f"{path}: a tool must be a JSON object, not {tool!r}")
+        tool_message(tool)
+    return tools
+
+
+def _read_line(prompt: str) -> str:
+    """One line of stdin (the prompt shown only on a terminal); _Quit at end of input."""
+    if sys.stdin.isatty():
+        try:
+            return input(prompt)
+        except EOFError:
+            sys.stdout.write("\n")
+            raise _Quit from None
+    line = sys.stdin.readline()
+    if not line:
+        raise _Quit
+    return line.removesuffix("\n")
+
+
+def _call_line(call: ToolCall) -> str:
+    return f"[tool call] {call.name}({call.arguments})"
+
+
+def _ask_tool_results(calls: Sequence[ToolCall]) -> list[ChatMessage]:
+    """Each call's result, typed by the user (one line each) as a "tool" message."""
+    return [call.result_message(_read_line(f"result of {call.name}> ")) for call in calls]
+
+
+class _ChatSession:
+    """The conversation of `llama-grpc chat`: its history (the system prompt first), tools and
+    request parameters; each turn streams the answer to stdout."""
+
+    def __init__(self, client: Client, args: argparse.Namespace, tools: list[Any]) -> None:
+        self.client = client
+        self.system = [ChatMessage("system", args.system)] if args.system else []
+        self.history: list[ChatMessage] = list(self.system)
+        self.verbose = bool(args.verbose)
+        self.params = _generation_params(args)
+        self.tools = tools or None
+        self.tool_choice = args.tool_choice
+        self.parallel_tool_calls = False if args.no_parallel_tool_calls else None
+
+    def answer(self) -> tuple[ToolCall, ...]:
+        """Stream one answer to the history (printed as it comes; its tool calls printed once
+        whole), append it, and return its tool calls."""
+        stream: ChatStream = self.client.stream_chat(
+            self.history,
+            tools=self.tools,
+            tool_choice=self.tool_choice,
+            parallel_tool_calls=self.parallel_tool_calls,
+            **self.params,
+        )
+        with stream:
+            for event in stream:
+                if isinstance(event, Delta):
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+                elif isinstance(event, Done):
+                    if stream.text and not stream.text.endswith("\n"):
+                        sys.stdout.write("\n")
+                    if self.verbose:
+                        print(_summary(event), file=sys.stderr)
+        for call in stream.tool_calls:
+            print(_call_line(call), flush=True)
+        self.history.append(stream.message())
+        return stream.tool_calls
+
+    def turn(self, text: str, *, ask_results: bool) -> None:
+        """The user's `text`, then answers until one calls no tool (each call's result asked
+        for when `ask_results`; otherwise the turn ends at the first calls)."""
+        self.history.append(ChatMessage("user", text))
+        calls = self.answer()
+        while calls and ask_results:
+            self.history.extend(_ask_tool_results(calls))
+            calls = self.answer()
+
+    def interactive(self) -> None:
+        """Read lines until /bye or the end of input; an error or Ctrl-C during a turn drops
+        that turn and goes on."""
+        if sys.stdin.isatty():
+            with contextlib.suppress(ImportError):  # line editing and history for input()
+                importlib.import_module("readline")
+            print(CHAT_HELP, file=sys.stderr)
+        while True:
+            line = _read_line(">>> ").strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                self.command(line)
+                continue
+            kept = len(self.history)
+            try:
+                self.turn(line, ask_results=True)
+            except LlamaGrpcError as error:
+                print(f"error: {error}", file=sys.stderr)
+                del self.history[kept:]
+            except KeyboardInterrupt:
+                sys.stdout.write("\n")
+                del self.history[kept:]
+
+    def command(self, line: str) -> None:
+        """Run a /command; _Quit for /bye."""
+        name = line.split(maxsplit=1)[0]
+        if name in {"/bye", "/exit", "/quit"}:
+            raise _Quit
+        if name == "/clear":
+            self.history = list(self.system)
+            print("(conversation cleared)", file=sys.stderr)
+        elif name in {"/help", "/?"}:
+            print(CHAT_HELP, file=sys.stderr)
+        else:
+            print(f"unknown command {name} ({CHAT_HELP})", file=sys.stderr)
+
+
+def run_chat(client: Client, args: argparse.Namespace) -> int:
+    """Chat with the model: with a prompt, one turn (its tool calls printed, not run);
+    without, a conversation read line by line from stdin (/bye or end of input quits,
+    /clear forgets), each tool call's result asked for."""
+    try:
+        tools = _load_tools(args.tools) if args.tools else []
+    except (OSError, ValueError) as error:  # json.JSONDecodeError is a ValueError
+        print(f"error: --tools: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.tool_choice is not None:
+        try:
+            tool_choice_message(args.tool_choice)
+        except ValueError as error:
+            print(f"error: --tool-choice: {error}", file=sys.stderr)
+            return EXIT_USAGE
+    session = _ChatSession(client, args, tools)
+    try:
+        if args.prompt is not None:
+            session.turn(_prompt(args), ask_results=False)
+        else:
+            session.interactive()
+    except _Quit:
+        pass
     return 0
 
 
@@ -205,9 +374,14 @@ def _connection_parser(default_target: str) -> argparse.ArgumentParser:
     return parent
 
 
-def _sampling_parser() -> argparse.ArgumentParser:
+def _prompt_parser() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     parent.add_argument("prompt", help='the prompt text, or "-" to read it from stdin')
+    return parent
+
+
+def _sampling_parser() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
     parent.add_argument("--max-tokens", type=int)
     parent.add_argument("--temperature", type=float, help="0 = greedy")
     parent.add_argument("--seed", type=int)
@@ -239,14 +413,48 @@ def _add_command(
     return command
 
 
+def _add_chat_command(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
+    chat = _add_command(commands, "chat", run_chat, parents)
+    chat.add_argument(
+        "prompt",
+        nargs="?",
+        help='one turn: the user message, or "-" to read it from stdin (default: a conversation '
+        "read line by line from stdin)",
+    )
+    chat.add_argument("--system", help="the system prompt")
+    chat.add_argument(
+        "--chat-template",
+        help='a built-in template ("gemma", "chatml") or "gguf" (default: the server\'s)',
+    )
+    chat.add_argument(
+        "--tools",
+        metavar="FILE",
+        help='a JSON file of tools the model may call, in OpenAI\'s shape: [{"type": '
+        '"function", "function": {"name", "description", "parameters"}}, ...]',
+    )
+    chat.add_argument(
+        "--tool-choice",
+        metavar="CHOICE",
+        help="auto (the default with tools), none, required, or a function's name",
+    )
+    chat.add_argument(
+        "--no-parallel-tool-calls", action="store_true", help="at most one call per answer"
+    )
+    chat.add_argument(
+        "--verbose", action="store_true", help="print each answer's [done] summary on stderr"
+    )
+
+
 def build_parser(default_target: str = DEFAULT_TARGET) -> argparse.ArgumentParser:
     """The argument parser of every client subcommand (`serve` is dispatched before it)."""
     parser = argparse.ArgumentParser(prog="llama-grpc", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     connection, sampling = _connection_parser(default_target), _sampling_parser()
-    generate = _add_command(commands, "generate", run_generate, [connection, sampling])
+    prompt = _prompt_parser()
+    generate = _add_command(commands, "generate", run_generate, [connection, prompt, sampling])
     generate.add_argument("--json", action="store_true", help="print the whole result as JSON")
-    _add_command(commands, "stream", run_stream, [connection, sampling])
+    _add_command(commands, "stream", run_stream, [connection, prompt, sampling])
+    _add_chat_command(commands, [connection, sampling])
     tokenize = _add_command(commands, "tokenize", run_tokenize, [connection])
     tokenize.add_argument("text")
     tokenize.add_argument("--no-add-special", action="store_true", help="do not add BOS")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -42,6 +43,7 @@ _EventMessage = pb.StreamGenerateResponse | pb.GenerateTokensResponse
 _Request = TypeVar(
     "_Request", pb.GenerateRequest, pb.StreamGenerateRequest, pb.GenerateTokensRequest
 )
+_ChatRequest = TypeVar("_ChatRequest", pb.GenerateRequest, pb.StreamGenerateRequest)
 _Req = TypeVar("_Req", bound=Message)
 _Resp = TypeVar("_Resp", bound=Message)
 
@@ -110,8 +112,15 @@ class GenerationParams(TokenGenerationParams, total=False):
     chat_template: str | None
 
 
-# A chat turn: ChatMessage, {"role": ..., "content": ...} or (role, content).
-MessageLike = t.ChatMessage | Mapping[str, str] | tuple[str, str]
+# A chat turn: ChatMessage, a dict in OpenAI's shape ({"role", "content"}, and "tool_calls",
+# "tool_call_id", "name" where they apply) or (role, content).
+MessageLike = t.ChatMessage | Mapping[str, Any] | tuple[str, str]
+# A tool: Tool, {"type": "function", "function": {"name", "description", "parameters"}} or
+# {"name", "description", "parameters"} (parameters: a JSON Schema dict or its JSON text).
+ToolLike = t.Tool | Mapping[str, Any]
+# "auto", "none", "required", a function's name, {"type": "function", "function": {"name": ...}}
+# or a Tool (that one).
+ToolChoiceLike = str | Mapping[str, Any] | t.Tool
 
 
 _SAMPLING_KEYS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
@@ -227,17 +236,101 @@ def _set_constraint(message: pb.GenerationParams, values: Mapping[str, object]) 
 
 
 def chat_messages(messages: Iterable[MessageLike]) -> list[pb.ChatMessage]:
-    """ChatMessage values, {"role", "content"} mappings or (role, content) pairs as messages."""
-    out: list[pb.ChatMessage] = []
-    for message in messages:
-        if isinstance(message, t.ChatMessage):
-            role, content = message.role, message.content
-        elif isinstance(message, Mapping):
-            role, content = message["role"], message["content"]
-        else:
-            role, content = message
-        out.append(pb.ChatMessage(role=role, content=content))
-    return out
+    """ChatMessage values, OpenAI-shaped dicts (ChatMessage.from_dict) or (role, content) pairs
+    as messages."""
+    return [_chat_message(message) for message in messages]
+
+
+def _chat_message(message: MessageLike) -> pb.ChatMessage:
+    if isinstance(message, Mapping):
+        message = t.ChatMessage.from_dict(message)
+    elif not isinstance(message, t.ChatMessage):
+        role, content = message
+        message = t.ChatMessage(role, content)
+    return pb.ChatMessage(
+        role=message.role,
+        content=message.content,
+        tool_calls=[
+            pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in message.tool_calls
+        ],
+        tool_call_id=message.tool_call_id,
+        name=message.name,
+    )
+
+
+def tool_message(tool: ToolLike) -> pb.Tool:
+    """A Tool, an OpenAI-shaped tool dict or a plain {"name", "description", "parameters"} dict
+    as a Tool message; the parameters schema as JSON text ("" for none)."""
+    name: object
+    description: object
+    parameters: object
+    if isinstance(tool, t.Tool):
+        name, description, parameters = tool.name, tool.description, tool.parameters
+    elif isinstance(tool, Mapping):
+        if tool.get("type", "function") != "function":
+            raise ValueError(f"only function tools can be sent, not type {tool['type']!r}")
+        function = tool.get("function", tool)
+        if not isinstance(function, Mapping):
+            raise ValueError(f"a tool's function must be a dict: {dict(tool)!r}")
+        name = function.get("name")
+        description, parameters = function.get("description") or "", function.get("parameters")
+    else:
+        raise TypeError(f"a tool must be a Tool or a dict, not {type(tool).__name__}")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a tool needs a name: {tool!r}")
+    if parameters is None:
+        schema = ""
+    else:
+        schema = parameters if isinstance(parameters, str) else json.dumps(parameters)
+    return pb.Tool(name=name, description=str(description), parameters=schema)
+
+
+_TOOL_CHOICE_MODES = {
+    "auto": pb.TOOL_CHOICE_MODE_AUTO,
+    "none": pb.TOOL_CHOICE_MODE_NONE,
+    "required": pb.TOOL_CHOICE_MODE_REQUIRED,
+}
+
+
+def tool_choice_message(choice: ToolChoiceLike) -> pb.ToolChoice:
+    """ "auto", "none" or "required" as a mode; any other str, a Tool or {"type": "function",
+    "function": {"name": ...}} (or {"name": ...}) as the one function to call."""
+    if isinstance(choice, str) and choice in _TOOL_CHOICE_MODES:
+        return pb.ToolChoice(mode=_TOOL_CHOICE_MODES[choice])
+    if isinstance(choice, t.Tool):
+        name: object = choice.name
+    elif isinstance(choice, Mapping):
+        function = choice.get("function", choice)
+        name = function.get("name") if isinstance(function, Mapping) else None
+    else:
+        name = choice
+    if not isinstance(name, str) or not name:
+        raise ValueError(
+            "tool_choice must be 'auto', 'none', 'required', a function's name or "
+            f"{{'type': 'function', 'function': {{'name': ...}}}}, not {choice!r}"
+        )
+    return pb.ToolChoice(function=name)
+
+
+def build_chat_request(  # noqa: PLR0917  # chat()'s arguments, passed on
+    request: _ChatRequest,
+    messages: Iterable[MessageLike],
+    tools: Sequence[ToolLike] | None,
+    tool_choice: ToolChoiceLike | None,
+    parallel_tool_calls: bool | None,
+    params: Mapping[str, object],
+) -> _ChatRequest:
+    """Add a conversation, its tools and keyword `params` (build_request) to a chat request;
+    None leaves tool_choice and parallel_tool_calls unset (the server's defaults)."""
+    if isinstance(tools, Mapping | str):
+        raise TypeError("tools must be a list of tools")
+    request.messages.extend(chat_messages(messages))
+    request.tools.extend(tool_message(tool) for tool in tools or ())
+    if tool_choice is not None:
+        request.tool_choice.CopyFrom(tool_choice_message(tool_choice))
+    if parallel_tool_calls is not None:
+        request.parallel_tool_calls = parallel_tool_calls
+    return build_request(request, params)
 
 
 def tokenize_request(
@@ -504,18 +597,28 @@ class _AsyncCall(Generic[_Message]):
 _NO_DONE = "the stream ended without a final done message"
 
 
-class Stream(_SyncCall[_EventMessage]):
-    """A sync stream of Delta values ending with one Done; close() or GC cancels the RPC."""
+_E = TypeVar("_E", bound=t.Delta | t.ToolCallDelta)
+
+
+class _EventStream(_SyncCall[_EventMessage], Generic[_E]):
+    """A sync stream of generation events ending with one Done; close() or GC cancels the RPC.
+    Each delta message becomes the events `_events` makes of it."""
 
     def __init__(self, call: grpc.Call, messages: Iterator[_EventMessage]) -> None:
         super().__init__(call, messages)
         self._done: t.Done | None = None
+        self._pending: deque[_E] = deque()
+
+    def _events(self, delta: pb.GenerationDelta) -> list[_E]:
+        raise NotImplementedError
 
     def __iter__(self) -> Self:
         return self
 
-    def __next__(self) -> t.StreamEvent:
+    def __next__(self) -> _E | t.Done:
         while not self._is_ended:
+            if self._pending:
+                return self._pending.popleft()
             message = self._read()
             if message is None:
                 if self._done is None:
@@ -523,8 +626,8 @@ class Stream(_SyncCall[_EventMessage]):
                 break
             kind = message.WhichOneof("event")
             if kind == "delta":
-                return t.delta_from_proto(message.delta)
-            if kind == "done":
+                self._pending.extend(self._events(message.delta))
+            elif kind == "done":
                 request_id = message.done.request_id or self._fallback_request_id()
                 self._done = t.done_from_proto(message.done, request_id)
                 return self._done
@@ -545,18 +648,63 @@ class Stream(_SyncCall[_EventMessage]):
         return self._fallback_request_id()
 
 
-class AsyncStream(_AsyncCall[_EventMessage]):
-    """An async stream of Delta values ending with one Done; aclose() or GC cancels the RPC."""
+class Stream(_EventStream[t.Delta]):
+    """A sync stream of Delta values ending with one Done; close() or GC cancels the RPC."""
+
+    def _events(self, delta: pb.GenerationDelta) -> list[t.Delta]:
+        return [t.delta_from_proto(delta)]
+
+
+class ChatStream(_EventStream[t.Delta | t.ToolCallDelta]):
+    """A sync chat stream: Delta values (text) and ToolCallDelta values (pieces of tool calls),
+    ending with one Done; close() or GC cancels the RPC. It joins what it has yielded: text,
+    tool_calls and message() give the answer so far (whole once the Done has come)."""
+
+    def __init__(self, call: grpc.Call, messages: Iterator[_EventMessage]) -> None:
+        super().__init__(call, messages)
+        self._answer = t.StreamAccumulator()
+
+    def _events(self, delta: pb.GenerationDelta) -> list[t.Delta | t.ToolCallDelta]:
+        return t.chat_events_from_proto(delta)
+
+    def __next__(self) -> t.ChatStreamEvent:
+        event = super().__next__()
+        self._answer.add(event)
+        return event
+
+    @property
+    def text(self) -> str:
+        """The text yielded so far."""
+        return self._answer.text
+
+    @property
+    def tool_calls(self) -> tuple[t.ToolCall, ...]:
+        """The tool calls yielded so far, their pieces joined (whole once the Done has come)."""
+        return self._answer.tool_calls
+
+    def message(self) -> t.ChatMessage:
+        """The answer as the assistant turn to append to the conversation (with its calls)."""
+        return self._answer.message()
+
+
+class _AsyncEventStream(_AsyncCall[_EventMessage], Generic[_E]):
+    """The asyncio _EventStream: aclose(), `async with` or GC cancels the RPC."""
 
     def __init__(self, call: grpc.aio.Call, messages: AsyncIterator[_EventMessage]) -> None:
         super().__init__(call, messages)
         self._done: t.Done | None = None
+        self._pending: deque[_E] = deque()
+
+    def _events(self, delta: pb.GenerationDelta) -> list[_E]:
+        raise NotImplementedError
 
     def __aiter__(self) -> Self:
         return self
 
-    async def __anext__(self) -> t.StreamEvent:
+    async def __anext__(self) -> _E | t.Done:
         while not self._is_ended:
+            if self._pending:
+                return self._pending.popleft()
             message = await self._read()
             if message is None:
                 if self._done is None:
@@ -564,8 +712,8 @@ class AsyncStream(_AsyncCall[_EventMessage]):
                 break
             kind = message.WhichOneof("event")
             if kind == "delta":
-                return t.delta_from_proto(message.delta)
-            if kind == "done":
+                self._pending.extend(self._events(message.delta))
+            elif kind == "done":
                 request_id = message.done.request_id or await self._fallback_request_id()
                 self._done = t.done_from_proto(message.done, request_id)
                 return self._done
@@ -583,6 +731,44 @@ class AsyncStream(_AsyncCall[_EventMessage]):
         """The server's `x-request-id` (waits for the response headers, which come with the
         first message; a call refused before one has its id in the error instead)."""
         return await self._fallback_request_id()
+
+
+class AsyncStream(_AsyncEventStream[t.Delta]):
+    """An async stream of Delta values ending with one Done; aclose() or GC cancels the RPC."""
+
+    def _events(self, delta: pb.GenerationDelta) -> list[t.Delta]:
+        return [t.delta_from_proto(delta)]
+
+
+class AsyncChatStream(_AsyncEventStream[t.Delta | t.ToolCallDelta]):
+    """The asyncio ChatStream: Delta and ToolCallDelta values, then one Done; aclose(),
+    `async with` or GC cancels the RPC. text, tool_calls and message() join what it yielded."""
+
+    def __init__(self, call: grpc.aio.Call, messages: AsyncIterator[_EventMessage]) -> None:
+        super().__init__(call, messages)
+        self._answer = t.StreamAccumulator()
+
+    def _events(self, delta: pb.GenerationDelta) -> list[t.Delta | t.ToolCallDelta]:
+        return t.chat_events_from_proto(delta)
+
+    async def __anext__(self) -> t.ChatStreamEvent:
+        event = await super().__anext__()
+        self._answer.add(event)
+        return event
+
+    @property
+    def text(self) -> str:
+        """The text yielded so far."""
+        return self._answer.text
+
+    @property
+    def tool_calls(self) -> tuple[t.ToolCall, ...]:
+        """The tool calls yielded so far, their pieces joined (whole once the Done has come)."""
+        return self._answer.tool_calls
+
+    def message(self) -> t.ChatMessage:
+        """The answer as the assistant turn to append to the conversation (with its calls)."""
+        return self._answer.message()
 
 
 class LoadStream(_SyncCall[pb.LoadReport]):
@@ -647,6 +833,10 @@ class _Streaming(Generic[_Req, _Resp]):
     use_default_timeout: bool = True
 
 
+# chat()'s tools, tool_choice and parallel_tool_calls, passed on together.
+_Tools = tuple[Sequence[ToolLike] | None, ToolChoiceLike | None, bool | None]
+
+
 def _value(convert: Callable[[_Resp], _T]) -> Callable[[_Resp, str], _T]:
     """A response converter that has no use for the server's request id."""
     return lambda response, _: convert(response)
@@ -674,17 +864,16 @@ class _Surface:
 
     @staticmethod
     def chat(
-        messages: Iterable[MessageLike], params: GenerationParams
+        messages: Iterable[MessageLike], tools: _Tools, params: GenerationParams
     ) -> _Unary[pb.GenerateRequest, pb.GenerateResponse, t.GenerateResult]:
-        request = build_request(pb.GenerateRequest(messages=chat_messages(messages)), params)
+        request = build_chat_request(pb.GenerateRequest(), messages, *tools, params)
         return _Unary(lambda stub: stub.Generate, request, params, t.result_from_proto)
 
     @staticmethod
     def stream_chat(
-        messages: Iterable[MessageLike], params: GenerationParams
+        messages: Iterable[MessageLike], tools: _Tools, params: GenerationParams
     ) -> _Streaming[pb.StreamGenerateRequest, pb.StreamGenerateResponse]:
-        messages_pb = chat_messages(messages)
-        request = build_request(pb.StreamGenerateRequest(messages=messages_pb), params)
+        request = build_chat_request(pb.StreamGenerateRequest(), messages, *tools, params)
         return _Streaming(lambda stub: stub.StreamGenerate, request, params)
 
     @staticmethod
@@ -857,16 +1046,40 @@ class Client:
         return self._streaming(_Surface.stream(prompt, params), Stream)
 
     def chat(
-        self, messages: Iterable[MessageLike], **params: Unpack[GenerationParams]
+        self,
+        messages: Iterable[MessageLike],
+        *,
+        tools: Sequence[ToolLike] | None = None,
+        tool_choice: ToolChoiceLike | None = None,
+        parallel_tool_calls: bool | None = None,
+        **params: Unpack[GenerationParams],
     ) -> t.GenerateResult:
-        """Complete a conversation (rendered with the server's or `chat_template`'s template)."""
-        return self._unary(_Surface.chat(messages, params))
+        """Complete a conversation (rendered with the server's or `chat_template`'s template).
+
+        `messages`: ChatMessage values, OpenAI-shaped dicts or (role, content) pairs; assistant
+        turns may carry tool_calls and "tool" turns answer them (tool_call_id). `tools`:
+        functions the model may call (Tool values, OpenAI-shaped or plain dicts); its calls come
+        back in the result's tool_calls, with finish_reason "tool_calls". `tool_choice`: "auto"
+        (the default with tools), "none", "required" or one function (its name, a Tool or
+        {"type": "function", "function": {"name": ...}}). `parallel_tool_calls=False`: at most
+        one call. None leaves a setting to the server."""
+        tooling = (tools, tool_choice, parallel_tool_calls)
+        return self._unary(_Surface.chat(messages, tooling, params))
 
     def stream_chat(
-        self, messages: Iterable[MessageLike], **params: Unpack[GenerationParams]
-    ) -> Stream:
-        """Stream the reply to a conversation as Delta values, then one Done."""
-        return self._streaming(_Surface.stream_chat(messages, params), Stream)
+        self,
+        messages: Iterable[MessageLike],
+        *,
+        tools: Sequence[ToolLike] | None = None,
+        tool_choice: ToolChoiceLike | None = None,
+        parallel_tool_calls: bool | None = None,
+        **params: Unpack[GenerationParams],
+    ) -> ChatStream:
+        """Stream the reply to a conversation as Delta values (text) and ToolCallDelta values
+        (pieces of tool calls), then one Done; the arguments are chat()'s. The stream joins
+        what it yields: its text, tool_calls and message() (the assistant turn to append)."""
+        tooling = (tools, tool_choice, parallel_tool_calls)
+        return self._streaming(_Surface.stream_chat(messages, tooling, params), ChatStream)
 
     def generate_tokens(
         self, token_ids: Sequence[int], **params: Unpack[TokenGenerationParams]
@@ -1044,16 +1257,40 @@ class AsyncClient:
         return self._streaming(_Surface.stream(prompt, params), AsyncStream)
 
     async def chat(
-        self, messages: Iterable[MessageLike], **params: Unpack[GenerationParams]
+        self,
+        messages: Iterable[MessageLike],
+        *,
+        tools: Sequence[ToolLike] | None = None,
+        tool_choice: ToolChoiceLike | None = None,
+        parallel_tool_calls: bool | None = None,
+        **params: Unpack[GenerationParams],
     ) -> t.GenerateResult:
-        """Complete a conversation (rendered with the server's or `chat_template`'s template)."""
-        return await self._unary(_Surface.chat(messages, params))
+        """Complete a conversation (rendered with the server's or `chat_template`'s template).
+
+        `messages`: ChatMessage values, OpenAI-shaped dicts or (role, content) pairs; assistant
+        turns may carry tool_calls and "tool" turns answer them (tool_call_id). `tools`:
+        functions the model may call (Tool values, OpenAI-shaped or plain dicts); its calls come
+        back in the result's tool_calls, with finish_reason "tool_calls". `tool_choice`: "auto"
+        (the default with tools), "none", "required" or one function (its name, a Tool or
+        {"type": "function", "function": {"name": ...}}). `parallel_tool_calls=False`: at most
+        one call. None leaves a setting to the server."""
+        tooling = (tools, tool_choice, parallel_tool_calls)
+        return await self._unary(_Surface.chat(messages, tooling, params))
 
     def stream_chat(
-        self, messages: Iterable[MessageLike], **params: Unpack[GenerationParams]
-    ) -> AsyncStream:
-        """Stream the reply to a conversation as Delta values, then one Done."""
-        return self._streaming(_Surface.stream_chat(messages, params), AsyncStream)
+        self,
+        messages: Iterable[MessageLike],
+        *,
+        tools: Sequence[ToolLike] | None = None,
+        tool_choice: ToolChoiceLike | None = None,
+        parallel_tool_calls: bool | None = None,
+        **params: Unpack[GenerationParams],
+    ) -> AsyncChatStream:
+        """Stream the reply to a conversation as Delta values (text) and ToolCallDelta values
+        (pieces of tool calls), then one Done; the arguments are chat()'s. The stream joins
+        what it yields: its text, tool_calls and message() (the assistant turn to append)."""
+        tooling = (tools, tool_choice, parallel_tool_calls)
+        return self._streaming(_Surface.stream_chat(messages, tooling, params), AsyncChatStream)
 
     def generate_tokens(
         self, token_ids: Sequence[int], **params: Unpack[TokenGenerationParams]

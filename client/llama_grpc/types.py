@@ -6,7 +6,8 @@ Users see only these values; no grpc or protobuf type leaks out. Imports no grpc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
 
@@ -49,11 +50,139 @@ class Timings:
 
 
 @dataclass(frozen=True, slots=True)
+class Tool:
+    """A function the model may call: its name, what it does, and its arguments' JSON Schema
+    (an object schema, as a dict or as JSON text; None: no arguments).
+
+    chat() also takes tools as OpenAI-shaped dicts ({"type": "function", "function": {...}})
+    or as plain {"name", "description", "parameters"} dicts."""
+
+    name: str
+    description: str = ""
+    parameters: Mapping[str, Any] | str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One tool call of the model: run `name` with `arguments` (JSON text of an object) and
+    send the result back as result_message(...), which refers to `id`."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def parsed_arguments(self) -> dict[str, Any]:
+        """The arguments as a dict ({} when empty); ValueError when they are not a JSON object
+        (possible with tool_choice "auto", where nothing constrains what the model writes)."""
+        if not self.arguments.strip():
+            return {}
+        value = json.loads(self.arguments)
+        if not isinstance(value, dict):
+            raise ValueError(f"the arguments of {self.name} are not a JSON object: {value!r}")
+        return value
+
+    def result_message(self, content: object) -> ChatMessage:
+        """The "tool" message answering this call: `content` as is when it is a str, else as
+        JSON (a dict, a list, a number...)."""
+        text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+        return ChatMessage("tool", text, tool_call_id=self.id, name=self.name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The call in OpenAI's shape: {"id", "type": "function", "function": {"name",
+        "arguments"}}."""
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of a tool call in a chat stream. A call's first piece has its `index` (0 for the
+    answer's first call), `id` and `name`; later pieces of the same index append `arguments`
+    fragments (id and name empty). ChatStream and StreamAccumulator join them into ToolCalls."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
-    """One turn of a conversation: role "system", "user" or "assistant"."""
+    """One turn of a conversation: role "system", "user", "assistant" or "tool".
+
+    An assistant turn may carry the `tool_calls` it made (its content may then be empty); a
+    "tool" turn is the result of the call whose id is `tool_call_id` (`name`: the function's,
+    optional). ToolCall.result_message() builds one."""
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
+
+    @classmethod
+    def from_dict(cls, message: Mapping[str, Any]) -> ChatMessage:
+        """A message in OpenAI's shape: role, content (a str, None, or a list of text parts),
+        tool_calls ([{"id", "type": "function", "function": {"name", "arguments"}}], the
+        arguments a str or a dict), tool_call_id, name. ValueError for anything else."""
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"a chat message needs a role (a str): {dict(message)!r}")
+        return cls(
+            role=message["role"],
+            content=_content_text(message.get("content")),
+            tool_calls=tuple(tool_call_from_dict(c) for c in message.get("tool_calls") or ()),
+            tool_call_id=str(message.get("tool_call_id") or ""),
+            name=str(message.get("name") or ""),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The message in OpenAI's shape; fields left empty are left out (content stays)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [call.to_dict() for call in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+def _content_text(content: object) -> str:
+    """OpenAI's content: a str, None (an assistant turn with only tool calls) or a list of
+    parts, of which only text parts can be sent ({"type": "text", "text": ...})."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, Mapping) and part.get("type") == "text"):
+                raise ValueError(f"only text content parts can be sent, not {part!r}")
+            texts.append(str(part.get("text", "")))
+        return "".join(texts)
+    raise ValueError(f"a message's content must be a str or a list of text parts: {content!r}")
+
+
+def _arguments_text(arguments: object) -> str:
+    if arguments is None:
+        return ""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def tool_call_from_dict(call: ToolCall | Mapping[str, Any]) -> ToolCall:
+    """A ToolCall, or a call in OpenAI's shape ({"id", "type": "function", "function":
+    {"name", "arguments"}}) or flat ({"id", "name", "arguments"}); dict arguments become JSON."""
+    if isinstance(call, ToolCall):
+        return call
+    if not isinstance(call, Mapping):
+        raise ValueError(f"a tool call must be a ToolCall or a dict, not {call!r}")
+    function = call.get("function", call)
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise ValueError(f"a tool call needs a function name: {dict(call)!r}")
+    return ToolCall(
+        str(call.get("id") or ""), function["name"], _arguments_text(function.get("arguments"))
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +211,8 @@ class GenerateResult:
 
     text: str
     token_ids: tuple[int, ...]
-    # "eos", "stop_sequence", "stop_token", "max_tokens", "context_length" or "time_limit".
+    # "eos", "stop_sequence", "stop_token", "max_tokens", "context_length", "time_limit" or
+    # "tool_calls" (the answer ends with the calls in tool_calls).
     finish_reason: str
     matched_stop: str | None
     matched_token_id: int | None
@@ -94,6 +224,12 @@ class GenerateResult:
     logprobs: tuple[TokenLogprob, ...] = ()
     # The prompt was truncated to fit the context (usage.truncated_prompt_tokens: by how much).
     truncated: bool = False
+    # The answer's tool calls (a chat with tools); `text` is the rest of the answer.
+    tool_calls: tuple[ToolCall, ...] = ()
+
+    def message(self) -> ChatMessage:
+        """The answer as the assistant turn to append to the conversation (with its calls)."""
+        return ChatMessage("assistant", self.text, tool_calls=self.tool_calls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +258,73 @@ class Done:
 
 
 StreamEvent: TypeAlias = Delta | Done
+# A chat stream's events (stream_chat()): tool-call pieces besides the text.
+ChatStreamEvent: TypeAlias = Delta | ToolCallDelta | Done
+
+
+@dataclass(slots=True)
+class _PartialCall:
+    """A tool call being streamed: its id and name, and its argument fragments so far."""
+
+    id: str = ""
+    name: str = ""
+    arguments: list[str] = dataclasses.field(default_factory=list)
+
+
+class StreamAccumulator:
+    """Joins a chat stream's events into the whole answer: its text, its tool calls (the
+    ToolCallDelta pieces of each index joined into one ToolCall, in index order) and the Done.
+
+        acc = StreamAccumulator()
+        for event in client.stream_chat(messages, tools=tools):
+            acc.add(event)
+        messages.append(acc.message())
+        for call in acc.tool_calls: ...
+
+    ChatStream does this itself (its text, tool_calls and message()); this is for events
+    handled elsewhere (passed through a queue, merged from several streams...)."""
+
+    def __init__(self) -> None:
+        self._texts: list[str] = []
+        self._calls: dict[int, _PartialCall] = {}
+        self.done: Done | None = None
+
+    def add(self, event: ChatStreamEvent) -> None:
+        """Take one event (a Delta, a ToolCallDelta or the Done)."""
+        if isinstance(event, Delta):
+            self._texts.append(event.text)
+        elif isinstance(event, ToolCallDelta):
+            call = self._calls.setdefault(event.index, _PartialCall())
+            # The first piece names the call; an id or name in a later piece counts only where
+            # the earlier ones left it empty.
+            call.id = call.id or event.id
+            call.name = call.name or event.name
+            call.arguments.append(event.arguments)
+        else:
+            self.done = event
+
+    @property
+    def text(self) -> str:
+        """The text so far (never call markup)."""
+        return "".join(self._texts)
+
+    @property
+    def tool_calls(self) -> tuple[ToolCall, ...]:
+        """The tool calls so far, in index order (the last one may still be incomplete until
+        the Done has come)."""
+        return tuple(
+            ToolCall(call.id, call.name, "".join(call.arguments))
+            for _, call in sorted(self._calls.items())
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The Done's finish reason ("tool_calls" after calls), None before the Done."""
+        return None if self.done is None else self.done.finish_reason
+
+    def message(self) -> ChatMessage:
+        """The answer as the assistant turn to append to the conversation (with its calls)."""
+        return ChatMessage("assistant", self.text, tool_calls=self.tool_calls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,6 +595,7 @@ def result_from_proto(message: pb.GenerateResponse, request_id: str) -> Generate
         seed=message.seed,
         logprobs=logprobs_from_proto(message.logprobs),
         truncated=message.truncated,
+        tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in message.tool_calls),
     )
 
 
@@ -413,8 +617,20 @@ def done_from_proto(message: pb.GenerationDone, request_id: str) -> Done:
 
 
 def delta_from_proto(message: pb.GenerationDelta) -> Delta:
-    """Convert a GenerationDelta."""
+    """Convert a GenerationDelta's text, tokens and logprobs (chat_events_from_proto: with its
+    tool-call pieces)."""
     return Delta(message.text, tuple(message.token_ids), logprobs_from_proto(message.logprobs))
+
+
+def chat_events_from_proto(message: pb.GenerationDelta) -> list[Delta | ToolCallDelta]:
+    """A GenerationDelta as a chat stream's events: its Delta, then one ToolCallDelta per
+    tool-call piece. A delta that carries only tool-call pieces (no text, tokens or logprobs)
+    gives no Delta."""
+    events: list[Delta | ToolCallDelta] = []
+    if not message.tool_calls or message.text or message.token_ids or message.logprobs:
+        events.append(delta_from_proto(message))
+    events.extend(ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in message.tool_calls)
+    return events
 
 
 def logprobs_from_proto(messages: Iterable[pb.TokenLogprob]) -> tuple[TokenLogprob, ...]:

@@ -21,6 +21,8 @@ commands:
                      (--concurrency N: N identical streams at once, each printing its own lines)
   generate <prompt>  the whole completion, in one "result" line
   tokenize <text>    the token ids of the text (with BOS)
+  tools <question>   a chat offering a get_weather tool: print the model's tool calls, answer
+                     each with a made-up weather report (a "tool" message), print the final answer
   bad-request        send an invalid request (temperature -1) and print its decoded error
   cancel             start a long stream, cancel it after its first delta, and watch GetStats
                      until the server has freed its slot
@@ -32,7 +34,8 @@ options:
   --deadline-ms MS     deadline of each call (default 60000)
   --request-id ID      x-request-id to send (the server makes one up otherwise)
   --session-id ID      session_id of generation requests (slot affinity; also sent as x-session-id)
-  --cache-scope NAME   cache_scope of generation requests (also sent as x-cache-scope)`;
+  --cache-scope NAME   cache_scope of generation requests (also sent as x-cache-scope)
+  --chat-template NAME chat template for "tools" (gemma, chatml, gguf; default: the server's)`;
 
 const OPTIONS = {
   target: { type: 'string', default: process.env.LLAMA_GRPC_TARGET || '127.0.0.1:50051' },
@@ -43,6 +46,7 @@ const OPTIONS = {
   'request-id': { type: 'string', default: '' },
   'session-id': { type: 'string', default: '' },
   'cache-scope': { type: 'string', default: '' },
+  'chat-template': { type: 'string', default: '' },
   help: { type: 'boolean', short: 'h', default: false },
 };
 
@@ -117,6 +121,29 @@ function generationRequest(prompt, stopping = {}) {
   };
   if (opts['session-id']) request.session_id = opts['session-id'];
   if (opts['cache-scope']) request.cache_scope = opts['cache-scope'];
+  return request;
+}
+
+// The tool of the "tools" command; `parameters` is the JSON Schema of its arguments, as text.
+const WEATHER_TOOL = {
+  name: 'get_weather',
+  description: 'Get the current weather in a city',
+  parameters: JSON.stringify({
+    type: 'object',
+    properties: { city: { type: 'string', description: 'the city name, e.g. Tokyo' } },
+    required: ['city'],
+  }),
+};
+
+// A greedy chat request (messages instead of a prompt) offering WEATHER_TOOL. tool_choice AUTO
+// is the default with tools; { function: 'get_weather' } would force that call.
+function chatRequest(messages) {
+  const request = generationRequest('');
+  delete request.prompt;
+  request.messages = messages;
+  request.tools = [WEATHER_TOOL];
+  request.tool_choice = { mode: 'TOOL_CHOICE_MODE_AUTO' };
+  if (opts['chat-template']) request.chat_template = opts['chat-template'];
   return request;
 }
 
@@ -195,6 +222,30 @@ function describeError(error) {
   return out;
 }
 
+// The "tools" command: ask, run each tool call the model makes (a made-up report here), send
+// the results back as "tool" messages with the call's id, and print the final answer.
+async function toolConversation(client, question) {
+  const messages = [{ role: 'user', content: question }];
+  let { response } = await unary(client, 'Generate', chatRequest(messages));
+  for (let turn = 0; response.tool_calls.length > 0 && turn < 4; turn++) {
+    messages.push({ role: 'assistant', content: response.text, tool_calls: response.tool_calls });
+    for (const { id, name, arguments: args } of response.tool_calls) {
+      print({ event: 'tool_call', id, name, arguments: args }); // arguments: JSON text
+      let city = '?';
+      try {
+        city = JSON.parse(args || '{}').city ?? city;
+      } catch {
+        // tool_choice AUTO constrains nothing: the arguments may not be JSON
+      }
+      const report = { city, temperature_c: 21, condition: 'sunny' };
+      messages.push({ role: 'tool', tool_call_id: id, name, content: JSON.stringify(report) });
+    }
+    ({ response } = await unary(client, 'Generate', chatRequest(messages)));
+  }
+  const { text, finish_reason, usage } = response;
+  return { event: 'answer', text, finish_reason, usage };
+}
+
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
 // Start a long greedy stream, cancel it after the first delta, then poll GetStats (on the same,
@@ -267,6 +318,9 @@ async function main(client, command, arg) {
       print({ event: 'tokens', token_ids: response.token_ids });
       return 0;
     }
+    case 'tools':
+      print(await toolConversation(client, arg || "What's the weather like in Tokyo right now?"));
+      return 0;
     case 'bad-request': {
       const request = generationRequest('Hello');
       request.params.sampling.temperature = -1;

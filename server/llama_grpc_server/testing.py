@@ -40,6 +40,7 @@ from llama_grpc_server.core.scheduling.plan import (
 )
 from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.core.scheduling.tenants import TenantLimits
+from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.engine.embedding import Embedder
 from llama_grpc_server.engine.loop import EngineLoop, EngineStream
 
@@ -297,11 +298,18 @@ class FakeVocabulary:
             raise ValueError("the schema must be a JSON object")
         return 'root ::= "{}"'
 
-    def render_chat(self, messages: Sequence[ChatMessage], template: str) -> str:
-        """A stand-in template: "<role>content" per message, then "<assistant>"."""
+    def render_chat(
+        self, messages: Sequence[ChatMessage], template: str, tools: Sequence[ToolSpec] = ()
+    ) -> str:
+        """A stand-in template: "<tools>names" when tools are offered, "<role>content" per
+        message, then "<assistant>"."""
         if any(m.role not in ROLES for m in messages):
             raise ValueError("unknown role")
-        return "".join(f"<{m.role}>{m.content}" for m in messages) + "<assistant>"
+        offered = f"<tools>{','.join(t.name for t in tools)}" if tools else ""
+        return offered + "".join(f"<{m.role}>{m.content}" for m in messages) + "<assistant>"
+
+    def tool_format(self, template: str) -> str:
+        return "generic"
 
 
 class FakeStream:
@@ -444,8 +452,13 @@ class FakeEngine:
     def json_schema_to_grammar(self, schema: str) -> str:
         return FakeVocabulary().json_schema_to_grammar(schema)
 
-    def render_chat(self, messages: Sequence[ChatMessage], template: str) -> str:
-        return FakeVocabulary().render_chat(messages, template)
+    def render_chat(
+        self, messages: Sequence[ChatMessage], template: str, tools: Sequence[ToolSpec] = ()
+    ) -> str:
+        return FakeVocabulary().render_chat(messages, template, tools)
+
+    def tool_format(self, template: str) -> str:
+        return FakeVocabulary().tool_format(template)
 
     def stats(self) -> StatsSnapshot:
         return self.loop.stats()

@@ -9,6 +9,7 @@ grammar dictates (the output is noise otherwise), ends the stream there as EOS, 
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,12 @@ import pytest_asyncio
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSettings, Settings
-from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES
+from llama_grpc_server.core.constrained.regex_grammar import gbnf_literal
+from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES, ChatMessage
+from llama_grpc_server.core.tools import prompt as tool_prompt
+from llama_grpc_server.core.tools.types import ToolCall, ToolSpec
 from llama_grpc_server.engine.build import build_engine
+from llama_grpc_server.engine.chat import _Template
 from llama_grpc_server.rpc.server import start_server
 from tests.support.families import (
     CONVERSATION,
@@ -35,7 +40,7 @@ from tests.support.families import (
 
 from .conftest import GREEDY
 
-N_CTX = 512
+N_CTX = 1024
 ANSWER = "Blue 🦙 中文"  # characters that byte-level vocabularies split across tokens
 DETOKENIZE_SAMPLE = 512  # ids spread over the whole vocabulary, detokenized in one request
 
@@ -244,3 +249,121 @@ async def collect_tokens(
             done = event.done
     assert done is not None
     return TokensOut(ids, done)
+
+
+# -- tools (issue 49): each family's own call format, a named call, a tool result -------------
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Tokyo", "Paris"]}},
+    "required": ["city"],
+}
+WEATHER = pb.Tool(name="get_weather", description="Current weather", parameters=json.dumps(CITY))
+# Each family's call of get_weather(city="Tokyo") as its model writes it (core/tools/formats)
+OWN_CALL = {
+    "gemma3": '{"name": "get_weather", "arguments": {"city": "Tokyo"}}',
+    "qwen3": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Tokyo"}}\n</tool_call>',
+    "qwen35": "<tool_call>\n<function=get_weather>\n<parameter=city>\nTokyo\n</parameter>\n"
+    "</function>\n</tool_call>",
+    "llama3": '{"name": "get_weather", "parameters": {"city": "Tokyo"}}',
+    "deepseek-r1-distill": (
+        "<\uff5ctool\u2581calls\u2581begin\uff5c><\uff5ctool\u2581call\u2581begin\uff5c>"
+        'function<\uff5ctool\u2581sep\uff5c>get_weather\n```json\n{"city": "Tokyo"}\n```'
+        "<\uff5ctool\u2581call\u2581end\uff5c><\uff5ctool\u2581calls\u2581end\uff5c>"
+    ),
+    "phi3": '{"name": "get_weather", "arguments": {"city": "Tokyo"}}',
+    "gemma4": '<|tool_call>call:get_weather{city:<|"|>Tokyo<|"|>}<tool_call|>',
+}
+ASK = [pb.ChatMessage(role="user", content="Weather in Tokyo?")]
+# DeepSeek's tool tokens are not tokens of the deepseek-llm vocabulary: a call is ~300 tokens
+CALL_TOKENS = 400
+
+
+async def stream_calls(
+    served: Served, request: pb.StreamGenerateRequest
+) -> tuple[str, list[pb.ToolCallDelta], pb.GenerationDone]:
+    text, pieces, done = "", [], None
+    async for event in served.stub.StreamGenerate(request):
+        if event.HasField("delta"):
+            text += event.delta.text
+            pieces += event.delta.tool_calls
+        else:
+            done = event.done
+    assert done is not None
+    return text, pieces, done
+
+
+async def test_tools_a_call_in_the_family_format_streams_as_a_call(served: Served) -> None:
+    """The family's own call format (forced by a grammar: these models write noise) is parsed as
+    it streams: no text, the call's first delta names it, its argument pieces join to the
+    arguments, the turn ends TOOL_CALLS. Special-token markers (Gemma 4's) reach the parser."""
+    grammar = pb.Grammar(gbnf=f"root ::= {gbnf_literal(OWN_CALL[served.family.name])}")
+    text, pieces, done = await stream_calls(
+        served,
+        pb.StreamGenerateRequest(
+            messages=ASK,
+            tools=[WEATHER],
+            params=pb.GenerationParams(
+                stopping=pb.StoppingCriteria(max_tokens=CALL_TOKENS), grammar=grammar
+            ),
+        ),
+    )
+    assert (text, done.finish_reason) == ("", pb.FINISH_REASON_TOOL_CALLS)
+    assert (pieces[0].index, pieces[0].name) == (0, "get_weather")
+    assert pieces[0].id.startswith("call_")
+    assert json.loads("".join(p.arguments for p in pieces)) == {"city": "Tokyo"}
+
+
+async def test_tools_a_named_call_is_constrained(served: Served) -> None:
+    """tool_choice naming the function constrains the answer to one call of it in the
+    family's format (or the bare JSON call), its arguments matching the schema."""
+    reply = await served.stub.Generate(
+        pb.GenerateRequest(
+            messages=ASK,
+            tools=[WEATHER],
+            tool_choice=pb.ToolChoice(function="get_weather"),
+            params=pb.GenerationParams(stopping=pb.StoppingCriteria(max_tokens=CALL_TOKENS)),
+        )
+    )
+    assert (reply.text, reply.finish_reason) == ("", pb.FINISH_REASON_TOOL_CALLS)
+    (call,) = reply.tool_calls
+    assert call.name == "get_weather"
+    assert json.loads(call.arguments)["city"] in ("Tokyo", "Paris")
+
+
+async def test_tools_a_result_is_rendered(served: Served) -> None:
+    """A conversation with a call and its result: the server's prompt is, id for id, the
+    family's template rendered here with the messages core.tools.prompt hands it (the
+    template's own tool rendering where it has one, else the generic prompt, the call as JSON
+    and the result as a user turn), and the result's text is in it."""
+    call = pb.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Tokyo"}')
+    conversation = [
+        *ASK,
+        pb.ChatMessage(role="assistant", tool_calls=[call]),
+        pb.ChatMessage(role="tool", tool_call_id="call_1", content="21 degrees, sunny"),
+    ]
+    template = _Template(served.template, "", "")
+    spec = ToolSpec("get_weather", "Current weather", CITY)
+    messages = tool_prompt.template_messages(
+        (
+            ChatMessage("user", "Weather in Tokyo?"),
+            ChatMessage("assistant", "", (ToolCall("call_1", "get_weather", '{"city": "Tokyo"}'),)),
+            ChatMessage("tool", "21 degrees, sunny", tool_call_id="call_1"),
+        ),
+        template.caps,
+        (spec,),
+    )
+    tools = [tool_prompt.openai_tool(spec)] if template.caps.tools else None
+    want = served.llama.chat_prompt(messages, served.template, tools=tools)
+    rendered = served.llama.detokenize(want, render_special=True)
+    assert "21 degrees, sunny" in rendered
+    chat = await served.stub.Generate(
+        pb.GenerateRequest(
+            messages=conversation,
+            tools=[WEATHER],
+            params=pb.GenerationParams(stopping=pb.StoppingCriteria(max_tokens=1)),
+        )
+    )
+    assert chat.usage.prompt_tokens == len(want)
+    probe = await collect_tokens(served, [*want, want[-1]], max_tokens=1)
+    assert probe.usage.cached_prompt_tokens == len(want)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -114,7 +114,12 @@ class Reference:
     def is_eog(self, token_id: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token_id))
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]], template: str) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        template: str,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         """The conversation rendered here and tokenized by llama.cpp with parse_special, one BOS
         at the start when the vocabulary wants one (the template's own, or added): llama.cpp's
         server rule (common/chat.cpp drops a rendered BOS text and tokenizes with add_special)."""
@@ -123,6 +128,7 @@ class Reference:
             messages,
             bos_token=self.token_text(self.bos_id),
             eos_token=self.token_text(self.eos_id),
+            tools=tools,
         )
         ids = self.tokenize(text, add_special=False, parse_special=True)
         if self.add_bos and self.bos_id >= 0 and (not ids or ids[0] != self.bos_id):
@@ -131,7 +137,12 @@ class Reference:
 
 
 def render_chat(
-    template: str, messages: Sequence[dict[str, str]], *, bos_token: str, eos_token: str
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    bos_token: str,
+    eos_token: str,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
     """A chat template rendered the way HuggingFace transformers does (sandboxed, trim_blocks,
     lstrip_blocks, loop controls, its tojson, strftime_now, raise_exception), opening the
@@ -149,6 +160,7 @@ def render_chat(
     env.filters["tojson"] = tojson
     return env.from_string(template).render(
         messages=list(messages),
+        tools=list(tools) if tools else None,
         add_generation_prompt=True,
         bos_token=bos_token,
         eos_token=eos_token,

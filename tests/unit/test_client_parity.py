@@ -22,10 +22,11 @@ ASYNC_NAMES = {
     "__enter__": "__aenter__",
     "__exit__": "__aexit__",
     "Stream": "AsyncStream",
+    "ChatStream": "AsyncChatStream",
     "LoadStream": "AsyncLoadStream",
     "grpc.Channel": "grpc.aio.Channel",
 }
-STREAMS = frozenset({"AsyncStream", "AsyncLoadStream"})
+STREAMS = frozenset({"AsyncStream", "AsyncChatStream", "AsyncLoadStream"})
 
 
 def _sync_text(text: str) -> str:

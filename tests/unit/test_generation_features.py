@@ -427,10 +427,35 @@ def test_chat_request_resolves_the_template() -> None:
         ({}, {"prompt": "p"}, errors.InvalidRequest, "prompt", "not both"),
         (
             {},
-            {"messages": [pb.ChatMessage(role="tool", content="x")], "chat_template": "gemma"},
+            {"messages": [pb.ChatMessage(role="function", content="x")], "chat_template": "gemma"},
             errors.InvalidRequest,
             "messages[0].role",
-            "got 'tool'",
+            "got 'function'",
+        ),
+        (
+            {},
+            {
+                "messages": [pb.ChatMessage(role="user", content="x", tool_call_id="call_1")],
+                "chat_template": "gemma",
+            },
+            errors.InvalidRequest,
+            "messages[0].tool_call_id",
+            "tool messages only",
+        ),
+        (
+            {},
+            {
+                "messages": [
+                    pb.ChatMessage(
+                        role="assistant",
+                        tool_calls=[pb.ToolCall(id="c", name="f", arguments="[1]")],
+                    )
+                ],
+                "chat_template": "gemma",
+            },
+            errors.InvalidRequest,
+            "messages[0].tool_calls[0].arguments",
+            "must be a JSON object, got list",
         ),
     ],
 )

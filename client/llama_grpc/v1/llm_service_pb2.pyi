@@ -72,6 +72,10 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """An embedding input was computed (the engine's ending of an Embed input; never on a
     generation RPC).
     """
+    FINISH_REASON_TOOL_CALLS: _FinishReason.ValueType  # 8
+    """The model ended its turn after one or more tool calls (`tool_calls` of the response):
+    run them and send their results back as `tool` messages.
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """Why generation ended."""
@@ -92,6 +96,10 @@ FINISH_REASON_TIME_LIMIT: FinishReason.ValueType  # 6
 FINISH_REASON_EMBEDDED: FinishReason.ValueType  # 7
 """An embedding input was computed (the engine's ending of an Embed input; never on a
 generation RPC).
+"""
+FINISH_REASON_TOOL_CALLS: FinishReason.ValueType  # 8
+"""The model ended its turn after one or more tool calls (`tool_calls` of the response):
+run them and send their results back as `tool` messages.
 """
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
@@ -174,6 +182,34 @@ OVERFLOW_POLICY_TRUNCATE_LEFT: OverflowPolicy.ValueType  # 2
 server's default_max_tokens); a leading BOS and the first n_keep tokens after it are kept.
 """
 Global___OverflowPolicy: _TypeAlias = OverflowPolicy  # noqa: Y015
+
+class _ToolChoiceMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ToolChoiceModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ToolChoiceMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TOOL_CHOICE_MODE_UNSPECIFIED: _ToolChoiceMode.ValueType  # 0
+    """AUTO when the request has tools."""
+    TOOL_CHOICE_MODE_AUTO: _ToolChoiceMode.ValueType  # 1
+    """The model decides whether to call; nothing is constrained."""
+    TOOL_CHOICE_MODE_NONE: _ToolChoiceMode.ValueType  # 2
+    """No call: the tools are not shown to the model."""
+    TOOL_CHOICE_MODE_REQUIRED: _ToolChoiceMode.ValueType  # 3
+    """At least one call of any offered tool: the answer is constrained to calls."""
+
+class ToolChoiceMode(_ToolChoiceMode, metaclass=_ToolChoiceModeEnumTypeWrapper):
+    """tool_choice's modes."""
+
+TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode.ValueType  # 0
+"""AUTO when the request has tools."""
+TOOL_CHOICE_MODE_AUTO: ToolChoiceMode.ValueType  # 1
+"""The model decides whether to call; nothing is constrained."""
+TOOL_CHOICE_MODE_NONE: ToolChoiceMode.ValueType  # 2
+"""No call: the tools are not shown to the model."""
+TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode.ValueType  # 3
+"""At least one call of any offered tool: the answer is constrained to calls."""
+Global___ToolChoiceMode: _TypeAlias = ToolChoiceMode  # noqa: Y015
 
 class _Pooling:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -1064,6 +1100,9 @@ class GenerateRequest(_message.Message):
     ADD_SPECIAL_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
     CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Optional: the model to use, by name, path or file name (NOT_FOUND lists the names);
     empty means the default model. A model that is not loaded is loaded first.
@@ -1079,6 +1118,8 @@ class GenerateRequest(_message.Message):
     """With `messages`: a built-in template by name ("gemma", "chatml") or "gguf" (the model's own);
     empty means the server's (GetModelInfoResponse.chat_template).
     """
+    parallel_tool_calls: _builtins.bool
+    """Allow several calls in one answer (default true); false allows at most one."""
     @_builtins.property
     def params(self) -> Global___GenerationParams: ...
     @_builtins.property
@@ -1086,6 +1127,18 @@ class GenerateRequest(_message.Message):
         """A conversation instead of `prompt`: rendered with the chat template (the BOS the template
         writes is the only one). FAILED_PRECONDITION when no template is available.
         """
+
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]:
+        """With `messages`: functions the model may call. They are rendered into the prompt by the
+        model's chat template (or, for a template without tool support, by a generic tool prompt)
+        and the answer is parsed in the family's own tool-call format: calls come back in
+        `tool_calls` with finish reason TOOL_CALLS, never as text. See docs/api.md#tools.
+        """
+
+    @_builtins.property
+    def tool_choice(self) -> Global___ToolChoice:
+        """Whether and which tool the model must call (default: auto when `tools` are given)."""
 
     def __init__(
         self,
@@ -1098,14 +1151,22 @@ class GenerateRequest(_message.Message):
         add_special: _builtins.bool | None = ...,
         messages: _abc.Iterable[Global___ChatMessage] | None = ...,
         chat_template: _builtins.str = ...,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
+        tool_choice: Global___ToolChoice | None = ...,
+        parallel_tool_calls: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "add_special", b"add_special", "params", b"params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_parallel_tool_calls", b"_parallel_tool_calls", "add_special", b"add_special", "parallel_tool_calls", b"parallel_tool_calls", "params", b"params", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "add_special", b"add_special", "cache_scope", b"cache_scope", "chat_template", b"chat_template", "messages", b"messages", "model", b"model", "params", b"params", "prompt", b"prompt", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_parallel_tool_calls", b"_parallel_tool_calls", "add_special", b"add_special", "cache_scope", b"cache_scope", "chat_template", b"chat_template", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "params", b"params", "prompt", b"prompt", "session_id", b"session_id", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_special: _TypeAlias = _typing.Literal["add_special"]  # noqa: Y015
     _WhichOneofArgType__add_special: _TypeAlias = _typing.Literal["_add_special", b"_add_special"]  # noqa: Y015
+    _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special) -> _WhichOneofReturnType__add_special | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
@@ -1117,22 +1178,163 @@ class ChatMessage(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
     role: _builtins.str
-    """"system", "user" or "assistant"."""
+    """"system", "user", "assistant" or "tool" (the result of a tool call)."""
     content: _builtins.str
+    """The text; for a "tool" message the tool's result (any text, JSON or not). An assistant
+    message that only calls tools may leave it empty.
+    """
+    tool_call_id: _builtins.str
+    """A "tool" message: the `id` of the call this is the result of."""
+    name: _builtins.str
+    """A "tool" message: the function's name (found from tool_call_id when empty)."""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """An assistant turn's tool calls (as a response's `tool_calls` returned them)."""
+
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        tool_call_id: _builtins.str = ...,
+        name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "name", b"name", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class Tool(_message.Message):
+    """A function the model may call (OpenAI's `tools[].function`)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Letters, digits, '_', '-' and '.', at most 64 characters; unique within a request."""
+    description: _builtins.str
+    parameters: _builtins.str
+    """The arguments' JSON Schema, as JSON text: an object schema ("type": "object"); empty means
+    no arguments. A constrained call (tool_choice REQUIRED or a function) matches it.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "parameters", b"parameters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class ToolChoice(_message.Message):
+    """Whether and which tool the model must call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    FUNCTION_FIELD_NUMBER: _builtins.int
+    mode: Global___ToolChoiceMode.ValueType
+    function: _builtins.str
+    """Exactly one call of this function (one of `tools`): the answer is constrained to it."""
+    def __init__(
+        self,
+        *,
+        mode: Global___ToolChoiceMode.ValueType = ...,
+        function: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "function", b"function", "mode", b"mode"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "function", b"function", "mode", b"mode"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_choice: _TypeAlias = _typing.Literal["mode", "function"]  # noqa: Y015
+    _WhichOneofArgType_choice: _TypeAlias = _typing.Literal["choice", b"choice"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_choice) -> _WhichOneofReturnType_choice | None: ...
+
+Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """One tool call of the model."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Unique within the conversation ("call_" and 24 letters and digits); send it back as the
+    result's `tool_call_id`.
+    """
+    name: _builtins.str
+    arguments: _builtins.str
+    """The arguments as JSON text (an object), as the model wrote them; with a constrained call
+    they match the tool's `parameters` schema.
+    """
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
+
+@_typing.final
+class ToolCallDelta(_message.Message):
+    """A piece of a tool call in a stream: the first piece of a call has its index, id and name;
+    later pieces append `arguments` fragments (their concatenation is the call's arguments).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """0 for the answer's first call, 1 for the second, ..."""
+    id: _builtins.str
+    name: _builtins.str
+    arguments: _builtins.str
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "index", b"index", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCallDelta: _TypeAlias = ToolCallDelta  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
@@ -1150,6 +1352,7 @@ class GenerateResponse(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TRUNCATED_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     finish_reason: Global___FinishReason.ValueType
     request_id: _builtins.str
@@ -1169,6 +1372,10 @@ class GenerateResponse(_message.Message):
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
         """One entry per generated token when output.logprobs (or top_logprobs) was asked for."""
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """The tool calls of the answer (a request with `tools`); `text` is the rest of the answer."""
+
     def __init__(
         self,
         *,
@@ -1182,10 +1389,11 @@ class GenerateResponse(_message.Message):
         seed: _builtins.int = ...,
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
         truncated: _builtins.bool = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["finish", b"finish", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish", b"finish", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "seed", b"seed", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "truncated", b"truncated", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish", b"finish", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "seed", b"seed", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "truncated", b"truncated", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1205,18 +1413,26 @@ class StreamGenerateRequest(_message.Message):
     ADD_SPECIAL_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
     CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     prompt: _builtins.str
     session_id: _builtins.str
     cache_scope: _builtins.str
     add_special: _builtins.bool
     chat_template: _builtins.str
+    parallel_tool_calls: _builtins.bool
     @_builtins.property
     def params(self) -> Global___GenerationParams: ...
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
         """As in GenerateRequest."""
 
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]: ...
+    @_builtins.property
+    def tool_choice(self) -> Global___ToolChoice: ...
     def __init__(
         self,
         *,
@@ -1228,14 +1444,22 @@ class StreamGenerateRequest(_message.Message):
         add_special: _builtins.bool | None = ...,
         messages: _abc.Iterable[Global___ChatMessage] | None = ...,
         chat_template: _builtins.str = ...,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
+        tool_choice: Global___ToolChoice | None = ...,
+        parallel_tool_calls: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "add_special", b"add_special", "params", b"params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_parallel_tool_calls", b"_parallel_tool_calls", "add_special", b"add_special", "parallel_tool_calls", b"parallel_tool_calls", "params", b"params", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "add_special", b"add_special", "cache_scope", b"cache_scope", "chat_template", b"chat_template", "messages", b"messages", "model", b"model", "params", b"params", "prompt", b"prompt", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_parallel_tool_calls", b"_parallel_tool_calls", "add_special", b"add_special", "cache_scope", b"cache_scope", "chat_template", b"chat_template", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "params", b"params", "prompt", b"prompt", "session_id", b"session_id", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_special: _TypeAlias = _typing.Literal["add_special"]  # noqa: Y015
     _WhichOneofArgType__add_special: _TypeAlias = _typing.Literal["_add_special", b"_add_special"]  # noqa: Y015
+    _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special) -> _WhichOneofReturnType__add_special | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
 
 Global___StreamGenerateRequest: _TypeAlias = StreamGenerateRequest  # noqa: Y015
 
@@ -1248,6 +1472,7 @@ class GenerationDelta(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """New text; never ends inside a UTF-8 character or a possible stop string."""
     @_builtins.property
@@ -1258,16 +1483,23 @@ class GenerationDelta(_message.Message):
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
         """One entry per token in token_ids when output.logprobs (or top_logprobs) was asked for."""
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCallDelta]:
+        """Tool-call pieces (a request with `tools`): the text of a call never appears in `text`,
+        and a delta may carry tokens whose text is all in a call (text empty).
+        """
+
     def __init__(
         self,
         *,
         text: _builtins.str = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+        tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

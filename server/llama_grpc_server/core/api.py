@@ -11,6 +11,7 @@ from llama_grpc_server.core.kv.events import KvEventLog
 from llama_grpc_server.core.requests.chat import ChatMessage
 from llama_grpc_server.core.requests.request import Event, GenerationRequest
 from llama_grpc_server.core.scheduling.tenants import TenantLimits
+from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.errors import ServiceError
 
 
@@ -182,7 +183,11 @@ class Vocabulary(GrammarCompiler, Protocol):
 
     def special_piece(self, token_id: int) -> bytes: ...
 
-    def render_chat(self, messages: Sequence[ChatMessage], template: str) -> str: ...
+    def render_chat(
+        self, messages: Sequence[ChatMessage], template: str, tools: Sequence[ToolSpec] = ()
+    ) -> str: ...
+
+    def tool_format(self, template: str) -> str: ...
 
 
 class EngineApi(Protocol):
@@ -205,8 +210,16 @@ class EngineApi(Protocol):
 
     def json_schema_to_grammar(self, schema: str) -> str: ...
 
-    def render_chat(self, messages: Sequence[ChatMessage], template: str) -> str:
-        """The prompt text of a conversation; ValueError when the template cannot render it."""
+    def render_chat(
+        self, messages: Sequence[ChatMessage], template: str, tools: Sequence[ToolSpec] = ()
+    ) -> str:
+        """The prompt text of a conversation offering `tools`; ValueError when the template
+        cannot render it."""
+        ...
+
+    def tool_format(self, template: str) -> str:
+        """The name of the tool-call format (core.tools.formats) the template's model writes;
+        ValueError for an unknown template."""
         ...
 
     def stats(self) -> StatsSnapshot: ...

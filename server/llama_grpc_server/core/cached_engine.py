@@ -38,6 +38,7 @@ from llama_grpc_server.core.response_cache import (
     response_key,
 )
 from llama_grpc_server.core.scheduling.tenants import TenantLimits
+from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.errors import ServiceError
 
 RUNNING = "running"  # StatsSnapshot.engine_state of an engine that serves
@@ -171,8 +172,13 @@ class ResponseCachingEngine:
     def json_schema_to_grammar(self, schema: str) -> str:
         return self.engine.json_schema_to_grammar(schema)
 
-    def render_chat(self, messages: Sequence[ChatMessage], template: str) -> str:
-        return self.engine.render_chat(messages, template)
+    def render_chat(
+        self, messages: Sequence[ChatMessage], template: str, tools: Sequence[ToolSpec] = ()
+    ) -> str:
+        return self.engine.render_chat(messages, template, tools)
+
+    def tool_format(self, template: str) -> str:
+        return self.engine.tool_format(template)
 
     def end_all(self, error: ServiceError) -> None:
         self.engine.end_all(error)

@@ -73,7 +73,7 @@ KEYED: Mapping[type, tuple[str, ...]] = {
         "max_tokens_is_default",
         "min_tokens",
     ),
-    OutputParams: ("logprobs", "top_logprobs"),
+    OutputParams: ("logprobs", "top_logprobs", "shown_specials"),
     # field: where an error points, kept to be simple; triggers: when a lazy grammar applies
     Constraint: ("gbnf", "root", "field", "triggers", "starts"),
 }

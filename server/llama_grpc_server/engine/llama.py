@@ -14,6 +14,7 @@ import llama_cpp
 from llama_grpc_server.config import ModelSettings
 from llama_grpc_server.core.api import ModelInfo
 from llama_grpc_server.core.requests.chat import ChatMessage, template_in_use, template_origin
+from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.engine import cpu_share, grammar
 from llama_grpc_server.engine.chat import ChatRenderer
 from llama_grpc_server.engine.offload import resolve_n_gpu_layers
@@ -191,9 +192,14 @@ class LlamaModel:
     def json_schema_to_grammar(self, schema: str) -> str:
         return grammar.json_schema_to_gbnf(schema)
 
-    def render_chat(self, messages: Sequence[ChatMessage], template: str) -> str:
+    def render_chat(
+        self, messages: Sequence[ChatMessage], template: str, tools: Sequence[ToolSpec] = ()
+    ) -> str:
         """Raise ChatTemplateError (a ValueError) when the template cannot render them."""
-        return self.chat.render(messages, template)
+        return self.chat.render(messages, template, tools)
+
+    def tool_format(self, template: str) -> str:
+        return self.chat.tool_format(template)
 
     def _special_text(self, token_id: int) -> str:
         return (

@@ -53,6 +53,7 @@ from llama_grpc_server.core.requests.request import (
 from llama_grpc_server.core.scheduling.plan import StepPlan, StepResult, StepRunner
 from llama_grpc_server.core.scheduling.scheduler import Emitted, Scheduler
 from llama_grpc_server.core.scheduling.tenants import TenantLimits
+from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.engine.burst import BurstDetector
 from llama_grpc_server.watchdog import TickWatchdog
 
@@ -325,8 +326,13 @@ class EngineLoop:
     def json_schema_to_grammar(self, schema: str) -> str:
         return self._tokenizer.json_schema_to_grammar(schema)
 
-    def render_chat(self, messages: Sequence[ChatMessage], template: str) -> str:
-        return self._tokenizer.render_chat(messages, template)
+    def render_chat(
+        self, messages: Sequence[ChatMessage], template: str, tools: Sequence[ToolSpec] = ()
+    ) -> str:
+        return self._tokenizer.render_chat(messages, template, tools)
+
+    def tool_format(self, template: str) -> str:
+        return self._tokenizer.tool_format(template)
 
     def stats(self) -> StatsSnapshot:
         """The snapshot the engine thread published last (never the live scheduler, which that

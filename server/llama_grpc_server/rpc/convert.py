@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server.core.api import ModelInfo, StatsSnapshot
 from llama_grpc_server.core.requests import request as core
+from llama_grpc_server.core.tools.types import ToolCall, ToolCallDelta
 from llama_grpc_server.models.pool import ModelState, ModelStatus
 
 FINISH_REASONS: dict[core.FinishReason, pb.FinishReason.ValueType] = {
@@ -19,6 +20,7 @@ FINISH_REASONS: dict[core.FinishReason, pb.FinishReason.ValueType] = {
     core.FinishReason.CONTEXT_LENGTH: pb.FINISH_REASON_CONTEXT_LENGTH,
     core.FinishReason.TIME_LIMIT: pb.FINISH_REASON_TIME_LIMIT,
     core.FinishReason.EMBEDDED: pb.FINISH_REASON_EMBEDDED,
+    core.FinishReason.TOOL_CALLS: pb.FINISH_REASON_TOOL_CALLS,
 }
 
 
@@ -53,11 +55,22 @@ def token_logprob(value: core.TokenLogprob) -> pb.TokenLogprob:
     )
 
 
+def tool_call(call: ToolCall) -> pb.ToolCall:
+    return pb.ToolCall(id=call.id, name=call.name, arguments=call.arguments)
+
+
+def tool_call_delta(delta: ToolCallDelta) -> pb.ToolCallDelta:
+    return pb.ToolCallDelta(
+        index=delta.index, id=delta.id, name=delta.name, arguments=delta.arguments
+    )
+
+
 def generation_delta(delta: core.TokenDelta) -> pb.GenerationDelta:
     return pb.GenerationDelta(
         text=delta.text,
         token_ids=delta.token_ids,
         logprobs=[token_logprob(lp) for lp in delta.logprobs],
+        tool_calls=[tool_call_delta(d) for d in delta.tool_calls],
     )
 
 
@@ -88,6 +101,7 @@ def generate_response(
         seed=finished.seed,
         logprobs=[token_logprob(lp) for delta in deltas for lp in delta.logprobs],
         truncated=finished.usage.truncated_prompt_tokens > 0,
+        tool_calls=[tool_call(call) for call in finished.tool_calls],
     )
 
 

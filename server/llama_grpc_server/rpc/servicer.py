@@ -28,9 +28,11 @@ from llama_grpc_server.core.requests.request import (
     GenerationRequest,
     TokenDelta,
 )
+from llama_grpc_server.core.tools.stream import ToolSession, with_tool_calls
+from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.models.pool import ModelPool
 from llama_grpc_server.observability import tracing
-from llama_grpc_server.rpc import convert, embeddings, validation
+from llama_grpc_server.rpc import convert, embeddings, tools, validation
 from llama_grpc_server.rpc.interceptors import (
     current_principal,
     current_request_id,
@@ -68,11 +70,18 @@ async def tokenize_text(
     )
 
 
-async def _chat_tokens(engine: EngineApi, draft: validation.Draft, *, add_bos: bool) -> list[int]:
-    """Render the conversation with its template and tokenize it; the template writes the
-    special tokens (parsed as such), so the only BOS is the template's (or one added here)."""
+async def _chat_tokens(
+    engine: EngineApi,
+    draft: validation.Draft,
+    offered: Sequence[ToolSpec],
+    *,
+    add_bos: bool,
+) -> list[int]:
+    """Render the conversation (offering `offered`) with its template and tokenize it; the
+    template writes the special tokens (parsed as such), so the only BOS is the template's (or
+    one added here)."""
     try:
-        text = engine.render_chat(draft.messages, draft.chat_template)
+        text = engine.render_chat(draft.messages, draft.chat_template, offered)
     except ValueError as exc:
         raise errors.InvalidRequest(str(exc), field="messages") from None
     tokens = await tokenize_text(engine, text, add_special=False, parse_special=True)
@@ -146,15 +155,34 @@ async def run_request(
 
 
 async def _collect(
-    engine: EngineApi, spec: GenerationRequest, context: Context, operation: str
+    engine: EngineApi,
+    spec: GenerationRequest,
+    context: Context,
+    operation: str,
+    session: ToolSession | None = None,
 ) -> tuple[list[TokenDelta], Finished]:
     deltas: list[TokenDelta] = []
-    async with aclosing(run_request(engine, spec, context, operation)) as events:
+    async with aclosing(_events(engine, spec, context, operation, session)) as events:
         async for event in events:
             if isinstance(event, Finished):
                 return deltas, event
             deltas.append(event)
     raise errors.EngineError(NO_RESULT)  # unreachable: _run ends with Finished or raises
+
+
+async def _events(
+    engine: EngineApi,
+    spec: GenerationRequest,
+    context: Context,
+    operation: str,
+    session: ToolSession | None,
+) -> AsyncGenerator[TokenDelta | Finished, None]:
+    """run_request's events, with tool calls parsed out of them when the request offers tools
+    (`session`)."""
+    async with aclosing(run_request(engine, spec, context, operation)) as events:
+        source = events if session is None else with_tool_calls(events, session)
+        async for event in source:
+            yield event
 
 
 async def embed_all(
@@ -217,24 +245,37 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
 
     async def _text_request(
         self, message: validation.TextRequest, engine: EngineApi, request_id: str, context: Context
-    ) -> GenerationRequest:
+    ) -> tuple[GenerationRequest, ToolSession | None]:
+        """The request to submit and, when it offers tools, the session parsing its calls."""
         draft = validation.parse_text_request(
             message, engine.model_info, self._settings.scheduler, grammars=engine
         )
+        offered = tools.parse_tools(message)
+        session = None
+        if offered.offered:
+            fmt = tools.tool_format(engine, draft.chat_template)
+            draft = dataclasses.replace(
+                draft,
+                constraint=tools.constraint(offered, fmt, engine) or draft.constraint,
+                output=tools.with_shown(draft.output, tools.shown_specials(engine, fmt)),
+                stopping=tools.with_stops(draft.stopping, fmt),
+            )
+            session = tools.session(offered, fmt, request_id)
         add_special = validation.add_special(message)
         if draft.messages:
-            tokens = await _chat_tokens(engine, draft, add_bos=add_special)
+            tokens = await _chat_tokens(engine, draft, offered.offered, add_bos=add_special)
         else:
             tokens = await tokenize_text(
                 engine, message.prompt, add_special=add_special, parse_special=False
             )
-        return validation.complete_request(
+        spec = validation.complete_request(
             draft,
             tokens,
             request_id=request_id,
             deadline=deadline_of(context),
             tenant=current_principal().tenant,
         )
+        return spec, session
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -244,8 +285,8 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
             ErrorsToStatus(context, request_id),
             self._engine(request.model, context) as engine,
         ):
-            spec = await self._text_request(request, engine, request_id, context)
-            deltas, finished = await _collect(engine, spec, context, _operation(request))
+            spec, session = await self._text_request(request, engine, request_id, context)
+            deltas, finished = await _collect(engine, spec, context, _operation(request), session)
             return convert.generate_response(request_id, deltas, finished)
 
     async def StreamGenerate(
@@ -256,8 +297,9 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
             ErrorsToStatus(context, request_id),
             self._engine(request.model, context) as engine,
         ):
-            spec = await self._text_request(request, engine, request_id, context)
-            async with aclosing(run_request(engine, spec, context, _operation(request))) as events:
+            spec, session = await self._text_request(request, engine, request_id, context)
+            operation = _operation(request)
+            async with aclosing(_events(engine, spec, context, operation, session)) as events:
                 async for event in events:
                     yield convert.stream_generate_response(event, request_id)
 

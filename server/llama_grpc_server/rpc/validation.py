@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 import os
+import re
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from llama_grpc_server import errors
 from llama_grpc_server.auth import scoped_cache_scope
 from llama_grpc_server.config import SchedulerSettings
 from llama_grpc_server.core.api import GrammarCompiler, ModelInfo
+from llama_grpc_server.core.constrained.structural_tag import structural_tag_to_gbnf
 from llama_grpc_server.core.requests import context_fit, embedding
 from llama_grpc_server.core.requests.chat import (
     BUILTIN_TEMPLATES,
@@ -39,6 +42,7 @@ from llama_grpc_server.core.requests.request import (
     SpeculativeParams,
     StoppingParams,
 )
+from llama_grpc_server.core.tools.types import ToolCall
 
 MAX_ID_LENGTH = 256  # session_id, cache_scope
 MAX_LOGIT_BIAS = 1024  # entries of params.sampling.logit_bias
@@ -83,6 +87,8 @@ class Message(enum.StrEnum):
     PROMPT_AND_MESSAGES = "set either prompt or messages, not both"
     TEMPLATE_WITHOUT_MESSAGES = "chat_template applies to messages only"
     UNKNOWN_ROLE = "role must be one of {roles}, got {role!r}"
+    CALLS_NOT_ASSISTANT = "only assistant messages have tool_calls"
+    TOOL_FIELD_ONLY = "{name} belongs to tool messages only"
     UNKNOWN_TEMPLATE = "unknown chat template {name!r}; known: {known}"
     NO_TEMPLATE = (
         "this model has no chat template: start the server with --chat-template "
@@ -372,16 +378,71 @@ def _draft(
     )
 
 
+MAX_NAME_CHARS = 64
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def json_object(field: str, text: str, what: str) -> dict[str, Any]:
+    """JSON text that must be an object (tool parameters, call arguments)."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise errors.InvalidRequest(
+            f"{what} must be JSON text of an object: {exc}"[:300], field=field
+        ) from None
+    if not isinstance(value, dict):
+        raise errors.InvalidRequest(
+            f"{what} must be a JSON object, got {type(value).__name__}", field=field
+        )
+    return value
+
+
+def function_name(field: str, name: str) -> str:
+    if not name:
+        raise errors.InvalidRequest("a function name must not be empty", field=field)
+    if len(name) > MAX_NAME_CHARS or not _FUNCTION_NAME.fullmatch(name):
+        raise errors.InvalidRequest(
+            f"function name {name[:80]!r} must be 1 to {MAX_NAME_CHARS} letters, digits, "
+            "'_', '-' or '.'",
+            field=field,
+        )
+    return name
+
+
 def _messages(messages: Sequence[pb.ChatMessage]) -> tuple[ChatMessage, ...]:
+    """Chat messages, checked: known roles, calls only on assistant turns, each call's
+    arguments a JSON object."""
+    out: list[ChatMessage] = []
     for index, message in enumerate(messages):
+        field = f"messages[{index}]"
         if message.role not in ROLES:
             raise _invalid(
-                f"messages[{index}].role",
+                f"{field}.role",
                 Message.UNKNOWN_ROLE,
                 roles=", ".join(sorted(ROLES)),
                 role=message.role,
             )
-    return tuple(ChatMessage(m.role, m.content) for m in messages)
+        if message.tool_calls and message.role != "assistant":
+            raise _invalid(f"{field}.tool_calls", Message.CALLS_NOT_ASSISTANT)
+        calls: list[ToolCall] = []
+        for number, call in enumerate(message.tool_calls):
+            call_field = f"{field}.tool_calls[{number}]"
+            function_name(f"{call_field}.name", call.name)
+            if call.arguments.strip():
+                json_object(f"{call_field}.arguments", call.arguments, "arguments")
+            calls.append(ToolCall(call.id, call.name, call.arguments))
+        if message.role != "tool" and message.tool_call_id:  # (OpenAI's `name` is any role's)
+            raise _invalid(f"{field}.tool_call_id", Message.TOOL_FIELD_ONLY, name="tool_call_id")
+        out.append(
+            ChatMessage(
+                message.role,
+                message.content,
+                tuple(calls),
+                tool_call_id=message.tool_call_id,
+                name=message.name,
+            )
+        )
+    return tuple(out)
 
 
 def _chat_template(requested: str, info: ModelInfo) -> str:
@@ -494,6 +555,27 @@ def compiled_constraint(
     except ValueError as exc:
         raise errors.InvalidRequest(str(exc), field=field) from None
     return Constraint(gbnf, root, field)
+
+
+def structural_tag_constraint(
+    field: str, text: str, grammars: GrammarCompiler | None
+) -> Constraint:
+    """The structural tag as a checked grammar, lazy when it starts at a trigger; anything it
+    cannot be is INVALID_ARGUMENT naming the field, the part (`format.tags[0].content`) in the
+    message."""
+    compiled = None
+
+    def convert(tag: str) -> str:
+        nonlocal compiled
+        if grammars is None:  # compiled_constraint refuses first; never reached
+            raise ValueError("no grammar compiler")
+        compiled = structural_tag_to_gbnf(tag, grammars.json_schema_to_grammar)
+        return compiled.gbnf
+
+    constraint = compiled_constraint(field, text, grammars, convert=convert)
+    if compiled is None or not compiled.triggers:
+        return constraint
+    return dataclasses.replace(constraint, triggers=compiled.triggers, starts=compiled.starts)
 
 
 def check_constraint_text(field: str, text: str) -> None:

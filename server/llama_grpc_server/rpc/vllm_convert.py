@@ -44,6 +44,7 @@ FINISH_REASONS: dict[FinishReason, str] = {
     FinishReason.CONTEXT_LENGTH: LENGTH,
     FinishReason.TIME_LIMIT: LENGTH,
     FinishReason.EMBEDDED: STOP,  # an embedding input is done (Embed answers no finish reason)
+    FinishReason.TOOL_CALLS: STOP,  # never here: the engine protocol parses no tools (SMG does)
 }
 SERVER_TYPE = "vllm-grpc"  # the protocol this service speaks, as vLLM's own servicer names it
 

@@ -34,7 +34,6 @@ from llama_grpc_server import errors
 from llama_grpc_server.config import SchedulerSettings
 from llama_grpc_server.core.api import GrammarCompiler, ModelInfo
 from llama_grpc_server.core.constrained.regex_grammar import choice_to_gbnf, regex_to_gbnf
-from llama_grpc_server.core.constrained.structural_tag import structural_tag_to_gbnf
 from llama_grpc_server.core.requests import context_fit
 from llama_grpc_server.core.requests.request import (
     Constraint,
@@ -322,7 +321,7 @@ def _constraint(params: vpb.SamplingParams, grammars: GrammarCompiler | None) ->
         return None
     field = _field(kind)
     if kind == "structural_tag":
-        return _structural_tag(field, params.structural_tag, grammars)
+        return validation.structural_tag_constraint(field, params.structural_tag, grammars)
     convert_schema = None if grammars is None else grammars.json_schema_to_grammar
     if kind == "json_object":
         return validation.compiled_constraint(
@@ -337,22 +336,3 @@ def _constraint(params: vpb.SamplingParams, grammars: GrammarCompiler | None) ->
     # grammar: GBNF as it is
     convert = {"json_schema": convert_schema, "regex": regex_to_gbnf}.get(kind)
     return validation.compiled_constraint(field, getattr(params, kind), grammars, convert=convert)
-
-
-def _structural_tag(field: str, text: str, grammars: GrammarCompiler | None) -> Constraint:
-    """The structural tag as a checked grammar, lazy when it starts at a trigger; anything it
-    cannot be is INVALID_ARGUMENT naming the field, the part (`format.tags[0].content`) in the
-    message."""
-    compiled = None
-
-    def convert(tag: str) -> str:
-        nonlocal compiled
-        if grammars is None:  # compiled_constraint refuses first; never reached
-            raise ValueError("no grammar compiler")
-        compiled = structural_tag_to_gbnf(tag, grammars.json_schema_to_grammar)
-        return compiled.gbnf
-
-    constraint = validation.compiled_constraint(field, text, grammars, convert=convert)
-    if compiled is None or not compiled.triggers:
-        return constraint
-    return dataclasses.replace(constraint, triggers=compiled.triggers, starts=compiled.starts)

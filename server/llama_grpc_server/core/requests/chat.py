@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llama_grpc_server.core.tools.types import ToolCall
+
 GGUF_TEMPLATE = "gguf"
 """The name reported (and accepted per request) for the template embedded in the model file."""
 
@@ -37,13 +39,16 @@ CHATML = """{%- for message in messages -%}
 {%- endif -%}"""
 
 BUILTIN_TEMPLATES: dict[str, str] = {"gemma": GEMMA, "chatml": CHATML}
-ROLES = frozenset({"system", "user", "assistant"})
+ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
+    tool_call_id: str = ""  # a "tool" message: the call it answers
+    name: str = ""  # a "tool" message: the function's name
 
 
 # The built-in a model without a template of its own gets, by its architecture

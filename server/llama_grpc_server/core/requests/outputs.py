@@ -32,6 +32,23 @@ class Verdict:
     matched_token_id: int | None = None
 
 
+class _ShownSpecials(Sequence[bytes]):
+    """The piece table with some special tokens' texts shown (OutputParams.shown_specials)."""
+
+    __slots__ = ("_pieces", "_shown")
+
+    def __init__(self, pieces: Sequence[bytes], shown: tuple[tuple[int, str], ...]) -> None:
+        self._pieces = pieces
+        self._shown = {token: text.encode("utf-8") for token, text in shown}
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def __getitem__(self, token: int) -> bytes:  # type: ignore[override]  # ints only
+        shown = self._shown.get(token)
+        return self._pieces[token] if shown is None else shown
+
+
 class Outputs:
     def __init__(self, pieces: Sequence[bytes], eog_ids: frozenset[int], n_ctx: int) -> None:
         self._pieces = pieces
@@ -41,8 +58,11 @@ class Outputs:
 
     def open(self, request: Request) -> SamplerSpec:
         """Start a request's text state; returns the sampler the runner opens for it."""
-        self._texts[request.key] = TextAssembler(self._pieces, request.spec.stopping.stop)
         spec = request.spec
+        pieces = self._pieces
+        if spec.output.shown_specials:
+            pieces = _ShownSpecials(pieces, spec.output.shown_specials)
+        self._texts[request.key] = TextAssembler(pieces, spec.stopping.stop)
         return SamplerSpec(
             request.key,
             spec.sampling,

@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from llama_grpc_server.core.requests.embedding import EmbeddingParams, Vectors
+from llama_grpc_server.core.tools.types import ToolCall, ToolCallDelta
 from llama_grpc_server.errors import ServiceError
 
 
@@ -18,6 +19,9 @@ class FinishReason(enum.Enum):
     CONTEXT_LENGTH = "context_length"
     TIME_LIMIT = "time_limit"
     EMBEDDED = "embedded"  # an embedding request: its vectors are made (Finished.embedding)
+    # A chat request with tools ended its turn after tool calls (set by core.tools.stream, never
+    # by the scheduler: the engine sees an end of generation)
+    TOOL_CALLS = "tool_calls"
 
 
 class Priority(enum.IntEnum):
@@ -85,6 +89,10 @@ class OutputParams:
 
     logprobs: bool = False
     top_logprobs: int = 0
+    # Special tokens whose text the output must show (llama.cpp renders special tokens as
+    # nothing): the markers of a tool-call format, e.g. Llama 3's <|python_tag|>, that its
+    # parser reads. (token id, text) pairs.
+    shown_specials: tuple[tuple[int, str], ...] = ()
 
     @property
     def wants_logprobs(self) -> bool:
@@ -251,6 +259,8 @@ class TokenDelta:
     # The request's prompt tokens served from cache (known once its prefill is done; 0 on a
     # delta that only flushes held-back text).
     cached_prompt_tokens: int = 0
+    # Tool-call pieces parsed out of the text (a chat request with tools: core.tools.stream)
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +276,8 @@ class Finished:
     slot_id: int = -1
     # An embedding request's vectors (one, or one per token with pooling none); None otherwise.
     embedding: Vectors | None = None
+    # A chat request with tools: its complete tool calls (core.tools.stream)
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

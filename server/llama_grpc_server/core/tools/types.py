@@ -87,6 +87,9 @@ class ToolFormat(Protocol):
     # Texts the parser must see in the output that the model writes as special tokens (which
     # the engine renders as nothing by default): the servicer renders these into the text.
     markers: tuple[str, ...]
+    # Texts that end the answer (stop strings added to the request's): where the model would
+    # go on to write the tool's result itself (Gemma 4's <|tool_response>)
+    stops: tuple[str, ...]
 
     def matches(self, template: str) -> bool:
         """True when a chat template writes tool calls in this format."""
