@@ -1190,7 +1190,9 @@ class ChatMessage(_message.Message):
     tool_call_id: _builtins.str
     """A "tool" message: the `id` of the call this is the result of."""
     name: _builtins.str
-    """A "tool" message: the function's name (found from tool_call_id when empty)."""
+    """A "tool" message: the function's name (found from tool_call_id when empty); on another
+    role a participant's name, handed to the template.
+    """
     @_builtins.property
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
         """An assistant turn's tool calls (as a response's `tool_calls` returned them)."""
