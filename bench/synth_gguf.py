@@ -302,8 +302,10 @@ DOORS: dict[str, str] = {
     "generate_tokens": "v1 GenerateTokens",
     "end_of_turn": "end of turn ends a stream",
     "v1_tools": "v1 tools: its call format streamed as a call, a named call, a tool result",
+    "v1_reasoning": "v1 reasoning: thinking streamed apart, budget N and 0, a constraint after "
+    "thinking",
     "gateway_chat": "gateway chat: stream, stop, usage",
-    "gateway_forced_tools": "gateway tool_choice required / named",
+    "gateway_forced_tools": "gateway tool_choice required / named (thinking on), json_schema",
     "gateway_own_tools": "gateway tool call in its own format",
 }
 
@@ -317,7 +319,11 @@ FAMILIES: dict[str, Family] = {
         Family("gemma3", "gemma3", "", "", ("<end_of_turn>",),
                "the embedded Gemma 3 270M itself (real weights and vocabulary); its file has no "
                "chat template: the server's built-in gemma one", server_template="gemma"),
-        Family("qwen3", "qwen3", "qwen2", "Qwen-Qwen3-0.6B", ("<|im_end|>",)),
+        Family("qwen3", "qwen3", "qwen2", "Qwen-Qwen3-0.6B", ("<|im_end|>",),
+               limits=(("v1_reasoning",
+                        "✔ budget 0 and constraints; its model opens its thinking itself, which "
+                        "these random weights never do unconstrained (a constraint makes it: its "
+                        "grammar begins with the section)"),)),
         Family("qwen35", "qwen35", "qwen35", "Qwen3.5-4B", ("<|im_end|>",),
                "the real hybrid architecture: gated delta-net layer 0, attention layer 1"),
         Family("llama3", "llama", "llama-bpe", "meta-llama-Llama-3.2-3B-Instruct",
@@ -328,11 +334,7 @@ FAMILIES: dict[str, Family] = {
                "deepseek-ai-DeepSeek-R1-Distill-Llama-8B", (DEEPSEEK_EOS,),
                "neither R1-Distill template's User and Assistant markers is a token of the "
                "deepseek-llm vocabulary (the real distills add them): they tokenize as text; "
-               "its BOS and end of sentence are tokens",
-               limits=(("gateway_forced_tools",
-                        "✘ SMG 1.13's deepseek_r1 reasoning parser takes the constrained call "
-                        "for thinking (no tool_calls; the JSON is in reasoning_content); "
-                        "GATEWAY_REASONING_PARSER=passthrough gets the calls"),)),
+               "its BOS and end of sentence are tokens"),
         Family("phi3", "phi3", "phi-3", "microsoft-Phi-3.5-mini-instruct", ("<|end|>",),
                "special tokens eat the whitespace after them (llama.cpp: RSTRIP when "
                "general.name has phi3), so the template's newlines vanish",
@@ -593,13 +595,14 @@ def doors_table() -> str:
     from deploy import smg_parsers
 
     from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES
+    from llama_grpc_server.core.reasoning.formats import reasoning_format_for
     from llama_grpc_server.core.tools import formats
 
     rows = [
         "| family | "
         + " | ".join(DOORS.values())
-        + " | v1 tool format | SMG parsers (tool, reasoning) |",
-        "| --- |" + " --- |" * (len(DOORS) + 2),
+        + " | v1 tool format | thinking | SMG parsers (tool, reasoning) |",
+        "| --- |" + " --- |" * (len(DOORS) + 3),
     ]
     for f in FAMILIES.values():
         template = BUILTIN_TEMPLATES[f.server_template] if f.server_template else None
@@ -611,6 +614,8 @@ def doors_table() -> str:
         cells = [f"`{f.name}`"]
         cells += [f.limit(door) or "✔" for door in DOORS]
         cells.append(f"`{formats.format_for(template).name}`")
+        thinks = reasoning_format_for(template)
+        cells.append(f"`{thinks.name}`" if thinks else "none")
         cells.append(f"`{parsers.tool}`, `{parsers.reasoning}`")
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows) + "\n"

@@ -28,7 +28,7 @@ from llama_grpc.client import (
 )
 from llama_grpc.errors import LlamaGrpcError
 from llama_grpc.tls import TlsConfig
-from llama_grpc.types import ChatMessage, Delta, Done, ToolCall, Usage
+from llama_grpc.types import ChatMessage, Delta, Done, ReasoningDelta, ToolCall, Usage
 
 TARGET_ENV = "LLAMA_GRPC_TARGET"
 TOKEN_ENV = "LLAMA_GRPC_TOKEN"
@@ -161,6 +161,51 @@ def _ask_tool_results(calls: Sequence[ToolCall]) -> list[ChatMessage]:
     return [call.result_message(_read_line(f"result of {call.name}> ")) for call in calls]
 
 
+THINKING_PREFIX = "[thinking] "
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+
+class _ThinkingPrinter:
+    """Prints a chat answer's thinking apart from its text: on a terminal (NO_COLOR unset)
+    dimmed between <think> and </think> lines; otherwise each line prefixed with "[thinking] ".
+    Newlines at its start and end are dropped; end() closes it before the answer's text."""
+
+    def __init__(self, *, styled: bool) -> None:
+        self.styled = styled
+        self.started = False  # something was printed (the opening written)
+        self.newlines = 0  # newlines held back until more thinking follows
+
+    def write(self, text: str) -> None:
+        for index, part in enumerate(text.split("\n")):
+            self.newlines += index > 0
+            if part:
+                self._line_break()
+                sys.stdout.write(part)
+        sys.stdout.flush()
+
+    def _line_break(self) -> None:
+        """Before more thinking: the opening, or the newlines held back (blank lines kept)."""
+        if not self.started:
+            self.started = True
+            sys.stdout.write(f"{DIM}<think>\n" if self.styled else THINKING_PREFIX)
+        elif self.newlines:
+            blank = "\n" if self.styled else f"\n{THINKING_PREFIX.rstrip()}"
+            prefix = "" if self.styled else THINKING_PREFIX
+            sys.stdout.write(blank * (self.newlines - 1) + "\n" + prefix)
+        self.newlines = 0
+
+    def end(self) -> None:
+        """Close the thinking (once), if any was printed."""
+        if self.started:
+            sys.stdout.write(f"\n</think>{RESET}\n" if self.styled else "\n")
+            sys.stdout.flush()
+        self.started, self.newlines = False, 0
+
+
+def _styled_output() -> bool:
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+
 class _ChatSession:
     """The conversation of `llama-grpc chat`: its history (the system prompt first), tools and
     request parameters; each turn streams the answer to stdout."""
@@ -174,6 +219,9 @@ class _ChatSession:
         self.tools = tools or None
         self.tool_choice = args.tool_choice
         self.parallel_tool_calls = False if args.no_parallel_tool_calls else None
+        self.enable_thinking: bool | None = args.think
+        self.reasoning_budget: int | None = args.reasoning_budget
+        self.hide_thinking = bool(args.hide_thinking)
 
     def answer(self) -> tuple[ToolCall, ...]:
         """Stream one answer to the history (printed as it comes; its tool calls printed once
@@ -183,10 +231,21 @@ class _ChatSession:
             tools=self.tools,
             tool_choice=self.tool_choice,
             parallel_tool_calls=self.parallel_tool_calls,
+            enable_thinking=self.enable_thinking,
+            reasoning_budget=self.reasoning_budget,
             **self.params,
         )
-        with stream:
+        thinking = _ThinkingPrinter(styled=_styled_output())
+        with stream, contextlib.ExitStack() as cleanup:
+            cleanup.callback(thinking.end)  # an error or Ctrl-C inside the thinking closes it
             for event in stream:
+                if isinstance(event, ReasoningDelta):
+                    if not self.hide_thinking:
+                        thinking.write(event.text)
+                    continue
+                if isinstance(event, Delta) and not event.text:
+                    continue  # the tokens of thinking or of a call
+                thinking.end()
                 if isinstance(event, Delta):
                     sys.stdout.write(event.text)
                     sys.stdout.flush()
@@ -262,6 +321,9 @@ def run_chat(client: Client, args: argparse.Namespace) -> int:
         except ValueError as error:
             print(f"error: --tool-choice: {error}", file=sys.stderr)
             return EXIT_USAGE
+    if args.reasoning_budget is not None and args.reasoning_budget < -1:
+        print("error: --reasoning-budget: -1 (no limit), 0 (no thinking) or more", file=sys.stderr)
+        return EXIT_USAGE
     session = _ChatSession(client, args, tools)
     try:
         if args.prompt is not None:
@@ -439,6 +501,24 @@ def _add_chat_command(commands: Any, parents: list[argparse.ArgumentParser]) -> 
     )
     chat.add_argument(
         "--no-parallel-tool-calls", action="store_true", help="at most one call per answer"
+    )
+    chat.add_argument(
+        "--think",
+        action=argparse.BooleanOptionalAction,
+        help="a thinking model (Qwen 3, DeepSeek R1, Gemma 4...) thinks first, or not "
+        "(enable_thinking; default: the template's own)",
+    )
+    chat.add_argument(
+        "--reasoning-budget",
+        type=int,
+        metavar="N",
+        help="at most N thinking tokens (-1 no limit, 0 no thinking; default: the server's)",
+    )
+    chat.add_argument(
+        "--hide-thinking",
+        action="store_true",
+        help='do not print the thinking (printed dimmed on a terminal, else as "[thinking] " '
+        "lines)",
     )
     chat.add_argument(
         "--verbose", action="store_true", help="print each answer's [done] summary on stderr"

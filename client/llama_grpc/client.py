@@ -250,6 +250,7 @@ def _chat_message(message: MessageLike) -> pb.ChatMessage:
     return pb.ChatMessage(
         role=message.role,
         content=message.content,
+        reasoning_content=message.reasoning_content,
         tool_calls=[
             pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in message.tool_calls
         ],
@@ -312,6 +313,35 @@ def tool_choice_message(choice: ToolChoiceLike) -> pb.ToolChoice:
     return pb.ToolChoice(function=name)
 
 
+def set_thinking(
+    request: pb.GenerateRequest | pb.StreamGenerateRequest,
+    enable_thinking: bool | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    reasoning_budget: int | None,
+) -> None:
+    """Set a chat request's thinking options; None leaves one unset. chat_template_kwargs is
+    sent as JSON text of an object (TypeError for anything but a mapping or None);
+    reasoning_budget -1 means no limit, 0 no thinking (ValueError below -1)."""
+    if enable_thinking is not None:
+        request.enable_thinking = bool(enable_thinking)
+    if chat_template_kwargs is not None:
+        if not isinstance(chat_template_kwargs, Mapping):
+            raise TypeError(
+                "chat_template_kwargs must be a mapping (sent as a JSON object), not "
+                f"{type(chat_template_kwargs).__name__}"
+            )
+        request.chat_template_kwargs = json.dumps(dict(chat_template_kwargs), ensure_ascii=False)
+    if reasoning_budget is not None:
+        if isinstance(reasoning_budget, bool) or not isinstance(reasoning_budget, int):
+            raise TypeError(f"reasoning_budget must be an int, not {reasoning_budget!r}")
+        if reasoning_budget < -1:
+            raise ValueError(
+                f"reasoning_budget must be -1 (no limit), 0 (no thinking) or more, "
+                f"not {reasoning_budget}"
+            )
+        request.reasoning_budget = reasoning_budget
+
+
 def build_chat_request(  # noqa: PLR0917  # chat()'s arguments, passed on
     request: _ChatRequest,
     messages: Iterable[MessageLike],
@@ -319,11 +349,14 @@ def build_chat_request(  # noqa: PLR0917  # chat()'s arguments, passed on
     tool_choice: ToolChoiceLike | None,
     parallel_tool_calls: bool | None,
     params: Mapping[str, object],
+    thinking: _Thinking | None = None,
 ) -> _ChatRequest:
-    """Add a conversation, its tools and keyword `params` (build_request) to a chat request;
-    None leaves tool_choice and parallel_tool_calls unset (the server's defaults)."""
+    """Add a conversation, its tools, its thinking options and keyword `params` (build_request)
+    to a chat request; None leaves tool_choice, parallel_tool_calls and each thinking option
+    unset (the server's defaults)."""
     if isinstance(tools, Mapping | str):
         raise TypeError("tools must be a list of tools")
+    set_thinking(request, *(thinking or (None, None, None)))
     request.messages.extend(chat_messages(messages))
     request.tools.extend(tool_message(tool) for tool in tools or ())
     if tool_choice is not None:
@@ -597,7 +630,7 @@ class _AsyncCall(Generic[_Message]):
 _NO_DONE = "the stream ended without a final done message"
 
 
-_E = TypeVar("_E", bound=t.Delta | t.ToolCallDelta)
+_E = TypeVar("_E", bound=t.ReasoningDelta | t.Delta | t.ToolCallDelta)
 
 
 class _EventStream(_SyncCall[_EventMessage], Generic[_E]):
@@ -655,22 +688,30 @@ class Stream(_EventStream[t.Delta]):
         return [t.delta_from_proto(delta)]
 
 
-class ChatStream(_EventStream[t.Delta | t.ToolCallDelta]):
-    """A sync chat stream: Delta values (text) and ToolCallDelta values (pieces of tool calls),
-    ending with one Done; close() or GC cancels the RPC. It joins what it has yielded: text,
+class ChatStream(_EventStream[t.ReasoningDelta | t.Delta | t.ToolCallDelta]):
+    """A sync chat stream: ReasoningDelta values (a thinking model's thinking, all before the
+    text), Delta values (text) and ToolCallDelta values (pieces of tool calls), ending with one
+    Done; close() or GC cancels the RPC. It joins what it has yielded: reasoning, text,
     tool_calls and message() give the answer so far (whole once the Done has come)."""
 
     def __init__(self, call: grpc.Call, messages: Iterator[_EventMessage]) -> None:
         super().__init__(call, messages)
         self._answer = t.StreamAccumulator()
 
-    def _events(self, delta: pb.GenerationDelta) -> list[t.Delta | t.ToolCallDelta]:
+    def _events(
+        self, delta: pb.GenerationDelta
+    ) -> list[t.ReasoningDelta | t.Delta | t.ToolCallDelta]:
         return t.chat_events_from_proto(delta)
 
     def __next__(self) -> t.ChatStreamEvent:
         event = super().__next__()
         self._answer.add(event)
         return event
+
+    @property
+    def reasoning(self) -> str:
+        """The thinking yielded so far ("" from a model that did not think)."""
+        return self._answer.reasoning
 
     @property
     def text(self) -> str:
@@ -683,7 +724,8 @@ class ChatStream(_EventStream[t.Delta | t.ToolCallDelta]):
         return self._answer.tool_calls
 
     def message(self) -> t.ChatMessage:
-        """The answer as the assistant turn to append to the conversation (with its calls)."""
+        """The answer as the assistant turn to append to the conversation (with its calls and
+        its thinking as reasoning_content)."""
         return self._answer.message()
 
 
@@ -740,21 +782,29 @@ class AsyncStream(_AsyncEventStream[t.Delta]):
         return [t.delta_from_proto(delta)]
 
 
-class AsyncChatStream(_AsyncEventStream[t.Delta | t.ToolCallDelta]):
-    """The asyncio ChatStream: Delta and ToolCallDelta values, then one Done; aclose(),
-    `async with` or GC cancels the RPC. text, tool_calls and message() join what it yielded."""
+class AsyncChatStream(_AsyncEventStream[t.ReasoningDelta | t.Delta | t.ToolCallDelta]):
+    """The asyncio ChatStream: ReasoningDelta, Delta and ToolCallDelta values, then one Done;
+    aclose(), `async with` or GC cancels the RPC. reasoning, text, tool_calls and message()
+    join what it yielded."""
 
     def __init__(self, call: grpc.aio.Call, messages: AsyncIterator[_EventMessage]) -> None:
         super().__init__(call, messages)
         self._answer = t.StreamAccumulator()
 
-    def _events(self, delta: pb.GenerationDelta) -> list[t.Delta | t.ToolCallDelta]:
+    def _events(
+        self, delta: pb.GenerationDelta
+    ) -> list[t.ReasoningDelta | t.Delta | t.ToolCallDelta]:
         return t.chat_events_from_proto(delta)
 
     async def __anext__(self) -> t.ChatStreamEvent:
         event = await super().__anext__()
         self._answer.add(event)
         return event
+
+    @property
+    def reasoning(self) -> str:
+        """The thinking yielded so far ("" from a model that did not think)."""
+        return self._answer.reasoning
 
     @property
     def text(self) -> str:
@@ -767,7 +817,8 @@ class AsyncChatStream(_AsyncEventStream[t.Delta | t.ToolCallDelta]):
         return self._answer.tool_calls
 
     def message(self) -> t.ChatMessage:
-        """The answer as the assistant turn to append to the conversation (with its calls)."""
+        """The answer as the assistant turn to append to the conversation (with its calls and
+        its thinking as reasoning_content)."""
         return self._answer.message()
 
 
@@ -835,6 +886,8 @@ class _Streaming(Generic[_Req, _Resp]):
 
 # chat()'s tools, tool_choice and parallel_tool_calls, passed on together.
 _Tools = tuple[Sequence[ToolLike] | None, ToolChoiceLike | None, bool | None]
+# chat()'s enable_thinking, chat_template_kwargs and reasoning_budget.
+_Thinking = tuple[bool | None, Mapping[str, Any] | None, int | None]
 
 
 def _value(convert: Callable[[_Resp], _T]) -> Callable[[_Resp, str], _T]:
@@ -864,16 +917,22 @@ class _Surface:
 
     @staticmethod
     def chat(
-        messages: Iterable[MessageLike], tools: _Tools, params: GenerationParams
+        messages: Iterable[MessageLike],
+        tools: _Tools,
+        thinking: _Thinking,
+        params: GenerationParams,
     ) -> _Unary[pb.GenerateRequest, pb.GenerateResponse, t.GenerateResult]:
-        request = build_chat_request(pb.GenerateRequest(), messages, *tools, params)
+        request = build_chat_request(pb.GenerateRequest(), messages, *tools, params, thinking)
         return _Unary(lambda stub: stub.Generate, request, params, t.result_from_proto)
 
     @staticmethod
     def stream_chat(
-        messages: Iterable[MessageLike], tools: _Tools, params: GenerationParams
+        messages: Iterable[MessageLike],
+        tools: _Tools,
+        thinking: _Thinking,
+        params: GenerationParams,
     ) -> _Streaming[pb.StreamGenerateRequest, pb.StreamGenerateResponse]:
-        request = build_chat_request(pb.StreamGenerateRequest(), messages, *tools, params)
+        request = build_chat_request(pb.StreamGenerateRequest(), messages, *tools, params, thinking)
         return _Streaming(lambda stub: stub.StreamGenerate, request, params)
 
     @staticmethod
@@ -1052,6 +1111,9 @@ class Client:
         tools: Sequence[ToolLike] | None = None,
         tool_choice: ToolChoiceLike | None = None,
         parallel_tool_calls: bool | None = None,
+        enable_thinking: bool | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        reasoning_budget: int | None = None,
         **params: Unpack[GenerationParams],
     ) -> t.GenerateResult:
         """Complete a conversation (rendered with the server's or `chat_template`'s template).
@@ -1062,9 +1124,14 @@ class Client:
         back in the result's tool_calls, with finish_reason "tool_calls". `tool_choice`: "auto"
         (the default with tools), "none", "required" or one function (its name, a Tool or
         {"type": "function", "function": {"name": ...}}). `parallel_tool_calls=False`: at most
-        one call. None leaves a setting to the server."""
+        one call. A thinking model (Qwen 3, DeepSeek R1, Gemma 4...) returns its thinking in the
+        result's reasoning: `enable_thinking` turns it on or off (the template's own default
+        when None), `chat_template_kwargs` are extra variables of the template (a mapping, sent
+        as JSON; enable_thinking wins over its key of that name), `reasoning_budget` caps the
+        thinking tokens (-1 no limit, 0 no thinking). None leaves a setting to the server."""
         tooling = (tools, tool_choice, parallel_tool_calls)
-        return self._unary(_Surface.chat(messages, tooling, params))
+        thinking = (enable_thinking, chat_template_kwargs, reasoning_budget)
+        return self._unary(_Surface.chat(messages, tooling, thinking, params))
 
     def stream_chat(
         self,
@@ -1073,13 +1140,20 @@ class Client:
         tools: Sequence[ToolLike] | None = None,
         tool_choice: ToolChoiceLike | None = None,
         parallel_tool_calls: bool | None = None,
+        enable_thinking: bool | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        reasoning_budget: int | None = None,
         **params: Unpack[GenerationParams],
     ) -> ChatStream:
-        """Stream the reply to a conversation as Delta values (text) and ToolCallDelta values
-        (pieces of tool calls), then one Done; the arguments are chat()'s. The stream joins
-        what it yields: its text, tool_calls and message() (the assistant turn to append)."""
+        """Stream the reply to a conversation as ReasoningDelta values (thinking, all before the
+        text), Delta values (text) and ToolCallDelta values (pieces of tool calls), then one
+        Done; the arguments are chat()'s. The stream joins what it yields: its reasoning, text,
+        tool_calls and message() (the assistant turn to append)."""
         tooling = (tools, tool_choice, parallel_tool_calls)
-        return self._streaming(_Surface.stream_chat(messages, tooling, params), ChatStream)
+        thinking = (enable_thinking, chat_template_kwargs, reasoning_budget)
+        return self._streaming(
+            _Surface.stream_chat(messages, tooling, thinking, params), ChatStream
+        )
 
     def generate_tokens(
         self, token_ids: Sequence[int], **params: Unpack[TokenGenerationParams]
@@ -1263,6 +1337,9 @@ class AsyncClient:
         tools: Sequence[ToolLike] | None = None,
         tool_choice: ToolChoiceLike | None = None,
         parallel_tool_calls: bool | None = None,
+        enable_thinking: bool | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        reasoning_budget: int | None = None,
         **params: Unpack[GenerationParams],
     ) -> t.GenerateResult:
         """Complete a conversation (rendered with the server's or `chat_template`'s template).
@@ -1273,9 +1350,14 @@ class AsyncClient:
         back in the result's tool_calls, with finish_reason "tool_calls". `tool_choice`: "auto"
         (the default with tools), "none", "required" or one function (its name, a Tool or
         {"type": "function", "function": {"name": ...}}). `parallel_tool_calls=False`: at most
-        one call. None leaves a setting to the server."""
+        one call. A thinking model (Qwen 3, DeepSeek R1, Gemma 4...) returns its thinking in the
+        result's reasoning: `enable_thinking` turns it on or off (the template's own default
+        when None), `chat_template_kwargs` are extra variables of the template (a mapping, sent
+        as JSON; enable_thinking wins over its key of that name), `reasoning_budget` caps the
+        thinking tokens (-1 no limit, 0 no thinking). None leaves a setting to the server."""
         tooling = (tools, tool_choice, parallel_tool_calls)
-        return await self._unary(_Surface.chat(messages, tooling, params))
+        thinking = (enable_thinking, chat_template_kwargs, reasoning_budget)
+        return await self._unary(_Surface.chat(messages, tooling, thinking, params))
 
     def stream_chat(
         self,
@@ -1284,13 +1366,20 @@ class AsyncClient:
         tools: Sequence[ToolLike] | None = None,
         tool_choice: ToolChoiceLike | None = None,
         parallel_tool_calls: bool | None = None,
+        enable_thinking: bool | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        reasoning_budget: int | None = None,
         **params: Unpack[GenerationParams],
     ) -> AsyncChatStream:
-        """Stream the reply to a conversation as Delta values (text) and ToolCallDelta values
-        (pieces of tool calls), then one Done; the arguments are chat()'s. The stream joins
-        what it yields: its text, tool_calls and message() (the assistant turn to append)."""
+        """Stream the reply to a conversation as ReasoningDelta values (thinking, all before the
+        text), Delta values (text) and ToolCallDelta values (pieces of tool calls), then one
+        Done; the arguments are chat()'s. The stream joins what it yields: its reasoning, text,
+        tool_calls and message() (the assistant turn to append)."""
         tooling = (tools, tool_choice, parallel_tool_calls)
-        return self._streaming(_Surface.stream_chat(messages, tooling, params), AsyncChatStream)
+        thinking = (enable_thinking, chat_template_kwargs, reasoning_budget)
+        return self._streaming(
+            _Surface.stream_chat(messages, tooling, thinking, params), AsyncChatStream
+        )
 
     def generate_tokens(
         self, token_ids: Sequence[int], **params: Unpack[TokenGenerationParams]

@@ -110,21 +110,24 @@ class ToolCallDelta:
 class ChatMessage:
     """One turn of a conversation: role "system", "user", "assistant" or "tool".
 
-    An assistant turn may carry the `tool_calls` it made (its content may then be empty); a
-    "tool" turn is the result of the call whose id is `tool_call_id` (`name`: the function's,
-    optional). ToolCall.result_message() builds one."""
+    An assistant turn may carry the `tool_calls` it made (its content may then be empty) and
+    its thinking (`reasoning_content`: a result's `reasoning`, handed to the template, which may
+    render or drop it); a "tool" turn is the result of the call whose id is `tool_call_id`
+    (`name`: the function's, optional). ToolCall.result_message() builds one."""
 
     role: str
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""
     name: str = ""
+    reasoning_content: str = ""
 
     @classmethod
     def from_dict(cls, message: Mapping[str, Any]) -> ChatMessage:
         """A message in OpenAI's shape: role, content (a str, None, or a list of text parts),
         tool_calls ([{"id", "type": "function", "function": {"name", "arguments"}}], the
-        arguments a str or a dict), tool_call_id, name. ValueError for anything else."""
+        arguments a str or a dict), tool_call_id, name, reasoning_content (or "reasoning", as
+        some servers name it). ValueError for anything else."""
         if not isinstance(message.get("role"), str):
             raise ValueError(f"a chat message needs a role (a str): {dict(message)!r}")
         return cls(
@@ -133,6 +136,9 @@ class ChatMessage:
             tool_calls=tuple(tool_call_from_dict(c) for c in message.get("tool_calls") or ()),
             tool_call_id=str(message.get("tool_call_id") or ""),
             name=str(message.get("name") or ""),
+            reasoning_content=str(
+                message.get("reasoning_content") or message.get("reasoning") or ""
+            ),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,6 +150,8 @@ class ChatMessage:
             out["tool_call_id"] = self.tool_call_id
         if self.name:
             out["name"] = self.name
+        if self.reasoning_content:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -226,10 +234,15 @@ class GenerateResult:
     truncated: bool = False
     # The answer's tool calls (a chat with tools); `text` is the rest of the answer.
     tool_calls: tuple[ToolCall, ...] = ()
+    # A thinking model's thinking (a chat), apart from `text`; "" when it did not think.
+    reasoning: str = ""
 
     def message(self) -> ChatMessage:
-        """The answer as the assistant turn to append to the conversation (with its calls)."""
-        return ChatMessage("assistant", self.text, tool_calls=self.tool_calls)
+        """The answer as the assistant turn to append to the conversation (with its calls and
+        its thinking as reasoning_content)."""
+        return ChatMessage(
+            "assistant", self.text, tool_calls=self.tool_calls, reasoning_content=self.reasoning
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +253,14 @@ class Delta:
     token_ids: tuple[int, ...]
     # One per token in token_ids when logprobs (or top_logprobs) was asked for.
     logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    """New thinking text of a thinking model in a chat stream. All of the thinking comes before
+    the answer's text; the tokens it was written with are in the Delta that follows it."""
+
+    text: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,8 +279,8 @@ class Done:
 
 
 StreamEvent: TypeAlias = Delta | Done
-# A chat stream's events (stream_chat()): tool-call pieces besides the text.
-ChatStreamEvent: TypeAlias = Delta | ToolCallDelta | Done
+# A chat stream's events (stream_chat()): thinking and tool-call pieces besides the text.
+ChatStreamEvent: TypeAlias = ReasoningDelta | Delta | ToolCallDelta | Done
 
 
 @dataclass(slots=True)
@@ -272,8 +293,9 @@ class _PartialCall:
 
 
 class StreamAccumulator:
-    """Joins a chat stream's events into the whole answer: its text, its tool calls (the
-    ToolCallDelta pieces of each index joined into one ToolCall, in index order) and the Done.
+    """Joins a chat stream's events into the whole answer: its thinking (ReasoningDelta
+    texts), its text, its tool calls (the ToolCallDelta pieces of each index joined into one
+    ToolCall, in index order) and the Done.
 
         acc = StreamAccumulator()
         for event in client.stream_chat(messages, tools=tools):
@@ -281,18 +303,21 @@ class StreamAccumulator:
         messages.append(acc.message())
         for call in acc.tool_calls: ...
 
-    ChatStream does this itself (its text, tool_calls and message()); this is for events
+    ChatStream does this itself (its reasoning, text, tool_calls and message()); this is for events
     handled elsewhere (passed through a queue, merged from several streams...)."""
 
     def __init__(self) -> None:
         self._texts: list[str] = []
+        self._reasoning: list[str] = []
         self._calls: dict[int, _PartialCall] = {}
         self.done: Done | None = None
 
     def add(self, event: ChatStreamEvent) -> None:
-        """Take one event (a Delta, a ToolCallDelta or the Done)."""
+        """Take one event (a ReasoningDelta, a Delta, a ToolCallDelta or the Done)."""
         if isinstance(event, Delta):
             self._texts.append(event.text)
+        elif isinstance(event, ReasoningDelta):
+            self._reasoning.append(event.text)
         elif isinstance(event, ToolCallDelta):
             call = self._calls.setdefault(event.index, _PartialCall())
             # The first piece names the call; an id or name in a later piece counts only where
@@ -309,6 +334,11 @@ class StreamAccumulator:
         return "".join(self._texts)
 
     @property
+    def reasoning(self) -> str:
+        """The thinking so far ("" from a model that did not think)."""
+        return "".join(self._reasoning)
+
+    @property
     def tool_calls(self) -> tuple[ToolCall, ...]:
         """The tool calls so far, in index order (the last one may still be incomplete until
         the Done has come)."""
@@ -323,8 +353,11 @@ class StreamAccumulator:
         return None if self.done is None else self.done.finish_reason
 
     def message(self) -> ChatMessage:
-        """The answer as the assistant turn to append to the conversation (with its calls)."""
-        return ChatMessage("assistant", self.text, tool_calls=self.tool_calls)
+        """The answer as the assistant turn to append to the conversation (with its calls and
+        its thinking as reasoning_content)."""
+        return ChatMessage(
+            "assistant", self.text, tool_calls=self.tool_calls, reasoning_content=self.reasoning
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -596,6 +629,7 @@ def result_from_proto(message: pb.GenerateResponse, request_id: str) -> Generate
         logprobs=logprobs_from_proto(message.logprobs),
         truncated=message.truncated,
         tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in message.tool_calls),
+        reasoning=message.reasoning,
     )
 
 
@@ -622,12 +656,17 @@ def delta_from_proto(message: pb.GenerationDelta) -> Delta:
     return Delta(message.text, tuple(message.token_ids), logprobs_from_proto(message.logprobs))
 
 
-def chat_events_from_proto(message: pb.GenerationDelta) -> list[Delta | ToolCallDelta]:
-    """A GenerationDelta as a chat stream's events: its Delta, then one ToolCallDelta per
-    tool-call piece. A delta that carries only tool-call pieces (no text, tokens or logprobs)
-    gives no Delta."""
-    events: list[Delta | ToolCallDelta] = []
-    if not message.tool_calls or message.text or message.token_ids or message.logprobs:
+def chat_events_from_proto(
+    message: pb.GenerationDelta,
+) -> list[ReasoningDelta | Delta | ToolCallDelta]:
+    """A GenerationDelta as a chat stream's events: its ReasoningDelta (new thinking), its
+    Delta, then one ToolCallDelta per tool-call piece. A delta that carries only thinking or
+    tool-call pieces (no text, tokens or logprobs) gives no Delta."""
+    events: list[ReasoningDelta | Delta | ToolCallDelta] = []
+    if message.reasoning:
+        events.append(ReasoningDelta(message.reasoning))
+    bare = not (message.tool_calls or message.reasoning)
+    if bare or message.text or message.token_ids or message.logprobs:
         events.append(delta_from_proto(message))
     events.extend(ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in message.tool_calls)
     return events

@@ -23,6 +23,8 @@ commands:
   tokenize <text>    the token ids of the text (with BOS)
   tools <question>   a chat offering a get_weather tool: print the model's tool calls, answer
                      each with a made-up weather report (a "tool" message), print the final answer
+  think <question>   a streamed chat with thinking on: print each "reasoning" delta (the model's
+                     thinking, all before the text) apart from the "delta" lines of the answer
   bad-request        send an invalid request (temperature -1) and print its decoded error
   cancel             start a long stream, cancel it after its first delta, and watch GetStats
                      until the server has freed its slot
@@ -35,7 +37,10 @@ options:
   --request-id ID      x-request-id to send (the server makes one up otherwise)
   --session-id ID      session_id of generation requests (slot affinity; also sent as x-session-id)
   --cache-scope NAME   cache_scope of generation requests (also sent as x-cache-scope)
-  --chat-template NAME chat template for "tools" (gemma, chatml, gguf; default: the server's)`;
+  --chat-template NAME chat template for "tools" and "think" (gemma, chatml, gguf; default: the
+                       server's)
+  --reasoning-budget N at most N thinking tokens for "think" (-1 no limit, 0 no thinking; default:
+                       the server's)`;
 
 const OPTIONS = {
   target: { type: 'string', default: process.env.LLAMA_GRPC_TARGET || '127.0.0.1:50051' },
@@ -47,6 +52,7 @@ const OPTIONS = {
   'session-id': { type: 'string', default: '' },
   'cache-scope': { type: 'string', default: '' },
   'chat-template': { type: 'string', default: '' },
+  'reasoning-budget': { type: 'string', default: '' },
   help: { type: 'boolean', short: 'h', default: false },
 };
 
@@ -64,6 +70,10 @@ try {
 for (const name of ['max-tokens', 'concurrency', 'deadline-ms']) {
   const value = Number(opts[name]);
   if (!Number.isInteger(value) || value < 1) usageError(`--${name} must be a positive integer`);
+}
+const budget = Number(opts['reasoning-budget']);
+if (opts['reasoning-budget'] !== '' && !(Number.isInteger(budget) && budget >= -1)) {
+  usageError('--reasoning-budget must be an integer, -1 or more');
 }
 
 // keepCase: fields keep the proto's snake_case names; enums arrive as their names; uint64 as
@@ -145,6 +155,36 @@ function chatRequest(messages) {
   request.tool_choice = { mode: 'TOOL_CHOICE_MODE_AUTO' };
   if (opts['chat-template']) request.chat_template = opts['chat-template'];
   return request;
+}
+
+// The "think" command: a streamed chat with enable_thinking. Each delta's `reasoning` (new
+// thinking) comes before its `text`, and all the thinking comes before any text.
+function think(client, question) {
+  const request = generationRequest('');
+  delete request.prompt;
+  request.messages = [{ role: 'user', content: question }];
+  request.enable_thinking = true;
+  if (opts['reasoning-budget'] !== '') request.reasoning_budget = budget;
+  if (opts['chat-template']) request.chat_template = opts['chat-template'];
+  return new Promise((resolve, reject) => {
+    const metadata = metadataFor(request, opts['request-id']);
+    const call = client.StreamGenerate(request, metadata, callOptions());
+    let reasoning = '';
+    let text = '';
+    call.on('data', (message) => {
+      if (message.event === 'done') {
+        const { finish_reason, usage } = message.done;
+        return resolve({ event: 'done', reasoning, text, finish_reason, usage });
+      }
+      const delta = message.delta;
+      if (delta.reasoning) print({ event: 'reasoning', text: delta.reasoning });
+      if (delta.text) print({ event: 'delta', text: delta.text });
+      reasoning += delta.reasoning;
+      text += delta.text;
+    });
+    call.on('error', reject);
+    call.on('end', () => reject(new Error('the stream ended without its "done" message')));
+  });
 }
 
 // A unary call as a promise of { response, request_id } (the server's x-request-id header).
@@ -320,6 +360,9 @@ async function main(client, command, arg) {
     }
     case 'tools':
       print(await toolConversation(client, arg || "What's the weather like in Tokyo right now?"));
+      return 0;
+    case 'think':
+      print(await think(client, arg || 'What is 17 * 23?'));
       return 0;
     case 'bad-request': {
       const request = generationRequest('Hello');

@@ -299,7 +299,11 @@ class FakeVocabulary:
         return 'root ::= "{}"'
 
     def render_chat(
-        self, messages: Sequence[ChatMessage], template: str, tools: Sequence[ToolSpec] = ()
+        self,
+        messages: Sequence[ChatMessage],
+        template: str,
+        tools: Sequence[ToolSpec] = (),
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """A stand-in template: "<tools>names" when tools are offered, "<role>content" per
         message, then "<assistant>"."""
@@ -310,6 +314,9 @@ class FakeVocabulary:
 
     def tool_format(self, template: str) -> str:
         return "generic"
+
+    def reasoning_format(self, template: str) -> str:
+        return ""
 
 
 class FakeStream:
@@ -453,12 +460,19 @@ class FakeEngine:
         return FakeVocabulary().json_schema_to_grammar(schema)
 
     def render_chat(
-        self, messages: Sequence[ChatMessage], template: str, tools: Sequence[ToolSpec] = ()
+        self,
+        messages: Sequence[ChatMessage],
+        template: str,
+        tools: Sequence[ToolSpec] = (),
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
-        return FakeVocabulary().render_chat(messages, template, tools)
+        return FakeVocabulary().render_chat(messages, template, tools, variables)
 
     def tool_format(self, template: str) -> str:
         return FakeVocabulary().tool_format(template)
+
+    def reasoning_format(self, template: str) -> str:
+        return ""
 
     def stats(self) -> StatsSnapshot:
         return self.loop.stats()

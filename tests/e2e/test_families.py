@@ -13,6 +13,7 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -22,6 +23,7 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSettings, Settings
 from llama_grpc_server.core.constrained.regex_grammar import gbnf_literal
+from llama_grpc_server.core.reasoning.formats import reasoning_format_for
 from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES, ChatMessage
 from llama_grpc_server.core.tools import prompt as tool_prompt
 from llama_grpc_server.core.tools.types import ToolCall, ToolSpec
@@ -202,7 +204,8 @@ async def test_end_of_turn_ends_the_stream(served: Served) -> None:
         text = ""
         done: pb.GenerationDone | None = None
         async for event in served.stub.StreamGenerate(
-            pb.StreamGenerateRequest(messages=chat_messages(), params=params)
+            # a thinking family's grammar applies after its thinking: none here
+            pb.StreamGenerateRequest(messages=chat_messages(), params=params, reasoning_budget=0)
         ):
             if event.HasField("delta"):
                 ids += event.delta.token_ids
@@ -306,6 +309,7 @@ async def test_tools_a_call_in_the_family_format_streams_as_a_call(served: Serve
             params=pb.GenerationParams(
                 stopping=pb.StoppingCriteria(max_tokens=CALL_TOKENS), grammar=grammar
             ),
+            reasoning_budget=0,  # a thinking family calls after its (empty) thinking
         ),
     )
     assert (text, done.finish_reason) == ("", pb.FINISH_REASON_TOOL_CALLS)
@@ -323,6 +327,7 @@ async def test_tools_a_named_call_is_constrained(served: Served) -> None:
             tools=[WEATHER],
             tool_choice=pb.ToolChoice(function="get_weather"),
             params=pb.GenerationParams(stopping=pb.StoppingCriteria(max_tokens=CALL_TOKENS)),
+            reasoning_budget=0,
         )
     )
     assert (reply.text, reply.finish_reason) == ("", pb.FINISH_REASON_TOOL_CALLS)
@@ -367,3 +372,104 @@ async def test_tools_a_result_is_rendered(served: Served) -> None:
     assert chat.usage.prompt_tokens == len(want)
     probe = await collect_tokens(served, [*want, want[-1]], max_tokens=1)
     assert probe.usage.cached_prompt_tokens == len(want)
+
+
+# -- reasoning (issue 50): thinking apart from the answer, the budget, constraints after it -----
+
+# How each thinking family is made to think on random weights: Qwen 3.5's and the R1 distill's
+# templates open the section at the end of the prompt; Gemma 4 thinks with enable_thinking and
+# opens its section itself (a bias on its <|channel> token makes the random model do so); the R1
+# distill's random model writes blank lines, so they are banned. Qwen 3 opens its section itself
+# and has no single-token opener here: its random model never thinks (a budget of 0 still forces
+# the empty section).
+THINKING = {
+    "qwen35": {},
+    "deepseek-r1-distill": {"ban": "\n"},
+    "gemma4": {"enable_thinking": True, "bias": "<|channel>"},
+}
+BUDGET = 5
+
+
+def think_request(served: Served, **fields: Any) -> pb.StreamGenerateRequest:
+    how = THINKING.get(served.family.name, {})
+    params = fields.pop("params", pb.GenerationParams())
+    params.stopping.max_tokens = fields.pop("max_tokens", 24)
+    if "ban" in how:
+        (banned,) = served.llama.tokenize(how["ban"], add_special=False, parse_special=True)
+        params.sampling.logit_bias[banned] = float("-inf")
+    if "bias" in how:
+        params.sampling.logit_bias[served.llama.token_id(how["bias"])] = 100.0
+    if "enable_thinking" in how:
+        fields["enable_thinking"] = True
+    return pb.StreamGenerateRequest(messages=ASK, params=params, **fields)
+
+
+async def stream_answer(
+    served: Served, request: pb.StreamGenerateRequest
+) -> tuple[list[pb.GenerationDelta], pb.GenerationDone]:
+    deltas, done = [], None
+    async for event in served.stub.StreamGenerate(request):
+        if event.HasField("delta"):
+            deltas.append(event.delta)
+        else:
+            done = event.done
+    assert done is not None
+    return deltas, done
+
+
+def forced_end(served: Served) -> list[int]:
+    fmt = reasoning_format_for(served.template)
+    assert fmt is not None
+    return served.llama.tokenize(fmt.forced_end(), add_special=False, parse_special=True)
+
+
+async def test_reasoning_streams_thinking_then_the_answer(served: Served) -> None:
+    """A thinking family streams reasoning deltas, then text deltas, never mixed; the budget
+    ends the section after BUDGET thinking tokens with the forced end (its ids right there in
+    the output). A family that does not think has no reasoning at all."""
+    deltas, _ = await stream_answer(served, think_request(served, reasoning_budget=BUDGET))
+    ids = [t for d in deltas for t in d.token_ids]
+    thinking = "".join(d.reasoning for d in deltas)
+    if served.family.name not in THINKING:
+        assert thinking == ""
+        return
+    assert thinking
+    last_reasoning = max(i for i, d in enumerate(deltas) if d.reasoning)
+    first_text = min((i for i, d in enumerate(deltas) if d.text), default=len(deltas))
+    assert last_reasoning < first_text
+    opener = 1 if "bias" in THINKING[served.family.name] else 0  # Gemma 4 opens it itself
+    end = forced_end(served)
+    assert ids[opener + BUDGET : opener + BUDGET + len(end)] == end
+
+
+async def test_reasoning_budget_zero_skips_thinking(served: Served) -> None:
+    """Budget 0: no reasoning; a section the prompt opened is closed at once (the forced end
+    first), and a model that opens its own (Qwen 3, Gemma 4) gets the empty section forced."""
+    deltas, _ = await stream_answer(served, think_request(served, reasoning_budget=0))
+    ids = [t for d in deltas for t in d.token_ids]
+    assert "".join(d.reasoning for d in deltas) == ""
+    fmt = reasoning_format_for(served.template)
+    if fmt is not None and served.family.name in (*THINKING, "qwen3"):
+        opened = served.family.name in ("qwen35", "deepseek-r1-distill")
+        forced = fmt.forced_end() if opened else fmt.forced_empty()
+        want = served.llama.tokenize(forced, add_special=False, parse_special=True)
+        assert ids[: len(want)] == want
+
+
+async def test_reasoning_a_constraint_applies_after_thinking(served: Served) -> None:
+    """A json_schema on a thinking request: the thinking is free, the answer after it is the
+    schema's JSON (the budget ends the thinking of these random models). A family that does
+    not think is constrained from its first token, as before."""
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
+    request = think_request(
+        served,
+        reasoning_budget=BUDGET,
+        params=pb.GenerationParams(json_schema=json.dumps(schema)),
+        max_tokens=96,
+    )
+    deltas, done = await stream_answer(served, request)
+    assert done.finish_reason == pb.FINISH_REASON_EOS
+    assert json.loads("".join(d.text for d in deltas))["a"] in (1, 2)
+    thinking = "".join(d.reasoning for d in deltas)
+    # a thinking family's grammar begins with its section: Qwen 3's random model writes one too
+    assert bool(thinking) == (reasoning_format_for(served.template) is not None)

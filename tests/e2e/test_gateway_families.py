@@ -58,15 +58,13 @@ NATIVE_CALL = {
     "gemma4": '<|tool_call>call:get_weather{unit:<|"|>c<|"|>}<tool_call|>',
 }
 FAMILY_NAMES = sorted(synth_gguf.FAMILIES)
-# SMG's qwen3 and deepseek_r1 reasoning parsers read an answer as thinking until "</think>"
-# (SMG 1.13: the whole answer of a model that never closes it lands in reasoning_content), so a
-# forced answer of those families thinks first, as the trained models do; the others don't.
-THINKING = "<think>\nok\n</think>\n\n"
+# SMG's qwen3 and deepseek_r1 reasoning parsers read an answer as thinking until "</think>". A
+# replica applies a constraint from the end of thinking on (rpc/reasoning.py), and its reasoning
+# budget ends the thinking of these random models: a constrained answer of a thinking family
+# thinks REASONING_BUDGET tokens first (noise), then the forced end, then what was forced, as
+# the trained models think first; the others answer at once.
 THINKS = {"qwen3", "deepseek_r1"}
-# Qwen 3 / 3.5's templates switch thinking off (their generation prompt then closes an empty
-# <think>), and SMG's parser follows: what a constrained tool call needs (the call is JSON from
-# the first token). DeepSeek R1's template has no such switch: see test_tool_call_*.
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+REASONING_BUDGET = 8
 
 
 def literal(text: str) -> str:
@@ -85,7 +83,8 @@ def literal(text: str) -> str:
 @pytest.fixture(scope="module", params=FAMILY_NAMES)
 def gateway(request: pytest.FixtureRequest) -> Iterator[Gateway]:
     family = synth_gguf.FAMILIES[request.param]
-    args = ["--model", str(synth_gguf.family_model(family.name)), "--n-ctx", "2048", *NO_DRAIN]
+    args = ["--model", str(synth_gguf.family_model(family.name)), "--n-ctx", "2048", *NO_DRAIN,
+            "--reasoning-budget", str(REASONING_BUDGET)]  # fmt: skip
     if family.server_template:
         args += ["--chat-template", family.server_template]
     with Gateway(
@@ -134,9 +133,10 @@ async def test_chat_streamed_and_whole_agree_with_usage(
 async def test_a_finished_answer_stops_on_an_end_token(sdk: Any, gateway: Gateway) -> None:
     """Once a constraint is complete only end-of-generation tokens are allowed: the answer
     ends with finish_reason stop, and no end token shows in the text; a stop string ends one
-    too. A thinking family's thoughts come apart from the answer (its reasoning parser)."""
+    too. A thinking family's thoughts come apart from the answer (its reasoning parser): the
+    constraint applies after them."""
     thinks = gateway.parsers.reasoning in THINKS
-    regex = literal(THINKING if thinks else "") + "(Sunny|Rainy), [0-9]{2} degrees"
+    regex = "(Sunny|Rainy), [0-9]{2} degrees"
     answer = await sdk.chat.completions.create(
         model=gateway.model, messages=MESSAGES, max_tokens=48, temperature=0,
         extra_body={"regex": regex},
@@ -146,7 +146,8 @@ async def test_a_finished_answer_stops_on_an_end_token(sdk: Any, gateway: Gatewa
     assert answer.choices[0].finish_reason == "stop"
     assert text.startswith(("Sunny, ", "Rainy, ")) and text.endswith(" degrees"), message
     thoughts = getattr(message, "reasoning_content", None)
-    assert (thoughts or "").strip() == ("ok" if thinks else ""), message
+    if not thinks:
+        assert not (thoughts or "").strip(), message
     stopped = await sdk.chat.completions.create(
         model=gateway.model, messages=MESSAGES, max_tokens=48, temperature=0, stop=[","],
         extra_body={"regex": regex},
@@ -168,20 +169,7 @@ def forced_call_request(gateway: Gateway) -> dict[str, Any]:
     limit = family_of(gateway).limit("gateway_forced_tools") or ""
     if "sends no constraint" in limit:
         return {"regex": literal(NATIVE_CALL[str(gateway.parsers.tool)])}
-    return NO_THINKING
-
-
-def calls_taken_as_thoughts(gateway: Gateway, message: Any) -> bool:
-    """Where Family.limits says so (DeepSeek R1: SMG 1.13's deepseek_r1 reasoning parser takes
-    everything before a "</think>" that the JSON constraint never lets the model write), the
-    call is in reasoning_content and no tool_calls come back."""
-    limit = family_of(gateway).limit("gateway_forced_tools") or ""
-    if not limit.startswith("✘"):
-        return False
-    assert gateway.parsers.reasoning == "deepseek_r1" and "deepseek_r1" in limit
-    assert message.tool_calls is None and message.content is None
-    assert '"unit"' in message.reasoning_content
-    return True
+    return {}
 
 
 async def test_tool_call_with_a_named_function(sdk: Any, gateway: Gateway) -> None:
@@ -190,11 +178,29 @@ async def test_tool_call_with_a_named_function(sdk: Any, gateway: Gateway) -> No
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         extra_body=forced_call_request(gateway),
     )  # fmt: skip
-    if calls_taken_as_thoughts(gateway, answer.choices[0].message):
-        return
-    [call] = answer.choices[0].message.tool_calls
+    message = answer.choices[0].message
+    [call] = message.tool_calls
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments)["unit"] in {"c", "f"}
+    if gateway.parsers.reasoning == "qwen3":  # (the R1 distill's random model thinks blanks)
+        assert (getattr(message, "reasoning_content", None) or "").strip(), message
+
+
+async def test_json_schema_after_thinking(sdk: Any, gateway: Gateway) -> None:
+    """response_format json_schema: the JSON is the content; a thinking family thinks first
+    (its reasoning parser takes the thinking, the budget ends it), the others answer at once."""
+    schema = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}
+    answer = await sdk.chat.completions.create(
+        model=gateway.model, messages=MESSAGES, max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+    )  # fmt: skip
+    message = answer.choices[0].message
+    assert json.loads(message.content)["unit"] in {"c", "f"}, message
+    thoughts = (getattr(message, "reasoning_content", None) or "").strip()
+    if gateway.parsers.reasoning == "qwen3":
+        assert thoughts, message
+    elif gateway.parsers.reasoning not in THINKS:
+        assert not thoughts, message
 
 
 async def test_tool_call_required(sdk: Any, gateway: Gateway) -> None:
@@ -208,8 +214,6 @@ async def test_tool_call_required(sdk: Any, gateway: Gateway) -> None:
         model=gateway.model, messages=MESSAGES, max_tokens=200, temperature=0, tools=[TOOL],
         tool_choice="required", frequency_penalty=2.0, extra_body=forced_call_request(gateway),
     )  # fmt: skip
-    if calls_taken_as_thoughts(gateway, answer.choices[0].message):
-        return
     calls = answer.choices[0].message.tool_calls
     assert calls, answer.choices[0]
     assert answer.choices[0].finish_reason == "tool_calls"
@@ -224,10 +228,9 @@ async def test_tool_call_in_the_familys_own_format(sdk: Any, gateway: Gateway) -
     the template turns it into an OpenAI tool call."""
     parser = gateway.parsers.tool
     assert parser in NATIVE_CALL, f"no native call written for SMG parser {parser!r}"
-    thinking = THINKING if gateway.parsers.reasoning in THINKS else ""
     answer = await sdk.chat.completions.create(
         model=gateway.model, messages=MESSAGES, max_tokens=256, temperature=0, tools=[TOOL],
-        extra_body={"regex": literal(thinking + NATIVE_CALL[parser])},
+        extra_body={"regex": literal(NATIVE_CALL[parser])},
     )  # fmt: skip
     choice = answer.choices[0]
     assert choice.message.tool_calls, (parser, choice.message)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from llama_grpc_server.core import response_cache as rc
+from llama_grpc_server.core.reasoning.budget import ReasoningParams
 from llama_grpc_server.core.requests.request import (
     Constraint,
     Finished,
@@ -55,7 +56,14 @@ def delta(text: str = "ab", logprobs: int = 0) -> TokenDelta:
 
 
 def request_types() -> list[type]:
-    return [GenerationRequest, SamplingParams, StoppingParams, OutputParams, Constraint]
+    return [
+        GenerationRequest,
+        SamplingParams,
+        StoppingParams,
+        OutputParams,
+        Constraint,
+        ReasoningParams,
+    ]
 
 
 @pytest.mark.parametrize("cls", request_types(), ids=lambda c: c.__name__)

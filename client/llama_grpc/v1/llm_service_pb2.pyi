@@ -1103,6 +1103,9 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _builtins.int
     TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    ENABLE_THINKING_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
+    REASONING_BUDGET_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Optional: the model to use, by name, path or file name (NOT_FOUND lists the names);
     empty means the default model. A model that is not loaded is loaded first.
@@ -1120,6 +1123,19 @@ class GenerateRequest(_message.Message):
     """
     parallel_tool_calls: _builtins.bool
     """Allow several calls in one answer (default true); false allows at most one."""
+    enable_thinking: _builtins.bool
+    """With `messages`, for a thinking model (docs/api.md#reasoning): think first (true) or not
+    (false); unset: the template's default. Sets the template's `enable_thinking`.
+    """
+    chat_template_kwargs: _builtins.str
+    """With `messages`: more variables for the chat template, as JSON text of an object (such as
+    `{"enable_thinking": false}`); enable_thinking, when set, wins over the same key here.
+    """
+    reasoning_budget: _builtins.int
+    """At most this many thinking tokens; then the end of thinking is forced (after the server's
+    --reasoning-budget-message, if any) and the answer follows. 0 skips thinking; unset: the
+    server's --reasoning-budget (-1, no limit, by default).
+    """
     @_builtins.property
     def params(self) -> Global___GenerationParams: ...
     @_builtins.property
@@ -1154,19 +1170,30 @@ class GenerateRequest(_message.Message):
         tools: _abc.Iterable[Global___Tool] | None = ...,
         tool_choice: Global___ToolChoice | None = ...,
         parallel_tool_calls: _builtins.bool | None = ...,
+        enable_thinking: _builtins.bool | None = ...,
+        chat_template_kwargs: _builtins.str = ...,
+        reasoning_budget: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_parallel_tool_calls", b"_parallel_tool_calls", "add_special", b"add_special", "parallel_tool_calls", b"parallel_tool_calls", "params", b"params", "tool_choice", b"tool_choice"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_enable_thinking", b"_enable_thinking", "_parallel_tool_calls", b"_parallel_tool_calls", "_reasoning_budget", b"_reasoning_budget", "add_special", b"add_special", "enable_thinking", b"enable_thinking", "parallel_tool_calls", b"parallel_tool_calls", "params", b"params", "reasoning_budget", b"reasoning_budget", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_parallel_tool_calls", b"_parallel_tool_calls", "add_special", b"add_special", "cache_scope", b"cache_scope", "chat_template", b"chat_template", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "params", b"params", "prompt", b"prompt", "session_id", b"session_id", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_enable_thinking", b"_enable_thinking", "_parallel_tool_calls", b"_parallel_tool_calls", "_reasoning_budget", b"_reasoning_budget", "add_special", b"add_special", "cache_scope", b"cache_scope", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "enable_thinking", b"enable_thinking", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "params", b"params", "prompt", b"prompt", "reasoning_budget", b"reasoning_budget", "session_id", b"session_id", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_special: _TypeAlias = _typing.Literal["add_special"]  # noqa: Y015
     _WhichOneofArgType__add_special: _TypeAlias = _typing.Literal["_add_special", b"_add_special"]  # noqa: Y015
+    _WhichOneofReturnType__enable_thinking: _TypeAlias = _typing.Literal["enable_thinking"]  # noqa: Y015
+    _WhichOneofArgType__enable_thinking: _TypeAlias = _typing.Literal["_enable_thinking", b"_enable_thinking"]  # noqa: Y015
     _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning_budget: _TypeAlias = _typing.Literal["reasoning_budget"]  # noqa: Y015
+    _WhichOneofArgType__reasoning_budget: _TypeAlias = _typing.Literal["_reasoning_budget", b"_reasoning_budget"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special) -> _WhichOneofReturnType__add_special | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__enable_thinking) -> _WhichOneofReturnType__enable_thinking | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_budget) -> _WhichOneofReturnType__reasoning_budget | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
@@ -1181,6 +1208,7 @@ class ChatMessage(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    REASONING_CONTENT_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """"system", "user", "assistant" or "tool" (the result of a tool call)."""
     content: _builtins.str
@@ -1192,6 +1220,10 @@ class ChatMessage(_message.Message):
     name: _builtins.str
     """A "tool" message: the function's name (found from tool_call_id when empty); on another
     role a participant's name, handed to the template.
+    """
+    reasoning_content: _builtins.str
+    """An assistant turn's thinking (a response's `reasoning`), handed to the template as
+    `reasoning_content` (templates that keep earlier thinking render it).
     """
     @_builtins.property
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
@@ -1205,10 +1237,11 @@ class ChatMessage(_message.Message):
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
         tool_call_id: _builtins.str = ...,
         name: _builtins.str = ...,
+        reasoning_content: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "name", b"name", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "name", b"name", "reasoning_content", b"reasoning_content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1355,6 +1388,7 @@ class GenerateResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TRUNCATED_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     finish_reason: Global___FinishReason.ValueType
     request_id: _builtins.str
@@ -1362,6 +1396,8 @@ class GenerateResponse(_message.Message):
     """The seed the sampler used (useful when none was given)."""
     truncated: _builtins.bool
     """The prompt was truncated to fit (usage.truncated_prompt_tokens says by how much)."""
+    reasoning: _builtins.str
+    """A thinking model's thinking (a chat request): never part of `text`."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -1392,10 +1428,11 @@ class GenerateResponse(_message.Message):
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
         truncated: _builtins.bool = ...,
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        reasoning: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["finish", b"finish", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish", b"finish", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "seed", b"seed", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "truncated", b"truncated", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish", b"finish", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "reasoning", b"reasoning", "request_id", b"request_id", "seed", b"seed", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "truncated", b"truncated", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1418,6 +1455,9 @@ class StreamGenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _builtins.int
     TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    ENABLE_THINKING_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
+    REASONING_BUDGET_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     prompt: _builtins.str
     session_id: _builtins.str
@@ -1425,6 +1465,9 @@ class StreamGenerateRequest(_message.Message):
     add_special: _builtins.bool
     chat_template: _builtins.str
     parallel_tool_calls: _builtins.bool
+    enable_thinking: _builtins.bool
+    chat_template_kwargs: _builtins.str
+    reasoning_budget: _builtins.int
     @_builtins.property
     def params(self) -> Global___GenerationParams: ...
     @_builtins.property
@@ -1449,19 +1492,30 @@ class StreamGenerateRequest(_message.Message):
         tools: _abc.Iterable[Global___Tool] | None = ...,
         tool_choice: Global___ToolChoice | None = ...,
         parallel_tool_calls: _builtins.bool | None = ...,
+        enable_thinking: _builtins.bool | None = ...,
+        chat_template_kwargs: _builtins.str = ...,
+        reasoning_budget: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_parallel_tool_calls", b"_parallel_tool_calls", "add_special", b"add_special", "parallel_tool_calls", b"parallel_tool_calls", "params", b"params", "tool_choice", b"tool_choice"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_enable_thinking", b"_enable_thinking", "_parallel_tool_calls", b"_parallel_tool_calls", "_reasoning_budget", b"_reasoning_budget", "add_special", b"add_special", "enable_thinking", b"enable_thinking", "parallel_tool_calls", b"parallel_tool_calls", "params", b"params", "reasoning_budget", b"reasoning_budget", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_parallel_tool_calls", b"_parallel_tool_calls", "add_special", b"add_special", "cache_scope", b"cache_scope", "chat_template", b"chat_template", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "params", b"params", "prompt", b"prompt", "session_id", b"session_id", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_enable_thinking", b"_enable_thinking", "_parallel_tool_calls", b"_parallel_tool_calls", "_reasoning_budget", b"_reasoning_budget", "add_special", b"add_special", "cache_scope", b"cache_scope", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "enable_thinking", b"enable_thinking", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "params", b"params", "prompt", b"prompt", "reasoning_budget", b"reasoning_budget", "session_id", b"session_id", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_special: _TypeAlias = _typing.Literal["add_special"]  # noqa: Y015
     _WhichOneofArgType__add_special: _TypeAlias = _typing.Literal["_add_special", b"_add_special"]  # noqa: Y015
+    _WhichOneofReturnType__enable_thinking: _TypeAlias = _typing.Literal["enable_thinking"]  # noqa: Y015
+    _WhichOneofArgType__enable_thinking: _TypeAlias = _typing.Literal["_enable_thinking", b"_enable_thinking"]  # noqa: Y015
     _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning_budget: _TypeAlias = _typing.Literal["reasoning_budget"]  # noqa: Y015
+    _WhichOneofArgType__reasoning_budget: _TypeAlias = _typing.Literal["_reasoning_budget", b"_reasoning_budget"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special) -> _WhichOneofReturnType__add_special | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__enable_thinking) -> _WhichOneofReturnType__enable_thinking | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_budget) -> _WhichOneofReturnType__reasoning_budget | None: ...
 
 Global___StreamGenerateRequest: _TypeAlias = StreamGenerateRequest  # noqa: Y015
 
@@ -1475,8 +1529,11 @@ class GenerationDelta(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """New text; never ends inside a UTF-8 character or a possible stop string."""
+    reasoning: _builtins.str
+    """New thinking of a thinking model (a chat request): all of it comes before any `text`."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens generated since the previous delta."""
@@ -1498,10 +1555,11 @@ class GenerationDelta(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
+        reasoning: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "reasoning", b"reasoning", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -288,6 +288,12 @@ OPTIONS: tuple[Option, ...] = (
            "for identical ones without the engine (0 = off)", at_least(0)),
     Option("default_max_tokens", int, "scheduler.default_max_tokens",
            "max_tokens when a request sets none", at_least(1)),
+    Option("reasoning_budget", int, "scheduler.reasoning_budget",
+           "thinking tokens a thinking model may write before the end of its thinking is forced "
+           "(requests may set their own): -1 no limit, 0 no thinking", at_least(-1)),
+    Option("reasoning_budget_message", str, "scheduler.reasoning_budget_message",
+           "text forced before the end of a thinking section the budget cut short (e.g. "
+           "\"Time is up: answering now.\")"),
     Option("speculative", str, "scheduler.speculative",
            "prompt-lookup speculative decoding of requests that do not choose: off | auto (draft "
            "when the measured tick costs and the request's acceptance say it pays) | on",

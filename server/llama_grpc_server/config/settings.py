@@ -100,6 +100,9 @@ class SchedulerSettings:
     session_live_s: float = 600.0
     response_cache_mb: int = 0  # exact response cache (core.response_cache); 0 = off
     default_max_tokens: int = 256
+    # thinking tokens before the end of thinking is forced (core.reasoning.budget); -1: no limit
+    reasoning_budget: int = -1
+    reasoning_budget_message: str = ""
     # Prompt-lookup speculative decoding (core.speculation.speculator) of requests that do not
     # choose: "off", "auto" (when the measured costs say it pays) or "on"; and its defaults.
     speculative: str = "off"

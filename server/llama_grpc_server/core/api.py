@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from llama_grpc_server.core.kv.events import KvEventLog
 from llama_grpc_server.core.requests.chat import ChatMessage
@@ -184,10 +184,16 @@ class Vocabulary(GrammarCompiler, Protocol):
     def special_piece(self, token_id: int) -> bytes: ...
 
     def render_chat(
-        self, messages: Sequence[ChatMessage], template: str, tools: Sequence[ToolSpec] = ()
+        self,
+        messages: Sequence[ChatMessage],
+        template: str,
+        tools: Sequence[ToolSpec] = (),
+        variables: Mapping[str, Any] | None = None,
     ) -> str: ...
 
     def tool_format(self, template: str) -> str: ...
+
+    def reasoning_format(self, template: str) -> str: ...
 
 
 class EngineApi(Protocol):
@@ -211,10 +217,19 @@ class EngineApi(Protocol):
     def json_schema_to_grammar(self, schema: str) -> str: ...
 
     def render_chat(
-        self, messages: Sequence[ChatMessage], template: str, tools: Sequence[ToolSpec] = ()
+        self,
+        messages: Sequence[ChatMessage],
+        template: str,
+        tools: Sequence[ToolSpec] = (),
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt text of a conversation offering `tools`; ValueError when the template
-        cannot render it."""
+        """The prompt text of a conversation offering `tools`, with more template `variables`
+        (enable_thinking, ...); ValueError when the template cannot render it."""
+        ...
+
+    def reasoning_format(self, template: str) -> str:
+        """The name of the template's thinking format (core.reasoning.formats), "" for a model
+        that does not think; ValueError for an unknown template."""
         ...
 
     def tool_format(self, template: str) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
 
 from llama_grpc_server.core.api import (
     CacheCleared,
@@ -173,12 +174,19 @@ class ResponseCachingEngine:
         return self.engine.json_schema_to_grammar(schema)
 
     def render_chat(
-        self, messages: Sequence[ChatMessage], template: str, tools: Sequence[ToolSpec] = ()
+        self,
+        messages: Sequence[ChatMessage],
+        template: str,
+        tools: Sequence[ToolSpec] = (),
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
-        return self.engine.render_chat(messages, template, tools)
+        return self.engine.render_chat(messages, template, tools, variables)
 
     def tool_format(self, template: str) -> str:
         return self.engine.tool_format(template)
+
+    def reasoning_format(self, template: str) -> str:
+        return self.engine.reasoning_format(template)
 
     def end_all(self, error: ServiceError) -> None:
         self.engine.end_all(error)

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from llama_grpc_server.core.reasoning.budget import ReasoningParams
 from llama_grpc_server.core.requests.request import (
     Constraint,
     Finished,
@@ -51,6 +52,7 @@ KEYED: Mapping[type, tuple[str, ...]] = {
         "num_truncated",  # reported in usage; the prompt after truncation is keyed too
         "cache_scope",  # tenant-scoped (auth.scoped_cache_scope)
         "tenant",
+        "reasoning",
     ),
     SamplingParams: (  # all of them, even those a greedy sampler ignores: simply safe
         "temperature",
@@ -76,6 +78,14 @@ KEYED: Mapping[type, tuple[str, ...]] = {
     OutputParams: ("logprobs", "top_logprobs", "shown_specials"),
     # field: where an error points, kept to be simple; triggers: when a lazy grammar applies
     Constraint: ("gbnf", "root", "field", "triggers", "starts"),
+    ReasoningParams: (
+        "opener",
+        "closer",
+        "opened",
+        "budget",
+        "forced_end_ids",
+        "forced_empty_ids",
+    ),
 }
 # The request fields left out of the key, and why none of them changes the output.
 UNKEYED: Mapping[type, Mapping[str, str]] = {

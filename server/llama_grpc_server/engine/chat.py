@@ -18,6 +18,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from llama_grpc_server.core.reasoning.formats import reasoning_format_for
 from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES, GGUF_TEMPLATE, ChatMessage
 from llama_grpc_server.core.tools import formats, prompt
 from llama_grpc_server.core.tools.types import ToolSpec
@@ -61,9 +62,11 @@ class _Template:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         return str(
             self._template.render(
+                **(variables or {}),
                 messages=list(messages),
                 tools=list(tools) if tools else None,
                 add_generation_prompt=True,
@@ -97,23 +100,32 @@ class ChatRenderer:
         return frozenset(self._sources)
 
     def render(
-        self, messages: Sequence[ChatMessage], name: str, tools: Sequence[ToolSpec] = ()
+        self,
+        messages: Sequence[ChatMessage],
+        name: str,
+        tools: Sequence[ToolSpec] = (),
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt for `messages` (offering `tools`), ending with the opening of the
-        assistant's turn."""
+        """The prompt for `messages` (offering `tools`, with more template `variables`),
+        ending with the opening of the assistant's turn."""
         template = self._template(name)
         has_tool_parts = tools or any(m.tool_calls or m.role == "tool" for m in messages)
         caps = template.caps if has_tool_parts else prompt.TemplateCaps()
         payload = prompt.template_messages(messages, caps, tools)
         listed = [prompt.openai_tool(t) for t in tools] if tools and caps.tools else None
         try:
-            return template.render(payload, listed)
+            return template.render(payload, listed, variables)
         except Exception as exc:  # a template may raise anything; all mean "cannot render"
             raise ChatTemplateError(f"chat template {name!r}: {exc}"[:MAX_MESSAGE_CHARS]) from None
 
     def tool_format(self, name: str) -> str:
         """The name of the tool-call format the template's model writes (core.tools.formats)."""
         return formats.format_for(self._template(name).source).name
+
+    def reasoning_format(self, name: str) -> str:
+        """The name of the template's thinking format (core.reasoning.formats), or ""."""
+        found = reasoning_format_for(self._template(name).source)
+        return "" if found is None else found.name
 
     def _template(self, name: str) -> _Template:
         with self._lock:

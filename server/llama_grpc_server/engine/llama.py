@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -193,13 +193,20 @@ class LlamaModel:
         return grammar.json_schema_to_gbnf(schema)
 
     def render_chat(
-        self, messages: Sequence[ChatMessage], template: str, tools: Sequence[ToolSpec] = ()
+        self,
+        messages: Sequence[ChatMessage],
+        template: str,
+        tools: Sequence[ToolSpec] = (),
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """Raise ChatTemplateError (a ValueError) when the template cannot render them."""
-        return self.chat.render(messages, template, tools)
+        return self.chat.render(messages, template, tools, variables)
 
     def tool_format(self, template: str) -> str:
         return self.chat.tool_format(template)
+
+    def reasoning_format(self, template: str) -> str:
+        return self.chat.reasoning_format(template)
 
     def _special_text(self, token_id: int) -> str:
         return (

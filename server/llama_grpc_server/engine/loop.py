@@ -327,12 +327,19 @@ class EngineLoop:
         return self._tokenizer.json_schema_to_grammar(schema)
 
     def render_chat(
-        self, messages: Sequence[ChatMessage], template: str, tools: Sequence[ToolSpec] = ()
+        self,
+        messages: Sequence[ChatMessage],
+        template: str,
+        tools: Sequence[ToolSpec] = (),
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
-        return self._tokenizer.render_chat(messages, template, tools)
+        return self._tokenizer.render_chat(messages, template, tools, variables)
 
     def tool_format(self, template: str) -> str:
         return self._tokenizer.tool_format(template)
+
+    def reasoning_format(self, template: str) -> str:
+        return self._tokenizer.reasoning_format(template)
 
     def stats(self) -> StatsSnapshot:
         """The snapshot the engine thread published last (never the live scheduler, which that

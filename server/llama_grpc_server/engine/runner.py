@@ -308,8 +308,10 @@ class Runner:
                 spec.params,
                 spec.seed,
                 self.model.n_vocab,
+                vocab=self.model.vocab,
                 min_tokens=spec.min_tokens,
                 suppressed=spec.suppressed,
+                reasoning=spec.reasoning,
             )
         if self._candidates is None:
             self._candidates = Candidates(self.model.n_vocab)
@@ -322,6 +324,7 @@ class Runner:
             candidates=self._candidates,
             min_tokens=spec.min_tokens,
             suppressed=spec.suppressed,
+            reasoning=spec.reasoning,
         )
 
     def close(self) -> None:

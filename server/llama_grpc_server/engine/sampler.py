@@ -18,6 +18,7 @@ import llama_cpp
 import numpy as np
 
 from llama_grpc_server.core.constrained.structural_tag import TriggerGuard
+from llama_grpc_server.core.reasoning.budget import ReasoningParams, ThinkingBudget
 from llama_grpc_server.core.requests.request import Constraint, SamplingParams
 from llama_grpc_server.engine.grammar import init_grammar, token_piece
 
@@ -80,6 +81,7 @@ class RequestSampler:
     sample() returns NO_TOKEN (with `error` set) when a constraint allows no token at all."""
 
     __slots__ = (
+        "_budget",
         "_candidates",
         "_chain",
         "_grammar",
@@ -103,8 +105,12 @@ class RequestSampler:
         candidates: Candidates | None = None,
         min_tokens: int = 0,
         suppressed: tuple[int, ...] = (),
+        reasoning: ReasoningParams | None = None,
     ) -> None:
         self._n_vocab = n_vocab
+        # a reasoning budget: the end of thinking is forced once it is spent (needs `vocab`)
+        has_budget = reasoning is not None and reasoning.budget is not None
+        self._budget = ThinkingBudget(reasoning) if has_budget and reasoning else None
         # min_tokens: `suppressed` get -inf logits until this many tokens have been sampled
         self._min_tokens = min_tokens if suppressed else 0
         self._suppressed = np.array(suppressed, dtype=np.int64)
@@ -128,6 +134,11 @@ class RequestSampler:
             return
         self._chain = _chain(params, seed, n_vocab)
 
+    def _observe(self, token: int) -> int:
+        if self._budget is not None and token != NO_TOKEN:
+            self._budget.observe(token_piece(self._vocab, token))
+        return token
+
     @property
     def is_plain_greedy(self) -> bool:
         """An argmax of the logits row, nothing else (the runner may hand in the row)."""
@@ -141,9 +152,46 @@ class RequestSampler:
     ) -> int:
         """Sample from the logits of `batch_index`, which must be an output of the last decode
         (a plain greedy sampler takes its argmax from `row`, that output's logits, when given).
-        llama_sampler_sample accepts the token itself; never accept it again."""
+        llama_sampler_sample accepts the token itself; never accept it again. While a
+        reasoning budget forces the end of thinking, the forced token is taken instead."""
         if self.error:
             return NO_TOKEN
+        budget = self._budget
+        if budget is None or budget.is_done:
+            return self._sample(ctx, batch_index, row)
+        forced = budget.forced()
+        if forced is None or not self._accept_forced(forced):
+            return self._observe(self._sample(ctx, batch_index, row))
+        return self._observe(forced)
+
+    def _accept_forced(self, token: int) -> bool:
+        """Take `token` as if sampled (the chain's penalties, the grammar, min_tokens see it);
+        False, and the budget dropped, when an active grammar refuses it (llama.cpp aborts on a
+        refused accept: never)."""
+        grammar = self._grammar
+        if grammar is not None:
+            guard = self._guard
+            if guard is not None and guard.is_awaiting:
+                piece = token_piece(self._vocab, token)
+                if not guard.allows(piece):
+                    self._budget = None
+                    return False
+                guard.accept(piece)
+            elif self._candidates is None or not self._candidates.allows(grammar, token):
+                self._budget = None
+                return False
+            llama_cpp.llama_sampler_accept(grammar, token)
+        if self._chain is not None:
+            llama_cpp.llama_sampler_accept(self._chain, token)
+        self._num_sampled += 1
+        return True
+
+    def _sample(
+        self,
+        ctx: Any,
+        batch_index: int,
+        row: np.ndarray[Any, np.dtype[np.float32]] | None,
+    ) -> int:
         if self._num_sampled < self._min_tokens:
             self._num_sampled += 1
             # the row is the context's own logits buffer, which every path below reads

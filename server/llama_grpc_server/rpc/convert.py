@@ -71,6 +71,7 @@ def generation_delta(delta: core.TokenDelta) -> pb.GenerationDelta:
         token_ids=delta.token_ids,
         logprobs=[token_logprob(lp) for lp in delta.logprobs],
         tool_calls=[tool_call_delta(d) for d in delta.tool_calls],
+        reasoning=delta.reasoning,
     )
 
 
@@ -102,6 +103,7 @@ def generate_response(
         logprobs=[token_logprob(lp) for delta in deltas for lp in delta.logprobs],
         truncated=finished.usage.truncated_prompt_tokens > 0,
         tool_calls=[tool_call(call) for call in finished.tool_calls],
+        reasoning="".join(delta.reasoning for delta in deltas),
     )
 
 

@@ -10,8 +10,9 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -22,6 +23,8 @@ from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import errors
 from llama_grpc_server.config import Settings
 from llama_grpc_server.core.api import EngineApi, RequestStream, StatsSnapshot
+from llama_grpc_server.core.reasoning.split import ReasoningSplitter
+from llama_grpc_server.core.reasoning.stream import with_reasoning
 from llama_grpc_server.core.requests.request import (
     Failed,
     Finished,
@@ -32,7 +35,7 @@ from llama_grpc_server.core.tools.stream import ToolSession, with_tool_calls
 from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.models.pool import ModelPool
 from llama_grpc_server.observability import tracing
-from llama_grpc_server.rpc import convert, embeddings, tools, validation
+from llama_grpc_server.rpc import convert, embeddings, reasoning, tools, validation
 from llama_grpc_server.rpc.interceptors import (
     current_principal,
     current_request_id,
@@ -74,18 +77,19 @@ async def _chat_tokens(
     engine: EngineApi,
     draft: validation.Draft,
     offered: Sequence[ToolSpec],
+    variables: Mapping[str, Any],
     *,
     add_bos: bool,
-) -> list[int]:
-    """Render the conversation (offering `offered`) with its template and tokenize it; the
-    template writes the special tokens (parsed as such), so the only BOS is the template's (or
-    one added here)."""
+) -> tuple[str, list[int]]:
+    """Render the conversation (offering `offered`, with the template `variables`) and
+    tokenize it: the prompt text and its tokens. The template writes the special tokens (parsed
+    as such), so the only BOS is the template's (or one added here)."""
     try:
-        text = engine.render_chat(draft.messages, draft.chat_template, offered)
+        text = engine.render_chat(draft.messages, draft.chat_template, offered, variables)
     except ValueError as exc:
         raise errors.InvalidRequest(str(exc), field="messages") from None
     tokens = await tokenize_text(engine, text, add_special=False, parse_special=True)
-    return validation.chat_prompt_tokens(tokens, engine.model_info) if add_bos else tokens
+    return text, (validation.chat_prompt_tokens(tokens, engine.model_info) if add_bos else tokens)
 
 
 def _request_id() -> str:
@@ -159,10 +163,10 @@ async def _collect(
     spec: GenerationRequest,
     context: Context,
     operation: str,
-    session: ToolSession | None = None,
+    chat: _Chat | None = None,
 ) -> tuple[list[TokenDelta], Finished]:
     deltas: list[TokenDelta] = []
-    async with aclosing(_events(engine, spec, context, operation, session)) as events:
+    async with aclosing(_events(engine, spec, context, operation, chat)) as events:
         async for event in events:
             if isinstance(event, Finished):
                 return deltas, event
@@ -170,17 +174,30 @@ async def _collect(
     raise errors.EngineError(NO_RESULT)  # unreachable: _run ends with Finished or raises
 
 
+@dataclass(frozen=True, slots=True)
+class _Chat:
+    """What turns a chat request's output into its answer: thinking split from the text (a
+    thinking model), then tool calls parsed out of the answer (a request offering tools)."""
+
+    splitter: ReasoningSplitter | None = None
+    session: ToolSession | None = None
+
+
 async def _events(
     engine: EngineApi,
     spec: GenerationRequest,
     context: Context,
     operation: str,
-    session: ToolSession | None,
+    chat: _Chat | None,
 ) -> AsyncGenerator[TokenDelta | Finished, None]:
-    """run_request's events, with tool calls parsed out of them when the request offers tools
-    (`session`)."""
+    """run_request's events, with thinking split from the text and tool calls parsed out of
+    the answer (`chat`)."""
     async with aclosing(run_request(engine, spec, context, operation)) as events:
-        source = events if session is None else with_tool_calls(events, session)
+        source: AsyncIterator[TokenDelta | Finished] = events
+        if chat is not None and chat.splitter is not None:
+            source = with_reasoning(source, chat.splitter)
+        if chat is not None and chat.session is not None:
+            source = with_tool_calls(source, chat.session)
         async for event in source:
             yield event
 
@@ -245,12 +262,12 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
 
     async def _text_request(
         self, message: validation.TextRequest, engine: EngineApi, request_id: str, context: Context
-    ) -> tuple[GenerationRequest, ToolSession | None]:
-        """The request to submit and, when it offers tools, the session parsing its calls."""
-        draft = validation.parse_text_request(
-            message, engine.model_info, self._settings.scheduler, grammars=engine
-        )
+    ) -> tuple[GenerationRequest, _Chat]:
+        """The request to submit and what turns its output into its answer."""
+        limits = self._settings.scheduler
+        draft = validation.parse_text_request(message, engine.model_info, limits, grammars=engine)
         offered = tools.parse_tools(message)
+        options = reasoning.parse_chat_options(message)
         session = None
         if offered.offered:
             fmt = tools.tool_format(engine, draft.chat_template)
@@ -262,11 +279,23 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
             )
             session = tools.session(offered, fmt, request_id)
         add_special = validation.add_special(message)
+        thinks = None
         if draft.messages:
-            tokens = await _chat_tokens(engine, draft, offered.offered, add_bos=add_special)
+            text, tokens = await _chat_tokens(
+                engine, draft, offered.offered, options.variables, add_bos=add_special
+            )
+            thinks = reasoning.thinking(engine, draft.chat_template, text, options.budget, limits)
         else:
             tokens = await tokenize_text(
                 engine, message.prompt, add_special=add_special, parse_special=False
+            )
+        if thinks is not None:
+            after = reasoning.after_thinking(
+                draft.constraint, thinks.fmt, engine, opened=thinks.params.opened
+            )
+            shown = draft.output.shown_specials + reasoning.shown_specials(engine, thinks.fmt)
+            draft = dataclasses.replace(
+                draft, constraint=after, output=tools.with_shown(draft.output, shown)
             )
         spec = validation.complete_request(
             draft,
@@ -275,7 +304,10 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
             deadline=deadline_of(context),
             tenant=current_principal().tenant,
         )
-        return spec, session
+        if thinks is None:
+            return spec, _Chat(session=session)
+        spec = dataclasses.replace(spec, reasoning=thinks.params)
+        return spec, _Chat(thinks.splitter(), session)
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -285,8 +317,8 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
             ErrorsToStatus(context, request_id),
             self._engine(request.model, context) as engine,
         ):
-            spec, session = await self._text_request(request, engine, request_id, context)
-            deltas, finished = await _collect(engine, spec, context, _operation(request), session)
+            spec, chat = await self._text_request(request, engine, request_id, context)
+            deltas, finished = await _collect(engine, spec, context, _operation(request), chat)
             return convert.generate_response(request_id, deltas, finished)
 
     async def StreamGenerate(
@@ -297,9 +329,9 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
             ErrorsToStatus(context, request_id),
             self._engine(request.model, context) as engine,
         ):
-            spec, session = await self._text_request(request, engine, request_id, context)
+            spec, chat = await self._text_request(request, engine, request_id, context)
             operation = _operation(request)
-            async with aclosing(_events(engine, spec, context, operation, session)) as events:
+            async with aclosing(_events(engine, spec, context, operation, chat)) as events:
                 async for event in events:
                     yield convert.stream_generate_response(event, request_id)
 

@@ -440,6 +440,7 @@ def _messages(messages: Sequence[pb.ChatMessage]) -> tuple[ChatMessage, ...]:
                 tuple(calls),
                 tool_call_id=message.tool_call_id,
                 name=message.name,
+                reasoning_content=message.reasoning_content,
             )
         )
     return tuple(out)

@@ -41,7 +41,7 @@ from llama_grpc_server.core.requests.request import (
 )
 from llama_grpc_server.models import tokenizer_export
 from llama_grpc_server.models.pool import ModelPool
-from llama_grpc_server.rpc import convert, embeddings, vllm_convert, vllm_requests
+from llama_grpc_server.rpc import convert, embeddings, reasoning, vllm_convert, vllm_requests
 from llama_grpc_server.rpc.interceptors import current_principal, current_request_id
 from llama_grpc_server.rpc.servicer import (
     NO_RESULT,
@@ -55,6 +55,7 @@ from llama_grpc_server.rpc.status import ErrorsToStatus
 VLLM_SERVICE_NAME: str = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 TOKENIZER_CHUNK_BYTES = 1 << 20  # GetTokenizer's zip, sent in pieces of at most this
 KV_HEARTBEAT_S = 0.5
+PROMPT_TAIL_TOKENS = 16  # the prompt's end read for an open or closed thinking section
 """A KV event stream with nothing to send sends its load this often: SMG counts a worker silent
 for --worker-stall-secs (2 s) as stalled, and the stream is its contact while it routes."""
 
@@ -221,13 +222,33 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
         tokens: Sequence[int] = parsed.draft.prompt_tokens
         if parsed.text is not None:  # as the gateway's tokenizer: BOS added, specials parsed
             tokens = await tokenize_text(engine, parsed.text, add_special=True, parse_special=True)
-        return vllm_requests.generation_requests(
+        thinks = self._thinking(engine, tokens)
+        if thinks is not None:  # the constraint applies after the thinking (SMG reads it so)
+            after = reasoning.after_thinking(
+                parsed.draft.constraint, thinks.fmt, engine, opened=thinks.params.opened
+            )
+            parsed = dataclasses.replace(
+                parsed, draft=dataclasses.replace(parsed.draft, constraint=after)
+            )
+        specs = vllm_requests.generation_requests(
             parsed,
             tokens,
             request_id=request_id,
             deadline=deadline_of(context),
             tenant=current_principal().tenant,
         )
+        if thinks is None:
+            return specs
+        return [dataclasses.replace(spec, reasoning=thinks.params) for spec in specs]
+
+    def _thinking(self, engine: EngineApi, tokens: Sequence[int]) -> reasoning.Thinking | None:
+        """A prompt of a thinking model's template that thinks (its end read as text: the
+        gateway renders the template): the server's reasoning budget applies."""
+        template = engine.model_info.chat_template
+        if not template or not tokens:
+            return None
+        tail = engine.detokenize(list(tokens[-PROMPT_TAIL_TOKENS:]), render_special=True)
+        return reasoning.thinking(engine, template, tail, None, self._settings.scheduler)
 
     async def _generate(
         self,

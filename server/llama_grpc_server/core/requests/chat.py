@@ -49,6 +49,7 @@ class ChatMessage:
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
     tool_call_id: str = ""  # a "tool" message: the call it answers
     name: str = ""  # a "tool" message: the function's name
+    reasoning_content: str = ""  # an assistant turn's thinking
 
 
 # The built-in a model without a template of its own gets, by its architecture

@@ -71,6 +71,7 @@ class Outputs:
             spec.constraint,
             min_tokens=spec.stopping.min_tokens,
             suppressed=self.suppressed_until_min_tokens(spec.stopping),
+            reasoning=spec.reasoning,
         )
 
     def close(self, key: str) -> bool:

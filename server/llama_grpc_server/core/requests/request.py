@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from llama_grpc_server.core.reasoning.budget import ReasoningParams
 from llama_grpc_server.core.requests.embedding import EmbeddingParams, Vectors
 from llama_grpc_server.core.tools.types import ToolCall, ToolCallDelta
 from llama_grpc_server.errors import ServiceError
@@ -181,6 +182,8 @@ class GenerationRequest:
     # An embedding request (core.requests.embedding): prefill only, every prompt token's output
     # pooled into Finished.embedding; nothing is sampled or generated.
     embedding: EmbeddingParams | None = None
+    # A thinking request with a reasoning budget (core.reasoning.budget; None: no budget)
+    reasoning: ReasoningParams | None = None
 
     def __post_init__(self) -> None:
         # An embedding request needs every token's output, so no prefix KV is reused (reused
@@ -261,6 +264,8 @@ class TokenDelta:
     cached_prompt_tokens: int = 0
     # Tool-call pieces parsed out of the text (a chat request with tools: core.tools.stream)
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    # Thinking split from the text (a chat request of a thinking model: core.reasoning.stream)
+    reasoning: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from llama_grpc_server.core.reasoning.budget import ReasoningParams
 from llama_grpc_server.core.requests.embedding import EmbeddingParams, Vectors
 from llama_grpc_server.core.requests.request import (
     MAX_DRAFT_TOKENS,
@@ -50,6 +51,7 @@ class SamplerSpec:
     # and stop tokens of a request with StoppingParams.min_tokens).
     min_tokens: int = 0
     suppressed: tuple[int, ...] = ()
+    reasoning: ReasoningParams | None = None  # a reasoning budget to keep (core.reasoning)
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,6 +174,8 @@ def _entry(message: ChatMessage, caps: TemplateCaps, names: Mapping[str, str]) -
         else:
             calls = "\n".join(bare_json_call(c) for c in message.tool_calls)
             entry["content"] = f"{message.content}\n{calls}" if message.content else calls
+    if message.reasoning_content:
+        entry["reasoning_content"] = message.reasoning_content
     if message.role == "tool":
         entry["tool_call_id"] = message.tool_call_id
         entry["name"] = message.name or names.get(message.tool_call_id, "")
