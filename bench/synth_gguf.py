@@ -594,8 +594,8 @@ def doors_table() -> str:
         sys.path.insert(0, root)
     from deploy import smg_parsers
 
-    from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES
     from llama_grpc_server.core.reasoning.formats import reasoning_format_for
+    from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES
     from llama_grpc_server.core.tools import formats
 
     rows = [

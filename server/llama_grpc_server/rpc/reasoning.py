@@ -124,8 +124,8 @@ def after_thinking(
     request's grammar. When the model opens its section itself (`opened` false), the grammar
     begins with the opener: a thinking model always writes its section (Qwen 3 an empty one
     when told not to think), and SMG's reasoning parsers read an answer as thinking until the
-    closer. A budget's forced end (and forced empty section) is text this grammar accepts. An already lazy constraint (a structural
-    tag with triggers of its own) is left as it is."""
+    closer. A budget's forced end (and forced empty section) is text this grammar accepts.
+    An already lazy constraint (a structural tag with triggers of its own) is left as it is."""
     if constraint is None or constraint.triggers or grammars is None:
         return constraint
     inner = constraint.gbnf
