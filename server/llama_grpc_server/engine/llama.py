@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
+import structlog
 
 from llama_grpc_server.config import ModelSettings
 from llama_grpc_server.core.api import ModelInfo
@@ -18,6 +19,10 @@ from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.engine import cpu_share, grammar
 from llama_grpc_server.engine.chat import ChatRenderer
 from llama_grpc_server.engine.offload import resolve_n_gpu_layers
+from llama_grpc_server.models.gguf_vocab import TokenizerExportError
+from llama_grpc_server.models.tokenizer_wordpiece import WordPieceTokenizer
+
+log = structlog.get_logger("llama_grpc.engine")
 
 
 @functools.cache
@@ -81,6 +86,7 @@ class LlamaModel:
         # (generation, prompt) threads as configured; cpu_share may lower them during a load
         self.threads: tuple[int, int] = (int(cparams.n_threads), int(cparams.n_threads_batch))
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.wordpiece = self._wordpiece(model_path)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
@@ -104,6 +110,19 @@ class LlamaModel:
             llama_cpp.llama_model_is_recurrent(self.model)
             or llama_cpp.llama_model_is_hybrid(self.model)
         )
+
+    def _wordpiece(self, model_path: str) -> WordPieceTokenizer | None:
+        """BERT's own tokenizer for a WordPiece vocabulary (models/tokenizer_wordpiece.py: what
+        the exported tokenizer.json gives the gateway), not llama.cpp's, whose normalizer keeps
+        a Hangul syllable's leading consonant only and drops spacing marks. A vocabulary it
+        cannot be built for keeps llama.cpp's (logged)."""
+        if llama_cpp.llama_vocab_type(self.vocab) != llama_cpp.LLAMA_VOCAB_TYPE_WPM:
+            return None
+        try:
+            return WordPieceTokenizer.for_model(model_path)
+        except TokenizerExportError as exc:
+            log.warning("wordpiece_tokenizer_unavailable", path=model_path, reason=str(exc))
+            return None
 
     def _context_params(self, n_seq_max: int) -> Any:
         s = self.settings
@@ -148,6 +167,10 @@ class LlamaModel:
     # -- vocabulary (thread-safe) --------------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        if self.wordpiece is not None:
+            return self.wordpiece.tokenize(
+                text, add_special=add_special, parse_special=parse_special
+            )
         data = text.encode("utf-8")
         capacity = len(data) + 8
         while True:

