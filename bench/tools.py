@@ -759,15 +759,23 @@ def judge(case: Case, answer: Answer) -> Verdict:
 
 
 def run_cases(
-    systems: Sequence[Any], cases: Sequence[Case], checkpoint: Path | None = None
+    systems: Sequence[Any],
+    cases: Sequence[Case],
+    checkpoint: Path | None = None,
+    done: Mapping[str, dict[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every case on every system, interleaved: case i starts with system i mod n. The records
-    so far go to `checkpoint` (JSON) after every case, so a run cut short leaves its answers."""
+    so far go to `checkpoint` (JSON) after every case, so a run cut short leaves its answers;
+    `done` (a checkpoint read back, --resume) holds cases answered already by every system."""
     for system in systems:
         system.warm_up()
     progress("warm-up done")
     records: dict[str, dict[str, Any]] = {}
     for i, case in enumerate(cases):
+        earlier = (done or {}).get(case.id)
+        if earlier is not None and all(s.name in earlier for s in systems):
+            records[case.id] = earlier
+            continue
         k = i % len(systems)
         order = [*systems[k:], *systems[:k]]
         row: dict[str, Any] = {"category": case.category}
@@ -775,6 +783,7 @@ def run_cases(
             answer = system.ask(case)
             verdict = judge(case, answer)
             row[system.name] = case_record(case, answer, verdict)
+        row["load_1m"] = os.getloadavg()[0]
         records[case.id] = row
         if checkpoint is not None:
             checkpoint.write_text(json.dumps(records, indent=1))
@@ -807,7 +816,7 @@ def per_system_costs(records: Mapping[str, Mapping[str, Any]], system: str) -> d
 
 
 def run(args: argparse.Namespace, cases: Sequence[Case]) -> dict[str, Any]:
-    from common import free_port, llama_grpc_process, server_args
+    from common import free_port, llama_grpc_process, server_args, spread
     from peers import llama_server_binary
 
     wanted = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -872,12 +881,17 @@ def run(args: argparse.Namespace, cases: Sequence[Case]) -> dict[str, Any]:
             )
         if not systems:
             raise SystemExit("no system to run")
+        done = None
+        if args.resume and args.checkpoint.exists():
+            done = json.loads(args.checkpoint.read_text())
+            progress(f"resuming: {len(done)} case(s) answered in {args.checkpoint.name}")
         try:
-            records = run_cases(systems, cases, args.checkpoint)
+            records = run_cases(systems, cases, args.checkpoint, done)
         finally:
             for system in systems:
                 system.close()
     names = [s.name for s in systems]
+    loads = [r["load_1m"] for r in records.values() if "load_1m" in r]
     verdicts = {
         n: {
             cid: Verdict(r[n]["passed"], r[n]["error_type"], r[n]["error"])
@@ -891,6 +905,9 @@ def run(args: argparse.Namespace, cases: Sequence[Case]) -> dict[str, Any]:
         "skipped": skipped,
         "rates": rates(cases, verdicts),
         "costs": {n: per_system_costs(records, n) for n in names},
+        "resumed_cases": sorted(done or {}),  # answered by an earlier, cut-short run
+        # the 1-minute load average after each case (other work on the machine)
+        "load_1m_per_case": spread(loads) if loads else {},
         "cases": records,
     }
 
@@ -961,14 +978,23 @@ def main() -> int:
     parser.add_argument("--cases-file", type=Path, default=CASES_FILE)
     parser.add_argument("--name", default="tools", help="results file name (JSON and PNG)")
     parser.add_argument("--self-check", action="store_true", help="check the cases; no model")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the answers of a run cut short (bench/results/NAME.tmp), ask the rest",
+    )
     args = parser.parse_args()
     cases = select_cases(load_cases(args.cases_file), args.cases)
     if args.self_check:
         return self_check(cases)
     from common import RESULTS, finish_facts, machine_facts, write_json
 
-    # a SIGTERM (timeout, Ctrl-C's cousin) unwinds like an exception: the servers are stopped
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    def terminated(*_: object) -> None:
+        # a SIGTERM unwinds like an exception: the servers are stopped, the checkpoint stays
+        progress(f"SIGTERM: stopping (--resume goes on from {args.checkpoint.name})")
+        sys.exit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, terminated)
     RESULTS.mkdir(parents=True, exist_ok=True)
     args.checkpoint = RESULTS / f"{args.name}.tmp"  # git-ignored; removed once the JSON is out
 
