@@ -958,9 +958,11 @@ def tools(data: dict[str, Any]) -> list[str]:
     ]
     rates = data["rates"]
     systems = list(data["systems"])
-    groups = [g for g in next(iter(rates.values()), {}) if g != "overall"] + ["overall"]
+    order = ("simple", "multiple", "parallel", "parallel_multiple", "irrelevance", "multi_turn",
+             "nested", "overall")  # bench/tools.py's CATEGORIES  # fmt: skip
+    groups = [g for g in order if any(g in rates[name] for name in systems)]
     lines += ["| system | " + " | ".join(g.replace("_", " ") for g in groups)
-              + " | median wall s | median server CPU s |",
+              + " | mean wall s per case | mean server CPU s per case |",
               "| --- |" + " ---: |" * (len(groups) + 2)]  # fmt: skip
     for name in systems:
         cells = []
@@ -968,10 +970,16 @@ def tools(data: dict[str, Any]) -> list[str]:
             c = rates[name].get(g)
             cells.append(f"{c['passed']}/{c['total']}" if c else "–")
         cost = data["costs"][name]
-        cells += [f"{cost['wall_s_median']:.2f}", f"{cost['cpu_s_median']:.2f}"]
+        cells += [f"{cost['wall_s_mean']:.2f}", f"{cost['cpu_s_mean']:.2f}"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    ratios = data.get("paired_ratios") or {}
+    if ratios:
+        pairs = "; ".join(f"{p} {r['wall']:.2f} / {r['cpu']:.2f}" for p, r in ratios.items())
+        lines += ["", f"Per-case ratios (medians over the same cases), wall / server CPU: {pairs}."]
     if data.get("skipped"):
         lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in data["skipped"].items())]
+    if data.get("notes"):
+        lines += ["", data["notes"]]
     return [*lines, ""]
 
 

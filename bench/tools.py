@@ -807,12 +807,30 @@ def per_system_costs(records: Mapping[str, Mapping[str, Any]], system: str) -> d
     wall = [r["wall_s"] for r in rows]
     cpu = [r["cpu_s"] for r in rows]
     return {
+        "wall_s_mean": statistics.fmean(wall),  # every system answers the same cases
+        "cpu_s_mean": statistics.fmean(cpu),
         "wall_s_median": statistics.median(wall),
         "wall_s_total": sum(wall),
         "cpu_s_median": statistics.median(cpu),
         "cpu_s_total": sum(cpu),
         "completion_tokens_total": sum(r["completion_tokens"] for r in rows),
     }
+
+
+def paired_ratios(
+    records: Mapping[str, Mapping[str, Any]], names: Sequence[str]
+) -> dict[str, dict[str, float]]:
+    """For each pair of systems "a/b": the median over cases of a's wall (server CPU) seconds
+    over b's on the same case: the fair comparison on a shared, noisy machine."""
+    out = {}
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            rows = [r for r in records.values() if a in r and b in r]
+            walls = [r[a]["wall_s"] / r[b]["wall_s"] for r in rows if r[b]["wall_s"] > 0]
+            cpus = [r[a]["cpu_s"] / r[b]["cpu_s"] for r in rows if r[b]["cpu_s"] > 0]
+            if walls and cpus:
+                out[f"{a}/{b}"] = {"wall": statistics.median(walls), "cpu": statistics.median(cpus)}
+    return out
 
 
 def run(args: argparse.Namespace, cases: Sequence[Case]) -> dict[str, Any]:
@@ -905,6 +923,7 @@ def run(args: argparse.Namespace, cases: Sequence[Case]) -> dict[str, Any]:
         "skipped": skipped,
         "rates": rates(cases, verdicts),
         "costs": {n: per_system_costs(records, n) for n in names},
+        "paired_ratios": paired_ratios(records, names),
         "resumed_cases": sorted(done or {}),  # answered by an earlier, cut-short run
         # the 1-minute load average after each case (other work on the machine)
         "load_1m_per_case": spread(loads) if loads else {},
@@ -940,12 +959,12 @@ def plot(result: Mapping[str, Any], name: str, title: str) -> None:
     bars.grid(alpha=0.3, axis="y")
     costs = result["costs"]
     at = range(len(systems))
-    cost.bar([i - 0.2 for i in at], [costs[s]["wall_s_median"] for s in systems], 0.4,
+    cost.bar([i - 0.2 for i in at], [costs[s]["wall_s_mean"] for s in systems], 0.4,
              label="wall s")  # fmt: skip
-    cost.bar([i + 0.2 for i in at], [costs[s]["cpu_s_median"] for s in systems], 0.4,
+    cost.bar([i + 0.2 for i in at], [costs[s]["cpu_s_mean"] for s in systems], 0.4,
              label="server CPU s")  # fmt: skip
     cost.set_xticks(list(at), systems)
-    cost.set_ylabel("median per case")
+    cost.set_ylabel("mean per case (the same cases)")
     cost.legend(fontsize=8)
     cost.grid(alpha=0.3, axis="y")
     fig.suptitle(title)
@@ -1028,8 +1047,8 @@ def main() -> int:
         table = result["rates"][system]
         cells = "  ".join(f"{g} {int(v['passed'])}/{int(v['total'])}" for g, v in table.items())
         costs = result["costs"][system]
-        print(f"{system:>12}: {cells}  (median wall {costs['wall_s_median']:.2f}s, "
-              f"server CPU {costs['cpu_s_median']:.2f}s per case)")  # fmt: skip
+        print(f"{system:>12}: {cells}  (mean wall {costs['wall_s_mean']:.2f}s, "
+              f"server CPU {costs['cpu_s_mean']:.2f}s per case)")  # fmt: skip
     return 0
 
 
