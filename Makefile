@@ -118,12 +118,17 @@ GATEWAY_REPLICAS := $(if $(filter command line environment,$(origin REPLICAS)),$
 # SMG's own guess from the model id). A model whose tokenizer cannot be exported stops it at once.
 GATEWAY_TOOL_PARSER ?=
 GATEWAY_REASONING_PARSER ?=
+# GATEWAY_LORAS="a b:0.5": the --lora adapters (in ARGS) also served as models MODEL+NAME, each
+# by REPLICAS more replicas started with --engine-lora NAME[:SCALE] (the engine protocol has no
+# LoRA field; docs/deployment.md)
+GATEWAY_LORAS ?=
 
 gateway: $(STAMP)
 	$(PY) -m deploy.gateway --replicas $(GATEWAY_REPLICAS) --port $(GATEWAY_PORT) \
 		--policy $(GATEWAY_POLICY) $(if $(GATEWAY_TOOL_PARSER),--tool-call-parser \
 		$(GATEWAY_TOOL_PARSER)) $(if $(GATEWAY_REASONING_PARSER),--reasoning-parser \
-		$(GATEWAY_REASONING_PARSER)) -- $(MODEL_ARG) $(ARGS)
+		$(GATEWAY_REASONING_PARSER)) $(foreach lora,$(GATEWAY_LORAS),--engine-lora $(lora)) \
+		-- $(MODEL_ARG) $(ARGS)
 
 run: $(STAMP)
 	$(BIN)/llama-grpc serve --host $(HOST) --port $(PORT) $(MODEL_ARG) $(ARGS)

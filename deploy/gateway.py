@@ -17,6 +17,13 @@ takes any other SMG policy (round_robin, power_of_two, ...). SMG's Prometheus me
 (smg_kv_event_*, smg_cache_aware_policy_branch_total) are on a free port: `metrics_url`.
 
     python -m deploy.gateway --replicas 2 [--port 8080] [--policy P] [-- llama-grpc serve options]
+
+LoRA adapters: the engine protocol has no LoRA field, so an adapter is a model of its own.
+`--engine-lora NAME[:SCALE]` (repeatable) starts N more replicas for each, with the replicas'
+options and `--engine-lora NAME[:SCALE]`: they apply the --lora adapter NAME to every request of
+the engine protocol and register as model `<model>+NAME`, which SMG routes to them by name.
+
+    python -m deploy.gateway --replicas 1 --engine-lora a -- --model base.gguf --lora a=a.gguf
 """
 
 from __future__ import annotations
@@ -33,9 +40,11 @@ from typing import Any
 
 from deploy import smg_parsers
 from deploy.cluster import (
+    DRAIN_DELAY_S,
     REPLICA_STOP_S,
     START_TIMEOUT_S,
     Cluster,
+    Replica,
     Started,
     free_port,
     serve_foreground,
@@ -92,6 +101,7 @@ class ModelCheck:
     # an encoder-only embedding model (`<arch>.attention.causal` false: BERT, nomic-bert, ...):
     # it answers /v1/embeddings only, so readiness is probed with an embedding, not a completion
     embeddings_only: bool = False
+    name: str = ""  # the model id the replicas report (--model-name, else the file's stem)
 
 
 def check_model(server_args: Sequence[str], environ: Mapping[str, str] = os.environ) -> ModelCheck:
@@ -102,7 +112,7 @@ def check_model(server_args: Sequence[str], environ: Mapping[str, str] = os.envi
     from llama_grpc_server.config.loading import ConfigError, HelpRequested, load_settings
     from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES, template_in_use
     from llama_grpc_server.models import tokenizer_export
-    from llama_grpc_server.models.files import default_model_path
+    from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_path
     from llama_grpc_server.models.gguf_header import GGUFError, read_header
 
     try:
@@ -128,7 +138,30 @@ def check_model(server_args: Sequence[str], environ: Mapping[str, str] = os.envi
     config = json.loads(files[tokenizer_export.TOKENIZER_CONFIG])
     template = config.get("chat_template") or None
     causal = header.metadata.get(f"{header.architecture}.attention.causal", True)
-    return ModelCheck(path, template, smg_parsers.choose(template), embeddings_only=causal is False)
+    stem = Path(settings.model.model_path).stem if settings.model.model_path else DEFAULT_MODEL_NAME
+    return ModelCheck(
+        path,
+        template,
+        smg_parsers.choose(template),
+        embeddings_only=causal is False,
+        name=settings.model.model_name or stem,
+    )
+
+
+def check_engine_lora(
+    server_args: Sequence[str], spec: str, environ: Mapping[str, str] = os.environ
+) -> str:
+    """The model id SMG will serve the replicas of `--engine-lora spec` as (`<model>+NAME`):
+    RuntimeError at once when the replicas' options do not take it (the adapter is not one of
+    the default model's --lora adapters, a bad scale)."""
+    from llama_grpc_server.config.loading import ConfigError, HelpRequested, load_settings
+    from llama_grpc_server.config.settings import parse_engine_lora
+
+    try:
+        load_settings([*server_args, "--engine-lora", spec], environ)
+    except (ConfigError, HelpRequested) as exc:
+        raise RuntimeError(f"--engine-lora {spec}: {exc}") from None
+    return parse_engine_lora(spec)[0]
 
 
 def smg_binary() -> str:
@@ -159,16 +192,24 @@ class Gateway(Started):
     # "none" passes no flag (SMG guesses from the model id), a name passes that parser
     tool_parser: str | None = None
     reasoning_parser: str | None = None
+    # --engine-lora NAME[:SCALE] entries: for each, `replicas` more replicas applying that adapter
+    # to the engine protocol, served by SMG as model `<model>+NAME` beside the base model
+    loras: Sequence[str] = ()
     cluster: Cluster = field(init=False)
+    adapter_members: list[Replica] = field(init=False, default_factory=list)
     metrics_port: int = field(init=False)
     smg: subprocess.Popen[bytes] | None = None
-    model: str = ""  # the model id the gateway serves, once ready
+    model: str = ""  # the model id the gateway serves, once ready (the base model's)
+    models: tuple[str, ...] = ()  # every model id it serves, once ready: the base model's first
     checked: ModelCheck | None = None  # the default model, checked before anything starts
     # smg.log's size once ready: SMG logs the readiness probes it answered 503 while the
     # workers registered (GET /v1/models) as errors; what came after is the service's own
     ready_log_offset: int = 0
 
     def __post_init__(self) -> None:
+        if self.threads is None and self.loras:  # the CPUs split over every replica
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
+            self.threads = max(1, cpus // (self.replicas * (1 + len(self.loras))))
         self.cluster = Cluster(self.replicas, server_args=self.server_args, threads=self.threads)
         self.metrics_port = free_port()  # SMG's default, 29000, is one per machine
 
@@ -201,16 +242,50 @@ class Gateway(Started):
             self.checked.parsers, self.tool_parser, self.reasoning_parser
         )
 
+    @property
+    def members(self) -> list[Replica]:
+        """Every replica: the base model's (cluster.members), then the adapters'."""
+        return [*self.cluster.members, *self.adapter_members]
+
     def start(self) -> Gateway:
         self.checked = check_model(self.server_args)
+        for spec in self.loras:
+            check_engine_lora(self.server_args, spec)
+        self.start_adapter_replicas()  # loading while the base model's replicas load
         self.cluster.start_replicas()
+        for replica in self.adapter_members:
+            replica.wait_serving()
         self.start_smg()
         wait_for(self.is_ready, START_TIMEOUT_S, "the gateway is not ready", interval_s=0.1)
         self.ready_log_offset = (self.workdir / "smg.log").stat().st_size
         return self
 
+    def start_adapter_replicas(self) -> None:
+        """Start (not wait for) `replicas` replicas per --engine-lora entry, as the cluster's
+        (deploy.cluster.Cluster.start_replicas) with `--engine-lora SPEC` added."""
+        threads = str(self.threads or 1)
+        base = ["--threads", threads, "--threads-batch", threads,
+                "--drain-delay-s", str(DRAIN_DELAY_S), "--log-format", "json",
+                *self.server_args]  # fmt: skip
+        for spec in self.loras:
+            name = spec.partition(":")[0]
+            for i in range(self.replicas):
+                index = len(self.adapter_members)
+                log = self.workdir / f"replica-{name}-{i}.log"
+                replica = Replica(index, free_port(), [*base, "--engine-lora", spec], log)
+                self.adapter_members.append(replica)
+                replica.start()
+
+    def expected_models(self) -> tuple[str, ...]:
+        """The model ids SMG is to list: the base model's, then `<model>+NAME` per adapter
+        (empty when the model was not checked: any one model will do)."""
+        if self.checked is None:
+            return ()
+        name = self.checked.name
+        return (name, *(f"{name}+{spec.partition(':')[0]}" for spec in self.loras))
+
     def start_smg(self) -> None:
-        urls = [f"grpc://{r.target}" for r in self.cluster.members]
+        urls = [f"grpc://{r.target}" for r in self.members]
         log = (self.workdir / "smg.log").open("ab")
         self.smg = subprocess.Popen(
             [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
@@ -222,33 +297,37 @@ class Gateway(Started):
         )  # fmt: skip
 
     def is_ready(self) -> bool:
-        """The gateway lists the model, has every worker healthy, and a one-token completion
-        (an embedding model: an embedding) goes through (its tokenizer, fetched from a worker,
-        is registered)."""
+        """The gateway lists the model (with --engine-lora, every model), has every worker
+        healthy, and a one-token completion (an embedding model: an embedding) goes through
+        for each model (its tokenizer, fetched from a worker, is registered)."""
         if self.smg is not None and self.smg.poll() is not None:
             raise RuntimeError(f"smg exited; see {self.workdir / 'smg.log'}")
         try:
-            models = _http(f"{self.base_url}/models")["data"]
+            listed = [str(m["id"]) for m in _http(f"{self.base_url}/models")["data"]]
             workers = _http(f"http://127.0.0.1:{self.port}/workers")["workers"]
-            if not models or len(workers) != self.replicas:
+            if not listed or len(workers) != self.replicas * (1 + len(self.loras)):
                 return False
             if not all(w.get("is_healthy") for w in workers):
                 return False
-            model = str(models[0]["id"])
-            if self.checked is not None and self.checked.embeddings_only:
-                _http(f"{self.base_url}/embeddings", {"model": model, "input": "Hi"})
-            else:
-                probe = {"model": model, "prompt": "Hi", "max_tokens": 1}
-                _http(f"{self.base_url}/completions", probe)
+            models = self.expected_models() if self.loras else (listed[0],)
+            if self.loras and sorted(listed) != sorted(models):
+                return False
+            for model in models:
+                if self.checked is not None and self.checked.embeddings_only:
+                    _http(f"{self.base_url}/embeddings", {"model": model, "input": "Hi"})
+                else:
+                    probe = {"model": model, "prompt": "Hi", "max_tokens": 1}
+                    _http(f"{self.base_url}/completions", probe)
         except (OSError, KeyError, ValueError):  # not up yet, or a 503 while it registers
             return False
-        self.model = model
+        self.model, self.models = models[0], tuple(models)
         return True
 
     def close(self) -> None:
         """SMG and the replicas get SIGTERM together: SMG's shutdown and the replicas' drains
         overlap (one after the other, closing a 1-replica gateway took 7.4 s)."""
-        terminate_all([self.smg, self.cluster.envoy, *self.cluster.replica_processes()],
+        adapters = [replica.proc for replica in self.adapter_members]
+        terminate_all([self.smg, self.cluster.envoy, *self.cluster.replica_processes(), *adapters],
                       max(SMG_STOP_S, REPLICA_STOP_S))  # fmt: skip
 
 
@@ -265,11 +344,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--reasoning-parser", help="SMG's reasoning parser (default and none: as above)"
     )
+    parser.add_argument(
+        "--engine-lora",
+        action="append",
+        default=[],
+        metavar="NAME[:SCALE]",
+        help="also serve the replicas' --lora adapter NAME as model MODEL+NAME: --replicas more "
+        "replicas started with --engine-lora NAME[:SCALE] (repeatable)",
+    )
     parser.add_argument("server_args", nargs="*", help="after --: llama-grpc serve options")
     args = parser.parse_args(argv)
 
     def ready_line(running: Gateway) -> str:
-        workers = ", ".join(f"grpc://{r.target}" for r in running.cluster.members)
+        workers = ", ".join(f"grpc://{r.target}" for r in running.members)
         parsers = running.parsers
         tool, reasoning = parsers.tool or "SMG's guess", parsers.reasoning or "SMG's guess"
         if running.checked is not None and running.checked.embeddings_only:
@@ -279,8 +366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{running.policy}; metrics on {running.metrics_url}; logs in "
                 f"{running.workdir}. Ctrl-C stops everything."
             )
+        models = ", ".join(repr(m) for m in running.models)
         return (
-            f"ready: SMG on {running.base_url} (OpenAI API, model {running.model!r}), workers "
+            f"ready: SMG on {running.base_url} (OpenAI API, model{'s' if running.loras else ''} "
+            f"{models}), workers "
             f"{workers}, policy {running.policy}; SMG parsers: tool calls {tool}, reasoning "
             f"{reasoning} ({parsers.why}); metrics on {running.metrics_url}; logs in "
             f"{running.workdir}. Ctrl-C stops everything."
@@ -293,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.server_args,
         tool_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        loras=args.engine_lora,
     )
     return serve_foreground(gateway, ready_line)
 

@@ -17,6 +17,7 @@ from llama_grpc.client import (
     EmbedParams,
     GenerationParams,
     LoadStream,
+    LoraLike,
     Stream,
     TokenGenerationParams,
 )
@@ -41,6 +42,7 @@ from llama_grpc.errors import (
 )
 from llama_grpc.tls import TlsConfig
 from llama_grpc.types import (
+    Adapter,
     CacheCleared,
     ChatMessage,
     ChatStreamEvent,
@@ -71,6 +73,7 @@ from llama_grpc.types import (
 
 __all__ = [
     "DEFAULT_TARGET",
+    "Adapter",
     "AsyncChatStream",
     "AsyncClient",
     "AsyncLoadStream",
@@ -97,6 +100,7 @@ __all__ = [
     "LlamaGrpcError",
     "LoadReport",
     "LoadStream",
+    "LoraLike",
     "ModelBusyError",
     "ModelInfo",
     "ModelList",

@@ -23,6 +23,7 @@ from llama_grpc.client import (
     ChatStream,
     Client,
     GenerationParams,
+    lora_adapters,
     tool_choice_message,
     tool_message,
 )
@@ -69,6 +70,7 @@ def _generation_params(args: argparse.Namespace) -> GenerationParams:
         session_id=args.session_id,
         priority=args.priority,
         speculative=args.speculative,
+        lora=args.lora,
     )
     if getattr(args, "chat_template", None) is not None:
         params["chat_template"] = args.chat_template
@@ -404,6 +406,28 @@ def run_unload_model(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def run_list_adapters(client: Client, args: argparse.Namespace) -> int:
+    """Print a model's LoRA adapters (the default model's without --model) as JSON."""
+    _print_json([dataclasses.asdict(adapter) for adapter in client.list_adapters(model=args.model)])
+    return 0
+
+
+def run_load_adapter(client: Client, args: argparse.Namespace) -> int:
+    """Admin: load a LoRA adapter GGUF (a path on the server) for a model, served as NAME;
+    print it as JSON."""
+    _print_json(
+        client.load_adapter(args.name, args.path, model=args.model, default_scale=args.scale)
+    )
+    return 0
+
+
+def run_unload_adapter(client: Client, args: argparse.Namespace) -> int:
+    """Admin: unload a LoRA adapter (requests using it finish with it); print how many those
+    are as JSON."""
+    _print_json({"in_flight": client.unload_adapter(args.name, model=args.model)})
+    return 0
+
+
 def run_health(client: Client, args: argparse.Namespace) -> int:
     """Print the health status; exit 0 only when SERVING (usable as a probe)."""
     status = client.health(args.service)
@@ -442,6 +466,22 @@ def _prompt_parser() -> argparse.ArgumentParser:
     return parent
 
 
+def _lora_flag(value: str) -> tuple[str, float | None]:
+    """--lora NAME[:SCALE] as a (name, scale) pair of the `lora` keyword (no scale: None, the
+    adapter's default); adapter names have no ':'."""
+    name, colon, scale = value.partition(":")
+    if not name:
+        raise argparse.ArgumentTypeError(f"expected NAME[:SCALE], got {value!r}")
+    if not colon:
+        return name, None
+    try:
+        return name, float(scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected NAME[:SCALE] with a number as SCALE, got {value!r}"
+        ) from None
+
+
 def _sampling_parser() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     parent.add_argument("--max-tokens", type=int)
@@ -460,6 +500,14 @@ def _sampling_parser() -> argparse.ArgumentParser:
         "--speculative",
         choices=("auto", "off", "on"),
         help="prompt-lookup speculative decoding (default: the server's)",
+    )
+    parent.add_argument(
+        "--lora",
+        action="append",
+        type=_lora_flag,
+        metavar="NAME[:SCALE]",
+        help="apply the model's LoRA adapter NAME, at SCALE (default: the adapter's own); "
+        "repeatable",
     )
     return parent
 
@@ -566,6 +614,17 @@ def build_parser(default_target: str = DEFAULT_TARGET) -> argparse.ArgumentParse
     unload_model = _add_command(commands, "unload-model", run_unload_model, [connection])
     unload_model.add_argument("name")
     unload_model.add_argument("--force", action="store_true", help="end its requests first")
+    list_adapters = _add_command(commands, "list-adapters", run_list_adapters, [connection])
+    load_adapter = _add_command(commands, "load-adapter", run_load_adapter, [connection])
+    load_adapter.add_argument("name", help="the name requests use (--lora NAME)")
+    load_adapter.add_argument("path", help="the adapter GGUF, a path on the server")
+    load_adapter.add_argument(
+        "--scale", type=float, help="the scale of requests naming no scale (default: 1)"
+    )
+    unload_adapter = _add_command(commands, "unload-adapter", run_unload_adapter, [connection])
+    unload_adapter.add_argument("name")
+    for command in (list_adapters, load_adapter, unload_adapter):
+        command.add_argument("--model", help="the model's name (default: the default model)")
     load = _add_command(commands, "load", run_load, [connection])
     load.add_argument(
         "--interval", type=float, default=1.0, help="seconds between reports (at least 0.1)"
@@ -613,6 +672,15 @@ def target_of(value: str) -> str | list[str]:
     return [part.strip() for part in value.split(",")]
 
 
+def _check_lora(args: argparse.Namespace) -> None:
+    """ValueError for --lora flags each valid alone that the client refuses together (an
+    adapter named twice) or for their values (a scale that is not finite)."""
+    try:
+        lora_adapters(getattr(args, "lora", None))
+    except ValueError as error:
+        raise ValueError(f"--lora: {error}") from None
+
+
 def _client(args: argparse.Namespace) -> Client:
     """The client of the connection flags; --token wins over $LLAMA_GRPC_TOKEN."""
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
@@ -626,6 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return server_command(arguments[0], arguments[1:])
     args = build_parser(os.environ.get(TARGET_ENV, DEFAULT_TARGET)).parse_args(arguments)
     try:
+        _check_lora(args)
         client = _client(args)
     except (ValueError, OSError) as error:  # TLS options or files, a malformed token or target
         print(f"error: {error}", file=sys.stderr)

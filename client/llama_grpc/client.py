@@ -55,6 +55,11 @@ class CallOptions(TypedDict, total=False):
     metadata: MetadataLike | None
 
 
+# LoRA adapters a request applies (see TokenGenerationParams.lora): a name, {name: scale}, or a
+# list of names and (name, scale) pairs; a scale of None is the adapter's default.
+LoraLike = str | Mapping[str, float | None] | Sequence[str | tuple[str, float | None]]
+
+
 class TokenGenerationParams(CallOptions, total=False):
     """Keyword parameters of generate_tokens(); None (or leaving one out) means server default."""
 
@@ -84,6 +89,10 @@ class TokenGenerationParams(CallOptions, total=False):
     draft_max: int | None
     ngram_min: int | None
     ngram_max: int | None
+    # LoRA adapters the model serves (list_adapters()) to apply, each named once: a name,
+    # {name: scale} or a list of names and (name, scale) pairs; a name without a scale (or with
+    # None) gets the adapter's default scale. None or empty: the base model.
+    lora: LoraLike | None
     # Per-token log-probabilities in the result (top_logprobs > 0 implies logprobs).
     logprobs: bool | None
     top_logprobs: int | None
@@ -175,7 +184,7 @@ def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
         | _CALL_KEYS
         | request_keys
         | _SPECULATIVE_KEYS
-        | {"cache_prompt", "cache_response", "priority", "speculative"}
+        | {"cache_prompt", "cache_response", "priority", "speculative", "lora"}
     )
     unknown = sorted(set(params) - allowed)
     if unknown:
@@ -193,6 +202,9 @@ def build_request(request: _Request, params: Mapping[str, object]) -> _Request:
         _SPECULATIVE_MODES,
     )  # fmt: skip
     _fill(request.params.speculative, _pick(params, _SPECULATIVE_KEYS))
+    adapters = lora_adapters(cast("LoraLike | None", params.get("lora")))
+    if adapters:  # none: params stays unset when nothing else is given
+        request.params.lora.extend(adapters)
     return request
 
 
@@ -233,6 +245,74 @@ def _set_constraint(message: pb.GenerationParams, values: Mapping[str, object]) 
     elif "grammar" in values:
         message.grammar.gbnf = str(values["grammar"])
         message.grammar.root = str(values.get("grammar_root", ""))
+
+
+def lora_adapters(lora: LoraLike | None) -> list[pb.LoraAdapter]:
+    """The LoraAdapter messages of a `lora` keyword: a name, {name: scale}, or a sequence of
+    names and (name, scale) pairs, in order; a scale left out or None stays unset (the
+    adapter's default). None gives none. TypeError for another shape, ValueError for an empty
+    name, a name given twice or a scale that is not finite."""
+    if lora is None:
+        return []
+    items: list[object]
+    if isinstance(lora, str):
+        items = [lora]
+    elif isinstance(lora, Mapping):
+        items = list(lora.items())
+    elif isinstance(lora, Sequence) and not isinstance(lora, bytes):
+        items = list(lora)
+    else:
+        raise TypeError(
+            "lora must be an adapter's name, a {name: scale} mapping or a list of names and "
+            f"(name, scale) pairs, not {type(lora).__name__}"
+        )
+    adapters: list[pb.LoraAdapter] = []
+    for item in items:
+        adapter = _lora_adapter(item)
+        if any(a.name == adapter.name for a in adapters):
+            raise ValueError(f"lora names adapter {adapter.name!r} twice")
+        adapters.append(adapter)
+    return adapters
+
+
+def _lora_adapter(item: object) -> pb.LoraAdapter:
+    """One `lora` entry: a name or a (name, scale) pair."""
+    if isinstance(item, str):
+        name, scale = item, None
+    elif isinstance(item, tuple | list) and len(item) == 2:  # noqa: PLR2004  # a pair
+        name, scale = item
+    else:
+        raise TypeError(
+            f"a lora entry must be a name or a (name, scale) pair, not {item!r} (a single pair "
+            "goes in a list: lora=[(name, scale)])"
+        )
+    if not isinstance(name, str):
+        raise TypeError(f"a lora adapter's name must be a str, not {name!r}")
+    if not name:
+        raise ValueError("a lora adapter's name must not be empty")
+    adapter = pb.LoraAdapter(name=name)
+    if scale is not None:
+        adapter.scale = _scale(f"the scale of lora adapter {name!r}", scale)
+    return adapter
+
+
+def _scale(what: str, value: object) -> float:
+    """An adapter scale: a finite int or float (TypeError, ValueError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number, not {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number, not {value!r}")
+    return float(value)
+
+
+def load_adapter_request(
+    name: str, path: str, model: str | None, default_scale: float | None
+) -> pb.LoadAdapterRequest:
+    """Build a LoadAdapterRequest; default_scale None stays unset (the server's 1)."""
+    request = pb.LoadAdapterRequest(model=model or "", name=name, path=path)
+    if default_scale is not None:
+        request.default_scale = _scale("default_scale", default_scale)
+    return request
 
 
 def chat_messages(messages: Iterable[MessageLike]) -> list[pb.ChatMessage]:
@@ -452,6 +532,10 @@ def _tokenized(response: pb.TokenizeResponse, return_pieces: bool) -> list[int] 
 
 def _model_status(response: pb.LoadModelResponse) -> t.ModelStatus:
     return t.model_status_from_proto(response.model)
+
+
+def _loaded_adapter(response: pb.LoadAdapterResponse) -> t.Adapter:
+    return t.adapter_from_proto(response.adapter)
 
 
 def _health_modules() -> tuple[ModuleType, ModuleType]:
@@ -1025,6 +1109,33 @@ class _Surface:
         return _Unary(lambda stub: stub.UnloadModel, request, options, unloaded)
 
     @staticmethod
+    def load_adapter(
+        name: str,
+        path: str,
+        model: str | None,
+        default_scale: float | None,
+        options: CallOptions,
+    ) -> _Unary[pb.LoadAdapterRequest, pb.LoadAdapterResponse, t.Adapter]:
+        request = load_adapter_request(name, path, model, default_scale)
+        adapter = _value(_loaded_adapter)
+        return _Unary(lambda stub: stub.LoadAdapter, request, options, adapter)
+
+    @staticmethod
+    def unload_adapter(
+        name: str, model: str | None, options: CallOptions
+    ) -> _Unary[pb.UnloadAdapterRequest, pb.UnloadAdapterResponse, int]:
+        request = pb.UnloadAdapterRequest(model=model or "", name=name)
+        return _Unary(lambda stub: stub.UnloadAdapter, request, options, lambda r, _: r.in_flight)
+
+    @staticmethod
+    def list_adapters(
+        model: str | None, options: CallOptions
+    ) -> _Unary[pb.ListAdaptersRequest, pb.ListAdaptersResponse, list[t.Adapter]]:
+        request = pb.ListAdaptersRequest(model=model or "")
+        adapters = _value(t.adapters_from_proto)
+        return _Unary(lambda stub: stub.ListAdapters, request, options, adapters)
+
+    @staticmethod
     def health(
         channel: grpc.Channel | grpc.aio.Channel, service: str, options: CallOptions
     ) -> _Unary[Any, Any, str]:
@@ -1250,6 +1361,34 @@ class Client:
         """Admin: unload a model. ModelBusyError while it has requests in flight, unless
         force (they then end with UnavailableError, reason MODEL_UNLOADED)."""
         return self._unary(_Surface.unload_model(model, force, options))
+
+    def load_adapter(
+        self,
+        name: str,
+        path: str,
+        *,
+        model: str | None = None,
+        default_scale: float | None = None,
+        **options: Unpack[CallOptions],
+    ) -> t.Adapter:
+        """Admin: load the LoRA adapter GGUF at `path` (on the server) for a model (the default
+        one), served as `name`; `default_scale` (None: 1) is what requests naming it without a
+        scale get. InvalidArgumentError when it does not fit the model."""
+        return self._unary(_Surface.load_adapter(name, path, model, default_scale, options))
+
+    def unload_adapter(
+        self, name: str, *, model: str | None = None, **options: Unpack[CallOptions]
+    ) -> int:
+        """Admin: unload a model's (the default one's) adapter; requests already using it finish
+        with it. Returns how many those are."""
+        return self._unary(_Surface.unload_adapter(name, model, options))
+
+    def list_adapters(
+        self, *, model: str | None = None, **options: Unpack[CallOptions]
+    ) -> list[t.Adapter]:
+        """The LoRA adapters a model (the default one) serves, with their counters (a user sees
+        only those its tenant may use)."""
+        return self._unary(_Surface.list_adapters(model, options))
 
     def health(self, service: str = "", **options: Unpack[CallOptions]) -> str:
         """The grpc.health.v1 status of `service` ("" = whole server): "SERVING", "NOT_SERVING"."""
@@ -1478,6 +1617,34 @@ class AsyncClient:
         """Admin: unload a model. ModelBusyError while it has requests in flight, unless
         force (they then end with UnavailableError, reason MODEL_UNLOADED)."""
         return await self._unary(_Surface.unload_model(model, force, options))
+
+    async def load_adapter(
+        self,
+        name: str,
+        path: str,
+        *,
+        model: str | None = None,
+        default_scale: float | None = None,
+        **options: Unpack[CallOptions],
+    ) -> t.Adapter:
+        """Admin: load the LoRA adapter GGUF at `path` (on the server) for a model (the default
+        one), served as `name`; `default_scale` (None: 1) is what requests naming it without a
+        scale get. InvalidArgumentError when it does not fit the model."""
+        return await self._unary(_Surface.load_adapter(name, path, model, default_scale, options))
+
+    async def unload_adapter(
+        self, name: str, *, model: str | None = None, **options: Unpack[CallOptions]
+    ) -> int:
+        """Admin: unload a model's (the default one's) adapter; requests already using it finish
+        with it. Returns how many those are."""
+        return await self._unary(_Surface.unload_adapter(name, model, options))
+
+    async def list_adapters(
+        self, *, model: str | None = None, **options: Unpack[CallOptions]
+    ) -> list[t.Adapter]:
+        """The LoRA adapters a model (the default one) serves, with their counters (a user sees
+        only those its tenant may use)."""
+        return await self._unary(_Surface.list_adapters(model, options))
 
     async def health(self, service: str = "", **options: Unpack[CallOptions]) -> str:
         """The grpc.health.v1 status of `service` ("" = whole server): "SERVING", "NOT_SERVING"."""

@@ -381,6 +381,30 @@ class SlotStats:
 
 
 @dataclass(frozen=True, slots=True)
+class Adapter:
+    """A LoRA adapter a model serves (LoadAdapter, ListAdapters, Stats.adapters); requests
+    apply it by name (lora=)."""
+
+    name: str  # what requests put in `lora`
+    path: str  # its GGUF file, on the server
+    default_scale: float  # the scale a request naming it without one gets
+    # Its rank and alpha (the update is scale * alpha / rank * B A), and the base model's
+    # tensors it changes.
+    rank: int
+    alpha: float
+    num_tensors: int
+    size_bytes: int
+    # The first 16 hex digits of the file's SHA-256 (what the prefix caches key).
+    sha256: str
+    model: str  # the model it belongs to
+    # Since the server started: requests that used it, tokens they generated, forward passes
+    # run with it.
+    requests: int
+    generated_tokens: int
+    passes: int
+
+
+@dataclass(frozen=True, slots=True)
 class Stats:
     """A live scheduler snapshot plus cumulative counters since the server started."""
 
@@ -454,6 +478,10 @@ class Stats:
     stream_pauses: int = 0
     # 1 once the engine's watchdog found a tick past its bound (--watchdog-s): the server exits.
     watchdog_trips: int = 0
+    # The model's LoRA adapters with their counters, and forward passes whose adapter set
+    # differed from the pass before (each costs a graph rebuild).
+    adapters: tuple[Adapter, ...] = ()
+    adapter_switches: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -707,7 +735,18 @@ def stats_from_proto(message: pb.GetStatsResponse) -> Stats:
     """Convert a GetStatsResponse."""
     values = _same_named_fields(message, Stats)
     values["slots"] = tuple(SlotStats(**_same_named_fields(s, SlotStats)) for s in message.slots)
+    values["adapters"] = tuple(adapter_from_proto(a) for a in message.adapters)
     return Stats(**values)
+
+
+def adapter_from_proto(message: pb.Adapter) -> Adapter:
+    """Convert an Adapter message."""
+    return Adapter(**_same_named_fields(message, Adapter))
+
+
+def adapters_from_proto(message: pb.ListAdaptersResponse) -> list[Adapter]:
+    """Convert a ListAdaptersResponse: its adapters, in the server's order."""
+    return [adapter_from_proto(a) for a in message.adapters]
 
 
 def model_info_from_proto(message: pb.GetModelInfoResponse) -> ModelInfo:

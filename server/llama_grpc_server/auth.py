@@ -8,6 +8,7 @@ The file is TOML:
     weight = 2.0                 # share of slots when tenants contend (default 1)
     max_concurrent = 4           # requests in slots at once (0 = no limit)
     max_queued = 16              # requests waiting (0 = no limit)
+    adapters = ["team-a-sql"]    # the LoRA adapters its requests may apply (default: any)
 
     [[tokens]]
     tenant = "team-a"
@@ -22,6 +23,7 @@ The file is TOML:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import hmac
@@ -39,7 +41,7 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}")
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 MIN_TOKEN_CHARS = 16  # a plaintext token shorter than this is guessable
 _TOP_KEYS = frozenset({"tenants", "tokens", "identities"})
-_LIMIT_KEYS = {"max_concurrent": int, "max_queued": int, "weight": float}
+_LIMIT_KEYS = {"max_concurrent": int, "max_queued": int, "weight": float, "adapters": list}
 
 
 class AuthFileError(Exception):
@@ -59,6 +61,8 @@ class Principal:
     tenant: str
     role: Role
     via: str  # "token", "certificate" or "none": for the access log
+    # The LoRA adapters its requests may apply (its tenant's `adapters`); None: any.
+    adapters: frozenset[str] | None = None
 
     @property
     def is_admin(self) -> bool:
@@ -148,7 +152,18 @@ def _table(data: Mapping[str, Any]) -> AuthTable:
         identities[subject] = _principal(entry, where, {"subject"}, "certificate")
     if not tokens and not identities:
         raise ValueError("no [[tokens]] and no [[identities]]: nobody could call the server")
-    return AuthTable(tuple(tokens), identities, limits)
+
+    def restricted(principal: Principal) -> Principal:
+        allowed = limits.get(principal.tenant, TenantLimits()).adapters
+        if allowed is None:
+            return principal
+        return dataclasses.replace(principal, adapters=frozenset(allowed))
+
+    return AuthTable(
+        tuple((digest, restricted(p)) for digest, p in tokens),
+        {subject: restricted(p) for subject, p in identities.items()},
+        limits,
+    )
 
 
 def _table_of(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -184,6 +199,11 @@ def _limits(name: str, raw: object) -> TenantLimits:
         kind = _LIMIT_KEYS.get(key)
         if kind is None:
             raise ValueError(f"{where}.{key}: unknown (expected {', '.join(_LIMIT_KEYS)})")
+        if kind is list:
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{where}.{key}: must be a list of adapter names")
+            values[key] = tuple(value)
+            continue
         is_number = isinstance(value, int | float) and not isinstance(value, bool)
         if not is_number or (kind is int and not isinstance(value, int)) or value < 0:
             raise ValueError(f"{where}.{key}: must be a non-negative {kind.__name__}")

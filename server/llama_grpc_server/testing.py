@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from llama_grpc_server import errors
+from llama_grpc_server.core.adapters import AdapterCatalog, AdapterEntry
 from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot
 from llama_grpc_server.core.kv.events import KvEventLog
 from llama_grpc_server.core.requests.chat import ROLES, ChatMessage
@@ -489,6 +490,17 @@ class FakeEngine:
 
     def set_tenant_limits(self, limits: Mapping[str, TenantLimits]) -> None:
         self.loop.set_tenant_limits(limits)
+
+    @property
+    def adapters(self) -> AdapterCatalog:
+        """The fake runner applies no adapters: the catalog stays empty unless a test fills it."""
+        return self.loop.adapters
+
+    async def load_adapter(self, name: str, path: str, default_scale: float) -> AdapterEntry:
+        return await self.loop.load_adapter(name, path, default_scale)
+
+    async def unload_adapter(self, name: str) -> int:
+        return await self.loop.unload_adapter(name)
 
     async def clear_cache(self) -> CacheCleared:
         return await self.loop.clear_cache()

@@ -164,6 +164,14 @@ async def call_every_rpc(
         "UnloadModel": lambda: stub.UnloadModel(
             pb.UnloadModelRequest(model="no-such-model"), metadata=metadata
         ),
+        # past the role check: no such file, no such adapter (INVALID_ARGUMENT)
+        "LoadAdapter": lambda: stub.LoadAdapter(
+            pb.LoadAdapterRequest(name="x", path="/no/such/adapter.gguf"), metadata=metadata
+        ),
+        "UnloadAdapter": lambda: stub.UnloadAdapter(
+            pb.UnloadAdapterRequest(name="no-such-adapter"), metadata=metadata
+        ),
+        "ListAdapters": lambda: stub.ListAdapters(pb.ListAdaptersRequest(), metadata=metadata),
     }
     assert set(calls) == set(SERVICE.methods_by_name), "a new RPC needs a case here"
     codes: dict[str, grpc.StatusCode] = {}
@@ -224,8 +232,17 @@ async def test_every_rpc_needs_a_known_token(stub: pb_grpc.LlmServiceStub) -> No
     ok = {
         **dict.fromkeys(SERVICE.methods_by_name, grpc.StatusCode.OK),
         "UnloadModel": grpc.StatusCode.NOT_FOUND,
+        "LoadAdapter": grpc.StatusCode.INVALID_ARGUMENT,
+        "UnloadAdapter": grpc.StatusCode.INVALID_ARGUMENT,
     }
-    admin_only = ("ClearCache", "ListModels", "LoadModel", "UnloadModel")
+    admin_only = (
+        "ClearCache",
+        "ListModels",
+        "LoadModel",
+        "UnloadModel",
+        "LoadAdapter",
+        "UnloadAdapter",
+    )
     user_ok = {**ok, **dict.fromkeys(admin_only, grpc.StatusCode.PERMISSION_DENIED)}
     assert await call_every_rpc(stub, bearer(USER_A)) == user_ok
     assert await call_every_rpc(stub, bearer(ADMIN)) == ok

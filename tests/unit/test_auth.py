@@ -60,6 +60,19 @@ def test_tokens_resolve_to_their_tenant_and_role(table: auth.AuthTable) -> None:
     assert table.by_token("") is None
 
 
+def test_a_tenants_adapters_restrict_its_principals(tmp_path: Path) -> None:
+    """`adapters` in a tenant's table: the LoRA adapters its callers may apply; others any."""
+    text = FILE.replace("max_queued = 5\n", "max_queued = 5\nadapters = ['sql', 'chat']\n")
+    table = load_auth_file(write(tmp_path, text))
+    user, admin = table.by_token(USER_TOKEN), table.by_token(ADMIN_TOKEN)
+    assert user is not None and user.adapters == frozenset({"sql", "chat"})
+    assert admin is not None and admin.adapters is None
+    assert table.limits["team-a"].adapters == ("sql", "chat")
+    bad = "[tenants.a]\nadapters = 'sql'\n"
+    with pytest.raises(AuthFileError, match=r"tenants\.a\.adapters: must be a list"):
+        load_auth_file(write(tmp_path, bad))
+
+
 def test_limits_and_tenants_come_from_the_file(table: auth.AuthTable) -> None:
     assert table.limits == {"team-a": TenantLimits(max_concurrent=3, max_queued=5, weight=2.0)}
     assert table.tenants == {"team-a", "ops", "team-b"}

@@ -96,6 +96,26 @@ class ScriptedServicer(pb_grpc.LlmServiceServicer):
         """Fixed model info without a BOS token."""
         return pb.GetModelInfoResponse(model_name="gemma-3-270m", n_ctx=4096, eos_token_id=1)
 
+    def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext) -> Any:
+        """The adapter asked for, with fixed figures."""
+        self._record(request, context)
+        adapter = pb.Adapter(
+            name=request.name, path=request.path, model=request.model or "gemma", rank=8
+        )
+        return pb.LoadAdapterResponse(adapter=adapter)
+
+    def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: grpc.ServicerContext) -> Any:
+        """Two requests still using it."""
+        self._record(request, context)
+        return pb.UnloadAdapterResponse(in_flight=2)
+
+    def ListAdapters(self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext) -> Any:
+        """Two adapters."""
+        self._record(request, context)
+        return pb.ListAdaptersResponse(
+            adapters=[pb.Adapter(name="sql", rank=8), pb.Adapter(name="chat", rank=16)]
+        )
+
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[str, ScriptedServicer, health.HealthServicer]]:
@@ -167,6 +187,78 @@ def test_unknown_priority_flag_is_a_usage_error(capsys: pytest.CaptureFixture[st
         cli.main(["generate", "Hi", "--priority", "urgent"])
     assert caught.value.code == 2
     assert "--priority" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "stream", "chat"])
+def test_lora_flags_reach_the_request(
+    target: str, servicer: ScriptedServicer, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """--lora NAME[:SCALE] (repeatable) becomes params.lora in order, a bare NAME without a
+    scale; left out, the request names no adapter."""
+    assert cli.main([command, "Hi", "--lora", "sql:0.5", "--lora", "chat", "--lora", "x:-1"]) == 0
+    assert list(servicer.request.params.lora) == [
+        pb.LoraAdapter(name="sql", scale=0.5),
+        pb.LoraAdapter(name="chat"),
+        pb.LoraAdapter(name="x", scale=-1.0),
+    ]
+    assert not servicer.request.params.lora[1].HasField("scale")
+    assert cli.main([command, "Hi"]) == 0
+    assert list(servicer.request.params.lora) == []
+
+
+@pytest.mark.parametrize("flag", ["sql:half", ":0.5", "sql:"])
+def test_a_bad_lora_flag_is_a_usage_error(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--lora takes NAME or NAME:SCALE with a number as SCALE."""
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["generate", "Hi", "--lora", flag])
+    assert caught.value.code == 2
+    assert "--lora" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lora", "sql", "--lora", "sql:0.5"], "lora names adapter 'sql' twice"),
+        (["--lora", "sql:nan"], "the scale of lora adapter 'sql' must be a finite number"),
+    ],
+)
+def test_lora_flags_the_client_refuses_are_a_usage_error(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An adapter named twice, or a scale that is not finite, exits 2 before any call (the
+    target here serves nothing)."""
+    assert cli.main(["generate", "Hi", *flags, "--target", "127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --lora: {message}")
+
+
+def test_adapter_commands_send_their_fields_and_print_json(
+    target: str, servicer: ScriptedServicer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """load-adapter, unload-adapter and list-adapters call their RPCs with NAME, PATH,
+    --scale and --model, and print JSON."""
+    assert cli.main(["load-adapter", "sql", "/a/sql.gguf", "--scale", "0.5", "--model", "q"]) == 0
+    assert servicer.request == pb.LoadAdapterRequest(
+        model="q", name="sql", path="/a/sql.gguf", default_scale=0.5
+    )
+    loaded = json.loads(capsys.readouterr().out)
+    assert (loaded["name"], loaded["path"], loaded["model"], loaded["rank"]) == (
+        "sql",
+        "/a/sql.gguf",
+        "q",
+        8,
+    )
+    assert cli.main(["load-adapter", "sql", "/a/sql.gguf"]) == 0
+    assert servicer.request == pb.LoadAdapterRequest(name="sql", path="/a/sql.gguf")
+    assert not servicer.request.HasField("default_scale")
+    capsys.readouterr()
+    assert cli.main(["unload-adapter", "sql", "--model", "q"]) == 0
+    assert servicer.request == pb.UnloadAdapterRequest(model="q", name="sql")
+    assert json.loads(capsys.readouterr().out) == {"in_flight": 2}
+    assert cli.main(["list-adapters"]) == 0
+    assert servicer.request == pb.ListAdaptersRequest()
+    listed = json.loads(capsys.readouterr().out)
+    assert [(a["name"], a["rank"]) for a in listed] == [("sql", 8), ("chat", 16)]
+    assert set(listed[0]) == set(pb.Adapter.DESCRIPTOR.fields_by_name)
 
 
 def test_generate_json_prints_the_whole_result(

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from llama_grpc_server.core import response_cache as rc
+from llama_grpc_server.core.adapters import AdapterRef
 from llama_grpc_server.core.reasoning.budget import ReasoningParams
 from llama_grpc_server.core.requests.request import (
     Constraint,
@@ -63,6 +64,7 @@ def request_types() -> list[type]:
         OutputParams,
         Constraint,
         ReasoningParams,
+        AdapterRef,
     ]
 
 

@@ -246,6 +246,248 @@ POOLING_NONE: Pooling.ValueType  # 4
 Global___Pooling: _TypeAlias = Pooling  # noqa: Y015
 
 @_typing.final
+class Adapter(_message.Message):
+    """A LoRA adapter a model serves."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    DEFAULT_SCALE_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    ALPHA_FIELD_NUMBER: _builtins.int
+    NUM_TENSORS_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
+    PASSES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name requests use in `params.lora`."""
+    path: _builtins.str
+    """The adapter's GGUF file."""
+    default_scale: _builtins.float
+    """The scale a request naming it without one gets."""
+    rank: _builtins.int
+    """Its rank and alpha (the update is scale * alpha / rank * B A), and the base model's
+    tensors it changes.
+    """
+    alpha: _builtins.float
+    num_tensors: _builtins.int
+    size_bytes: _builtins.int
+    sha256: _builtins.str
+    """The first 16 hex digits of the file's SHA-256: what the prefix caches key (two replicas
+    sharing a disk tier share an adapter's cached prefixes only when the files are equal).
+    """
+    model: _builtins.str
+    """The model it belongs to."""
+    requests: _builtins.int
+    """Since start: requests that used it, tokens they generated, forward passes run with it."""
+    generated_tokens: _builtins.int
+    passes: _builtins.int
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+        default_scale: _builtins.float = ...,
+        rank: _builtins.int = ...,
+        alpha: _builtins.float = ...,
+        num_tensors: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+        model: _builtins.str = ...,
+        requests: _builtins.int = ...,
+        generated_tokens: _builtins.int = ...,
+        passes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "default_scale", b"default_scale", "generated_tokens", b"generated_tokens", "model", b"model", "name", b"name", "num_tensors", b"num_tensors", "passes", b"passes", "path", b"path", "rank", b"rank", "requests", b"requests", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Adapter: _TypeAlias = Adapter  # noqa: Y015
+
+@_typing.final
+class LoadAdapterRequest(_message.Message):
+    """Input of LoadAdapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    DEFAULT_SCALE_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The model; empty means the default one."""
+    name: _builtins.str
+    """The name to serve it under: letters, digits, '-', '_', '.'; at most 64 characters."""
+    path: _builtins.str
+    """The adapter GGUF (llama.cpp's convert_lora_to_gguf.py writes them), a path on the server."""
+    default_scale: _builtins.float
+    """The scale requests naming it without one get (unset: 1)."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+        default_scale: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_default_scale", b"_default_scale", "default_scale", b"default_scale"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_default_scale", b"_default_scale", "default_scale", b"default_scale", "model", b"model", "name", b"name", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__default_scale: _TypeAlias = _typing.Literal["default_scale"]  # noqa: Y015
+    _WhichOneofArgType__default_scale: _TypeAlias = _typing.Literal["_default_scale", b"_default_scale"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__default_scale) -> _WhichOneofReturnType__default_scale | None: ...
+
+Global___LoadAdapterRequest: _TypeAlias = LoadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class LoadAdapterResponse(_message.Message):
+    """Output of LoadAdapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapter(self) -> Global___Adapter: ...
+    def __init__(
+        self,
+        *,
+        adapter: Global___Adapter | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadAdapterResponse: _TypeAlias = LoadAdapterResponse  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterRequest(_message.Message):
+    """Input of UnloadAdapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterRequest: _TypeAlias = UnloadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterResponse(_message.Message):
+    """Output of UnloadAdapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    in_flight: _builtins.int
+    """Requests that were using it and finish with it."""
+    def __init__(
+        self,
+        *,
+        in_flight: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_flight", b"in_flight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterResponse: _TypeAlias = UnloadAdapterResponse  # noqa: Y015
+
+@_typing.final
+class ListAdaptersRequest(_message.Message):
+    """Input of ListAdapters."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersRequest: _TypeAlias = ListAdaptersRequest  # noqa: Y015
+
+@_typing.final
+class ListAdaptersResponse(_message.Message):
+    """Output of ListAdapters."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___Adapter]: ...
+    def __init__(
+        self,
+        *,
+        adapters: _abc.Iterable[Global___Adapter] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersResponse: _TypeAlias = ListAdaptersResponse  # noqa: Y015
+
+@_typing.final
+class LoraAdapter(_message.Message):
+    """A LoRA adapter a request applies (GenerationParams.lora)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SCALE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """An adapter the model serves (ListAdapters); INVALID_ARGUMENT names an unknown one."""
+    scale: _builtins.float
+    """How much of it: the update is scale * alpha / rank * B A (unset: the adapter's default
+    scale, 1 unless configured). From -16 to 16; 0 is the base model.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        scale: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_scale", b"_scale", "scale", b"scale"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_scale", b"_scale", "name", b"name", "scale", b"scale"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__scale: _TypeAlias = _typing.Literal["scale"]  # noqa: Y015
+    _WhichOneofArgType__scale: _TypeAlias = _typing.Literal["_scale", b"_scale"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__scale) -> _WhichOneofReturnType__scale | None: ...
+
+Global___LoraAdapter: _TypeAlias = LoraAdapter  # noqa: Y015
+
+@_typing.final
 class ModelStatus(_message.Message):
     """One model of ListModels."""
 
@@ -704,6 +946,7 @@ class GenerationParams(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_RESPONSE_FIELD_NUMBER: _builtins.int
     SPECULATIVE_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     cache_prompt: _builtins.bool
     """Reuse and keep KV cache for this request's prefix (server default: true)."""
     json_schema: _builtins.str
@@ -746,6 +989,14 @@ class GenerationParams(_message.Message):
         with other requests already does).
         """
 
+    @_builtins.property
+    def lora(self) -> _containers.RepeatedCompositeFieldContainer[Global___LoraAdapter]:
+        """LoRA adapters to apply (docs/api.md#lora-adapters), each named once; empty: the base model. A request
+        keeps its adapters for its whole answer; prefix caches are never shared between adapter
+        sets (nor with the base model). A pass of the engine runs one adapter set, so requests of
+        different sets take turns.
+        """
+
     def __init__(
         self,
         *,
@@ -759,10 +1010,11 @@ class GenerationParams(_message.Message):
         priority: Global___Priority.ValueType = ...,
         cache_response: _builtins.bool | None = ...,
         speculative: Global___SpeculativeParams | None = ...,
+        lora: _abc.Iterable[Global___LoraAdapter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "_cache_response", b"_cache_response", "cache_prompt", b"cache_prompt", "cache_response", b"cache_response", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "sampling", b"sampling", "speculative", b"speculative", "stopping", b"stopping"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "_cache_response", b"_cache_response", "cache_prompt", b"cache_prompt", "cache_response", b"cache_response", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "priority", b"priority", "sampling", b"sampling", "speculative", b"speculative", "stopping", b"stopping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "_cache_response", b"_cache_response", "cache_prompt", b"cache_prompt", "cache_response", b"cache_response", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "lora", b"lora", "output", b"output", "priority", b"priority", "sampling", b"sampling", "speculative", b"speculative", "stopping", b"stopping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cache_prompt: _TypeAlias = _typing.Literal["cache_prompt"]  # noqa: Y015
     _WhichOneofArgType__cache_prompt: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt"]  # noqa: Y015
@@ -1947,6 +2199,8 @@ class GetStatsResponse(_message.Message):
     STALLED_READERS_FIELD_NUMBER: _builtins.int
     STREAM_PAUSES_FIELD_NUMBER: _builtins.int
     WATCHDOG_TRIPS_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    ADAPTER_SWITCHES_FIELD_NUMBER: _builtins.int
     n_parallel: _builtins.int
     active_slots: _builtins.int
     idle_slots: _builtins.int
@@ -2049,8 +2303,15 @@ class GetStatsResponse(_message.Message):
     """Ticks the engine's watchdog found running past its bound (--watchdog-s): 1 once the engine
     hung (every request then ended UNAVAILABLE, reason ENGINE_HUNG, and the server exits).
     """
+    adapter_switches: _builtins.int
     @_builtins.property
     def slots(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotStats]: ...
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___Adapter]:
+        """The model's LoRA adapters with their counters (ListAdapters' figures), and forward passes
+        whose adapter set differed from the pass before (each costs llama.cpp a graph rebuild).
+        """
+
     def __init__(
         self,
         *,
@@ -2111,10 +2372,12 @@ class GetStatsResponse(_message.Message):
         stalled_readers: _builtins.int = ...,
         stream_pauses: _builtins.int = ...,
         watchdog_trips: _builtins.int = ...,
+        adapters: _abc.Iterable[Global___Adapter] | None = ...,
+        adapter_switches: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "decode_cpu_seconds", b"decode_cpu_seconds", "decode_seconds", b"decode_seconds", "disk_cache_bytes", b"disk_cache_bytes", "disk_cache_entries", b"disk_cache_entries", "disk_cache_evictions", b"disk_cache_evictions", "disk_cache_hits", b"disk_cache_hits", "disk_cache_misses", b"disk_cache_misses", "disk_cache_read_failures", b"disk_cache_read_failures", "disk_cache_read_seconds", b"disk_cache_read_seconds", "disk_cache_verify_failures", b"disk_cache_verify_failures", "disk_cache_write_failures", b"disk_cache_write_failures", "disk_cache_writes", b"disk_cache_writes", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "model_name", b"model_name", "n_parallel", b"n_parallel", "paused_streams", b"paused_streams", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_deadline_exceeded", b"requests_deadline_exceeded", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "response_cache_bytes", b"response_cache_bytes", "response_cache_entries", b"response_cache_entries", "response_cache_evictions", b"response_cache_evictions", "response_cache_hits", b"response_cache_hits", "response_cache_misses", b"response_cache_misses", "slots", b"slots", "spec_acceptance_rate", b"spec_acceptance_rate", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_ticks", b"spec_ticks", "stalled_readers", b"stalled_readers", "stream_pauses", b"stream_pauses", "ticks", b"ticks", "uptime_s", b"uptime_s", "watchdog_trips", b"watchdog_trips"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "adapter_switches", b"adapter_switches", "adapters", b"adapters", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "decode_cpu_seconds", b"decode_cpu_seconds", "decode_seconds", b"decode_seconds", "disk_cache_bytes", b"disk_cache_bytes", "disk_cache_entries", b"disk_cache_entries", "disk_cache_evictions", b"disk_cache_evictions", "disk_cache_hits", b"disk_cache_hits", "disk_cache_misses", b"disk_cache_misses", "disk_cache_read_failures", b"disk_cache_read_failures", "disk_cache_read_seconds", b"disk_cache_read_seconds", "disk_cache_verify_failures", b"disk_cache_verify_failures", "disk_cache_write_failures", b"disk_cache_write_failures", "disk_cache_writes", b"disk_cache_writes", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "model_name", b"model_name", "n_parallel", b"n_parallel", "paused_streams", b"paused_streams", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_deadline_exceeded", b"requests_deadline_exceeded", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "response_cache_bytes", b"response_cache_bytes", "response_cache_entries", b"response_cache_entries", "response_cache_evictions", b"response_cache_evictions", "response_cache_hits", b"response_cache_hits", "response_cache_misses", b"response_cache_misses", "slots", b"slots", "spec_acceptance_rate", b"spec_acceptance_rate", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_ticks", b"spec_ticks", "stalled_readers", b"stalled_readers", "stream_pauses", b"stream_pauses", "ticks", b"ticks", "uptime_s", b"uptime_s", "watchdog_trips", b"watchdog_trips"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -103,6 +103,21 @@ class LlmServiceStub:
                 request_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/llama_grpc.v1.LlmService/LoadAdapter',
+                request_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/llama_grpc.v1.LlmService/UnloadAdapter',
+                request_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/llama_grpc.v1.LlmService/ListAdapters',
+                request_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class LlmServiceServicer:
@@ -215,6 +230,30 @@ class LlmServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Admin: load a LoRA adapter for a model (the default one unless `model` names another),
+        checked against it (architecture, every tensor's shape: INVALID_ARGUMENT naming the
+        mismatch). Requests then name it in `params.lora`. Loads the model if it is not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Admin: unload an adapter: requests naming it from now on are INVALID_ARGUMENT; requests
+        already using it finish with it, and its memory is freed when the last one ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """The LoRA adapters a model serves (a user sees only those its tenant may use).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LlmServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -282,6 +321,21 @@ def add_LlmServiceServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.EmbedRequest.FromString,
                     response_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.EmbedResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=llama__grpc_dot_v1_dot_llm__service__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=llama__grpc_dot_v1_dot_llm__service__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -639,6 +693,87 @@ class LlmService:
             '/llama_grpc.v1.LlmService/Embed',
             llama__grpc_dot_v1_dot_llm__service__pb2.EmbedRequest.SerializeToString,
             llama__grpc_dot_v1_dot_llm__service__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llama_grpc.v1.LlmService/LoadAdapter',
+            llama__grpc_dot_v1_dot_llm__service__pb2.LoadAdapterRequest.SerializeToString,
+            llama__grpc_dot_v1_dot_llm__service__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llama_grpc.v1.LlmService/UnloadAdapter',
+            llama__grpc_dot_v1_dot_llm__service__pb2.UnloadAdapterRequest.SerializeToString,
+            llama__grpc_dot_v1_dot_llm__service__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llama_grpc.v1.LlmService/ListAdapters',
+            llama__grpc_dot_v1_dot_llm__service__pb2.ListAdaptersRequest.SerializeToString,
+            llama__grpc_dot_v1_dot_llm__service__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

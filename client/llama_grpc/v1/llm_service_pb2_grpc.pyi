@@ -82,6 +82,17 @@ class LlmServiceStub:
     a prefill-only request of the model's scheduler (the same queue, tenants, deadlines and
     stats as generation), computed in embedding passes of its own between generation passes.
     """
+    LoadAdapter: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.LoadAdapterRequest, _llm_service_pb2.LoadAdapterResponse]
+    """Admin: load a LoRA adapter for a model (the default one unless `model` names another),
+    checked against it (architecture, every tensor's shape: INVALID_ARGUMENT naming the
+    mismatch). Requests then name it in `params.lora`. Loads the model if it is not loaded.
+    """
+    UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.UnloadAdapterRequest, _llm_service_pb2.UnloadAdapterResponse]
+    """Admin: unload an adapter: requests naming it from now on are INVALID_ARGUMENT; requests
+    already using it finish with it, and its memory is freed when the last one ends.
+    """
+    ListAdapters: _grpc.UnaryUnaryMultiCallable[_llm_service_pb2.ListAdaptersRequest, _llm_service_pb2.ListAdaptersResponse]
+    """The LoRA adapters a model serves (a user sees only those its tenant may use)."""
 
 @_typing.type_check_only
 class LlmServiceAsyncStub(LlmServiceStub):
@@ -137,6 +148,17 @@ class LlmServiceAsyncStub(LlmServiceStub):
     a prefill-only request of the model's scheduler (the same queue, tenants, deadlines and
     stats as generation), computed in embedding passes of its own between generation passes.
     """
+    LoadAdapter: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.LoadAdapterRequest, _llm_service_pb2.LoadAdapterResponse]  # type: ignore[assignment]
+    """Admin: load a LoRA adapter for a model (the default one unless `model` names another),
+    checked against it (architecture, every tensor's shape: INVALID_ARGUMENT naming the
+    mismatch). Requests then name it in `params.lora`. Loads the model if it is not loaded.
+    """
+    UnloadAdapter: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.UnloadAdapterRequest, _llm_service_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
+    """Admin: unload an adapter: requests naming it from now on are INVALID_ARGUMENT; requests
+    already using it finish with it, and its memory is freed when the last one ends.
+    """
+    ListAdapters: _aio.UnaryUnaryMultiCallable[_llm_service_pb2.ListAdaptersRequest, _llm_service_pb2.ListAdaptersResponse]  # type: ignore[assignment]
+    """The LoRA adapters a model serves (a user sees only those its tenant may use)."""
 
 class LlmServiceServicer(metaclass=_abc_1.ABCMeta):
     """LlmService serves local GGUF models: one by default, or several by name (the request's `model`
@@ -267,5 +289,34 @@ class LlmServiceServicer(metaclass=_abc_1.ABCMeta):
         a prefill-only request of the model's scheduler (the same queue, tenants, deadlines and
         stats as generation), computed in embedding passes of its own between generation passes.
         """
+
+    @_abc_1.abstractmethod
+    def LoadAdapter(
+        self,
+        request: _llm_service_pb2.LoadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_llm_service_pb2.LoadAdapterResponse, _abc.Awaitable[_llm_service_pb2.LoadAdapterResponse]]:
+        """Admin: load a LoRA adapter for a model (the default one unless `model` names another),
+        checked against it (architecture, every tensor's shape: INVALID_ARGUMENT naming the
+        mismatch). Requests then name it in `params.lora`. Loads the model if it is not loaded.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadAdapter(
+        self,
+        request: _llm_service_pb2.UnloadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_llm_service_pb2.UnloadAdapterResponse, _abc.Awaitable[_llm_service_pb2.UnloadAdapterResponse]]:
+        """Admin: unload an adapter: requests naming it from now on are INVALID_ARGUMENT; requests
+        already using it finish with it, and its memory is freed when the last one ends.
+        """
+
+    @_abc_1.abstractmethod
+    def ListAdapters(
+        self,
+        request: _llm_service_pb2.ListAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_llm_service_pb2.ListAdaptersResponse, _abc.Awaitable[_llm_service_pb2.ListAdaptersResponse]]:
+        """The LoRA adapters a model serves (a user sees only those its tenant may use)."""
 
 def add_LlmServiceServicer_to_server(servicer: LlmServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

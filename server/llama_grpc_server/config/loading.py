@@ -35,6 +35,8 @@ from llama_grpc_server.config.settings import (
     SchedulerSettings,
     ServerSettings,
     Settings,
+    parse_engine_lora,
+    parse_lora,
 )
 from llama_grpc_server.core.requests.request import SamplingParams
 from llama_grpc_server.core.scheduling.tenants import TenantLimits
@@ -384,7 +386,27 @@ def _build(values: Mapping[str, Resolved]) -> Settings:
             section, field = opt.target.split(".")
             sections[section][field] = values[opt.name].value
     (name, path), others = _served_models(values)
-    sections["model"] |= {"model_path": path, "model_name": name}
+    raw_loras = values["lora"].value
+    loras = tuple(parse_lora(e) for e in raw_loras) if isinstance(raw_loras, tuple) else ()
+    served = {name or _stem(path), *(n for n, _ in others)}
+    for lora in loras:
+        if lora.model and lora.model not in served:
+            raise ConfigError(
+                f"--lora {lora.model}/{lora.name} ({values['lora'].source}): no served model is "
+                f"named {lora.model!r} (served: {', '.join(sorted(served))})"
+            )
+    engine_lora = values["engine_lora"]
+    if engine_lora.value:
+        default = name or _stem(path)
+        adapter = parse_engine_lora(str(engine_lora.value))[0]
+        own = sorted(lora.name for lora in loras if lora.model in ("", default))
+        if adapter not in own:
+            raise ConfigError(
+                f"--engine-lora {engine_lora.value} ({engine_lora.source}): {adapter!r} is not a "
+                f"--lora adapter of the default model {default!r} (its adapters: "
+                f"{', '.join(own) or 'none'})"
+            )
+    sections["model"] |= {"model_path": path, "model_name": name, "loras": loras}
     sections["pool"]["models"] = others
     sampling = sections["sampling"]
     sampling["seed"] = None if sampling["seed"] == -1 else sampling["seed"]

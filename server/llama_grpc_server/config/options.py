@@ -5,6 +5,7 @@ docs/options.md from this table."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,10 @@ from llama_grpc_server.config.settings import (
     PoolSettings,
     SchedulerSettings,
     ServerSettings,
+    parse_engine_lora,
+    parse_lora,
 )
+from llama_grpc_server.core import adapters
 from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES
 from llama_grpc_server.core.requests.request import (
     MAX_DRAFT_TOKENS,
@@ -101,6 +105,37 @@ def _model_entries(v: Value) -> str | None:
     return None
 
 
+def _lora_entries(v: Value) -> str | None:
+    """Each --lora entry parses, names an adapter well and points at a file."""
+    for entry in v if isinstance(v, tuple) else ((str(v),) if v else ()):
+        try:
+            spec = parse_lora(entry)
+        except ValueError as exc:
+            return f"{entry!r}: {exc}"
+        if not adapters.NAME.fullmatch(spec.name):
+            return f"{entry!r}: an adapter name is 1-64 letters, digits, '.', '_' or '-'"
+        if not Path(spec.path).is_file():
+            return f"{entry!r}: no such file"
+        if not math.isfinite(spec.scale) or abs(spec.scale) > adapters.MAX_SCALE:
+            return f"{entry!r}: the scale must be within [-16, 16]"
+    return None
+
+
+def _engine_lora(v: Value) -> str | None:
+    """--engine-lora: an adapter name and, if given, a scale that is not the base model's 0."""
+    if not v:
+        return None
+    try:
+        name, scale = parse_engine_lora(str(v))
+    except ValueError as exc:
+        return str(exc)
+    if not adapters.NAME.fullmatch(name):
+        return "an adapter name is 1-64 letters, digits, '.', '_' or '-'"
+    if scale is not None and not (math.isfinite(scale) and 0 < abs(scale) <= adapters.MAX_SCALE):
+        return "the scale must be within [-16, 16] and not 0 (0 is the base model)"
+    return None
+
+
 def _name_problem(name: str) -> str | None:
     try:
         catalog.check_name(name)
@@ -167,6 +202,16 @@ OPTIONS: tuple[Option, ...] = (
            "a GGUF file, NAME=PATH, or a model name of --models-dir; repeat it to serve several "
            "models (requests pick one by name): the first is the default (default: embedded "
            "Gemma 3 270M)", _model_entries, "[NAME=]PATH", repeat=True),
+    Option("lora", str, "model.loras",
+           "a LoRA adapter GGUF that requests may apply by NAME (params.lora), loaded at start "
+           "and checked against its model; SCALE is the scale of a request naming no scale "
+           "(default 1); MODEL/ loads it for another served model; repeat it for several",
+           _lora_entries, "[MODEL/]NAME=PATH[:SCALE]", repeat=True),
+    Option("engine_lora", str, "model.engine_lora",
+           "apply the default model's --lora adapter NAME (at SCALE, default its own) to every "
+           "request of the vLLM engine protocol, which has no LoRA field: the replica tells the "
+           "gateway (GetModelInfo) it serves model MODEL+NAME, so SMG routes that name to it; "
+           "v1 requests are unchanged", _engine_lora, "NAME[:SCALE]"),
     Option("model_name", str, "model.model_name",
            "name of the default model shown to clients (default: file stem)", metavar="NAME"),
     Option("models_dir", str, "pool.models_dir",
@@ -250,8 +295,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("watchdog_s", float, "scheduler.watchdog_s",
            "a tick running longer than this means the engine hung: health NOT_SERVING, every "
            "caller UNAVAILABLE (reason ENGINE_HUNG), the engine thread's stack logged, exit 71 "
-           "after --grace-s (auto = 10x a whole --n-batch of prompt tokens at the warm-up's "
-           "measured cost, at least 30; 0 = off)", or_auto(at_least(0)), "S|auto", auto=True),
+           "after --grace-s (auto = 10x the tick's forward pass at the measured cost of a "
+           "token, at least 5; before a pass of its kind is timed, 10x a whole --n-batch of "
+           "prompt tokens at the warm-up's cost, at least 30; 0 = off)", or_auto(at_least(0)),
+           "S|auto", auto=True),
     Option("cache_prompt", bool, "scheduler.cache_prompt", "reuse KV of a cached prefix"),
     Option("pad_decode_batches", bool, "scheduler.pad_decode_batches",
            "pad a decode-only pass with up to 3 rows that are never sampled when the measured "

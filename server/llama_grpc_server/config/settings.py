@@ -19,6 +19,50 @@ GpuLayers = int | Literal["auto"]
 
 
 @dataclass(frozen=True, slots=True)
+class LoraSpec:
+    """A --lora entry: an adapter to load at start, for `model` ("" = the default model)."""
+
+    name: str
+    path: str
+    scale: float = 1.0  # the scale of a request naming it without one
+    model: str = ""
+
+
+def parse_lora(entry: str) -> LoraSpec:
+    """`[MODEL/]NAME=PATH[:SCALE]` as a LoraSpec; ValueError says what is wrong."""
+    head, sep, rest = entry.partition("=")
+    if not sep or not rest:
+        raise ValueError("expected [MODEL/]NAME=PATH[:SCALE]")
+    model, _, name = head.rpartition("/")
+    path, scale = rest, 1.0
+    stem, colon, tail = rest.rpartition(":")
+    if colon and stem:
+        try:
+            scale = float(tail)
+        except ValueError:
+            pass  # a path with a colon in it, and no scale
+        else:
+            path = stem
+    if not name:
+        raise ValueError("the adapter needs a name: NAME=PATH")
+    return LoraSpec(name, path, scale, model)
+
+
+def parse_engine_lora(entry: str) -> tuple[str, float | None]:
+    """`NAME[:SCALE]` of --engine-lora as (name, scale or None for the adapter's default);
+    ValueError says what is wrong."""
+    name, colon, tail = entry.partition(":")
+    if not name:
+        raise ValueError("expected NAME[:SCALE]")
+    if not colon:
+        return name, None
+    try:
+        return name, float(tail)
+    except ValueError:
+        raise ValueError(f"the scale {tail!r} is not a number") from None
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSettings:
     """Which GGUF to load and how; model_path "" means the embedded Gemma 3 270M."""
 
@@ -32,6 +76,10 @@ class ModelSettings:
     n_gpu_layers: GpuLayers = 0
     flash_attn: bool = True
     chat_template: str = ""  # a built-in for messages ("gemma", "chatml"); "" = the model's own
+    loras: tuple[LoraSpec, ...] = ()  # LoRA adapters loaded at start (--lora)
+    # NAME[:SCALE] (--engine-lora): the --lora adapter every vLLM engine-protocol request applies,
+    # the replica then being model `<model_name>+NAME` to the gateway; "" = none
+    engine_lora: str = ""
 
     def threads(self, cpus: int | None = None) -> tuple[int, int]:
         """(generation, prompt) threads with the 0 defaults resolved; cpus defaults to
@@ -125,8 +173,9 @@ class SchedulerSettings:
     stream_buffer_tokens: int = 256
     stalled_reader_s: float = 60.0
     # A tick running longer than this (seconds) means the engine hung (watchdog.py): health
-    # NOT_SERVING, every caller UNAVAILABLE, exit. "auto": derived from the warm-up's measured
-    # prefill cost and n_batch (watchdog.auto_bound_s); 0 = off.
+    # NOT_SERVING, every caller UNAVAILABLE, exit. "auto": each tick's bound follows its forward
+    # pass at the measured cost of a token, starting from the warm-up's measured prefill cost
+    # and n_batch (watchdog.PassBounds); 0 = off.
     watchdog_s: float | Literal["auto"] = AUTO
     max_stop_strings: int = 16
     max_stop_length: int = 256

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from llama_grpc_server.core.adapters import AdapterCatalog, AdapterEntry, AdapterUsage
 from llama_grpc_server.core.kv.events import KvEventLog
 from llama_grpc_server.core.requests.chat import ChatMessage
 from llama_grpc_server.core.requests.request import Event, GenerationRequest
@@ -114,6 +115,9 @@ class StatsSnapshot:
     stream_pauses: int = 0
     # Ticks the watchdog found running past its bound (--watchdog-s): 1 once the engine hung.
     watchdog_trips: int = 0
+    # Per LoRA adapter since start (core.adapters), and passes that switched adapter sets.
+    adapters: tuple[AdapterUsage, ...] = ()
+    adapter_switches: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +242,21 @@ class EngineApi(Protocol):
         ...
 
     def stats(self) -> StatsSnapshot: ...
+
+    @property
+    def adapters(self) -> AdapterCatalog:
+        """The model's loaded LoRA adapters, which requests are resolved against; any thread."""
+        ...
+
+    async def load_adapter(self, name: str, path: str, default_scale: float) -> AdapterEntry:
+        """Check an adapter file against the model and load it (InvalidRequest naming the
+        mismatch; FailedPrecondition for a name in use)."""
+        ...
+
+    async def unload_adapter(self, name: str) -> int:
+        """Refuse the adapter to new requests and free it once its requests are done; how many
+        queued or running requests use it now."""
+        ...
 
     @property
     def kv_events(self) -> KvEventLog:

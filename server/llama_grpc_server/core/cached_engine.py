@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
+from llama_grpc_server.core.adapters import AdapterCatalog, AdapterEntry
 from llama_grpc_server.core.api import (
     CacheCleared,
     EngineApi,
@@ -157,6 +158,16 @@ class ResponseCachingEngine:
         return dataclasses.replace(
             cleared, freed_response_entries=freed.entries, freed_response_bytes=freed.bytes
         )
+
+    @property
+    def adapters(self) -> AdapterCatalog:
+        return self.engine.adapters
+
+    async def load_adapter(self, name: str, path: str, default_scale: float) -> AdapterEntry:
+        return await self.engine.load_adapter(name, path, default_scale)
+
+    async def unload_adapter(self, name: str) -> int:
+        return await self.engine.unload_adapter(name)
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return self.engine.tokenize(text, add_special=add_special, parse_special=parse_special)

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from llama_grpc_server.core.adapters import AdapterRef
 from llama_grpc_server.core.reasoning.budget import ReasoningParams
 from llama_grpc_server.core.requests.request import (
     Constraint,
@@ -53,7 +54,9 @@ KEYED: Mapping[type, tuple[str, ...]] = {
         "cache_scope",  # tenant-scoped (auth.scoped_cache_scope)
         "tenant",
         "reasoning",
+        "adapters",  # in cache_scope as well (core.adapters.scoped)
     ),
+    AdapterRef: ("digest", "scale"),  # the name is a label: equal files compute alike
     SamplingParams: (  # all of them, even those a greedy sampler ignores: simply safe
         "temperature",
         "top_k",
@@ -101,6 +104,7 @@ UNKEYED: Mapping[type, Mapping[str, str]] = {
         "embedding": "an embedding request is never cacheable (GenerationRequest sets "
         "cache_response false for it)",
     },
+    AdapterRef: {"name": "a label: the file (its digest) and the scale compute the output"},
 }
 # Finish reasons of a complete result. TIME_LIMIT never occurs (such requests are not cacheable).
 # EMBEDDED neither (embedding requests are not cacheable).

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from llama_grpc_server.core.adapters import AdapterCounters, AdapterSet, AdapterUsage
 from llama_grpc_server.core.api import DiskTierStats, SlotSnapshot, StatsSnapshot
 from llama_grpc_server.core.kv.prefix_cache import RamTier
 from llama_grpc_server.core.requests.request import Request
@@ -42,6 +43,8 @@ class Counters:
     )
     reader_pauses: int = 0  # times a request stopped decoding for its slow reader
     reader_stalls: int = 0  # requests ended because their reader read nothing (StalledReader)
+    adapters: dict[str, AdapterCounters] = field(default_factory=dict)  # by adapter name
+    adapter_switches: int = 0  # passes whose adapter set differs from the pass before's
 
     @property
     def num_changes(self) -> int:
@@ -55,6 +58,17 @@ class Counters:
         if request.num_preemptions == 0:
             self.cached_prompt_tokens += num_cached - request.num_cached_prompt
             request.num_cached_prompt = num_cached
+
+    def count_adapters(
+        self, adapters: AdapterSet, *, requests: int = 0, tokens: int = 0, passes: int = 0
+    ) -> None:
+        for adapter in adapters:
+            counters = self.adapters.get(adapter.name)
+            if counters is None:
+                counters = self.adapters[adapter.name] = AdapterCounters()
+            counters.requests += requests
+            counters.generated_tokens += tokens
+            counters.passes += passes
 
     def count_pass(self, num_tokens: int, num_spec: int, eval_ms: float, cpu_ms: float) -> None:
         """One forward pass of num_tokens rows, num_spec of them draft tokens (pads excluded)."""
@@ -160,6 +174,11 @@ def _counted(c: Counters) -> dict[str, Any]:
         "spec_ticks": c.spec_ticks,
         "stalled_readers": c.reader_stalls,
         "stream_pauses": c.reader_pauses,
+        "adapters": tuple(
+            AdapterUsage(name, a.requests, a.generated_tokens, a.passes)
+            for name, a in sorted(c.adapters.items())
+        ),
+        "adapter_switches": c.adapter_switches,
     }
 
 

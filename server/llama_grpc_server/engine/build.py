@@ -3,12 +3,15 @@ warm up with one real decode, start the engine thread."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import llama_cpp
 import structlog
 
 from llama_grpc_server.config import Settings, ram_tier_mb
+from llama_grpc_server.config.settings import LoraSpec
+from llama_grpc_server.core.adapters import AdapterEntry
 from llama_grpc_server.core.kv.disk import KvDiskStore
 from llama_grpc_server.core.requests.request import SpeculativeConfig, SpeculativeMode
 from llama_grpc_server.core.scheduling.plan import Chunk, StepPlan
@@ -16,7 +19,8 @@ from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimi
 from llama_grpc_server.core.scheduling.strategies import load_strategy
 from llama_grpc_server.core.speculation.policy import PRIOR_AVX512, PRIOR_X86_64_V3, TickCostModel
 from llama_grpc_server.engine import logs, openmp
-from llama_grpc_server.engine.llama import LlamaModel, system_info
+from llama_grpc_server.engine.adapters import AdapterLoadError, LoraAdapters
+from llama_grpc_server.engine.llama import LlamaModel, ModelLoadError, system_info
 from llama_grpc_server.engine.loop import DoneHook, EngineLoop, TickHook
 from llama_grpc_server.engine.runner import Runner
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_path, file_sha256
@@ -96,7 +100,9 @@ def build_engine(
     sched = settings.scheduler
     strategy = load_strategy(sched.batch_strategy)
     model = LlamaModel(settings.model, path, sched.n_parallel)
-    runner = Runner(model)
+    lora = None if model.is_encoder else LoraAdapters(model.model, model.ctx, path)
+    entries = _load_loras(lora, settings.model.loras, name, model)
+    runner = Runner(model, lora)
     disk = None
     if sched.kv_cache_dir:
         disk = KvDiskStore(
@@ -143,6 +149,8 @@ def build_engine(
     scheduler.spec.costs.prior = PRIOR_AVX512 if avx512 else PRIOR_X86_64_V3
 
     def close() -> None:
+        if lora is not None:
+            lora.close()
         if disk is not None:
             disk.close()  # the saves queued at shutdown reach the disk first
         runner.close()
@@ -150,7 +158,7 @@ def build_engine(
 
     measured: list[float] = []  # the warm-up's ms per prompt token (on the engine thread)
 
-    return EngineLoop(
+    engine = EngineLoop(
         scheduler,
         runner,
         info,
@@ -183,7 +191,32 @@ def build_engine(
         on_idle=openmp.idle_release(),
         admission_window_s=sched.admission_window_ms / 1000,
         overlap_decode=overlap_decode(sched.overlap_decode, model),
+        lora=lora,
     )
+    for entry in entries:
+        engine.adapters.add(entry)
+    return engine
+
+
+def _load_loras(
+    lora: LoraAdapters | None, specs: Sequence[LoraSpec], name: str, model: LlamaModel
+) -> list[AdapterEntry]:
+    """The --lora adapters of model `name`, loaded (ModelLoadError naming the adapter and the
+    mismatch, the model freed, when one does not fit)."""
+    wanted = [s for s in specs if s.model in ("", name)]
+    if lora is None:
+        if wanted:
+            model.close()
+            raise ModelLoadError(f"--lora {wanted[0].name}: an encoder takes no LoRA adapters")
+        return []
+    entries = []
+    for spec in wanted:
+        try:
+            entries.append(lora.load(spec.name, spec.path, spec.scale))
+        except AdapterLoadError as exc:
+            model.close()
+            raise ModelLoadError(f"--lora {spec.name}: {exc}") from None
+    return entries
 
 
 def overlap_decode(mode: str, model: LlamaModel) -> bool:

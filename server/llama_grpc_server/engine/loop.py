@@ -27,12 +27,13 @@ import time
 import traceback
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
 from llama_grpc_server import errors
 from llama_grpc_server.core import stats as core_stats
+from llama_grpc_server.core.adapters import AdapterCatalog, AdapterEntry
 from llama_grpc_server.core.api import (
     CacheCleared,
     ModelInfo,
@@ -54,6 +55,7 @@ from llama_grpc_server.core.scheduling.plan import StepPlan, StepResult, StepRun
 from llama_grpc_server.core.scheduling.scheduler import Emitted, Scheduler
 from llama_grpc_server.core.scheduling.tenants import TenantLimits
 from llama_grpc_server.core.tools.types import ToolSpec
+from llama_grpc_server.engine.adapters import AdapterLoadError, LoraAdapters
 from llama_grpc_server.engine.burst import BurstDetector
 from llama_grpc_server.watchdog import TickWatchdog
 
@@ -62,6 +64,7 @@ log = structlog.get_logger("llama_grpc.engine")
 TickHook = Callable[[StepPlan, StepResult, Scheduler], None]
 DoneHook = Callable[[Request, Event], None]
 FailureListener = Callable[[str], None]
+T = TypeVar("T")
 
 MAX_CAUSE_CHARS = 300
 PR_SET_NAME = 15  # prctl(2): the calling thread's name, as top -H, ps -L and /proc show it
@@ -175,8 +178,14 @@ class EngineLoop:
         admission_window_s: float = 0.0,
         overlap_decode: bool = False,
         watchdog_s: Callable[[], float] | None = None,
+        lora: LoraAdapters | None = None,
     ) -> None:
         self._scheduler = scheduler
+        # LoRA adapters: the catalog requests are resolved against (any thread), the llama.cpp
+        # handles (engine thread), and unloaded adapters freed once no request holds them.
+        self.adapters = AdapterCatalog()
+        self._lora = lora
+        self._unloaded: set[str] = set()
         self._admission_window_s = admission_window_s
         # whether an idle start waits out the window: not for a caller sending one at a time
         self._burst = BurstDetector(horizon_s=ADMISSION_WINDOWS_MAX * admission_window_s)
@@ -482,6 +491,8 @@ class EngineLoop:
         for kind, item in inbox:
             if kind == "clear_cache" and not item.done():
                 item.set_exception(refused)
+            elif kind == "call" and not item[1].done():
+                item[1].set_exception(refused)
         failed = Failed(error)
         self._num_failed_by_death = len(streams)  # counted in stats().requests_failed
         by_loop: Deliveries = defaultdict(list)
@@ -518,6 +529,8 @@ class EngineLoop:
         events: Emitted = []
         for kind, item in inbox:
             events += self._apply(kind, item)
+        if self._unloaded:
+            self._free_unused_adapters()
         if inbox:
             self._publish()
         if events:  # after those an overlapped tick held, if any (_deliver)
@@ -532,12 +545,70 @@ class EngineLoop:
             return self._scheduler.fail_all(item)
         if kind == "clear_cache":
             self._clear_cache(item)
+        elif kind == "call":
+            _call(*item)
         elif kind == "tenant_limits":
             self._scheduler.set_tenant_limits(item)
         else:
             request_id, tenant, deadline_exceeded = item
             return self._scheduler.cancel(request_id, tenant, deadline_exceeded=deadline_exceeded)
         return []
+
+    # -- LoRA adapters ----------------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str, default_scale: float) -> AdapterEntry:
+        """Load an adapter on the engine thread, between two passes (llama_adapter_lora_init
+        reads the file and allocates its tensors); it is in the catalog when this returns.
+        FailedPrecondition for a name in use or a model that cannot take adapters;
+        InvalidRequest naming the mismatch for a file that does not fit the model."""
+        lora = self._lora
+        if lora is None:
+            raise errors.FailedPrecondition("this model cannot take LoRA adapters")
+        if self.adapters.get(name) is not None or name in self._unloaded:
+            raise errors.FailedPrecondition(
+                f"adapter {name!r} is loaded already: unload it first", field="name"
+            )
+
+        def load() -> AdapterEntry:
+            try:
+                entry = lora.load(name, path, default_scale)
+            except AdapterLoadError as exc:
+                raise errors.InvalidRequest(str(exc), field="path") from None
+            self.adapters.add(entry)
+            return entry
+
+        return await self._on_engine(load)
+
+    async def unload_adapter(self, name: str) -> int:
+        """Take an adapter out of the catalog now (requests naming it are refused from here on)
+        and free it on the engine thread once no queued or running request holds it; the number
+        of those holding it now. InvalidRequest for a name not loaded."""
+        if self.adapters.remove(name) is None:
+            raise errors.InvalidRequest(f"no adapter {name!r} is loaded", field="name")
+        self._unloaded.add(name)
+
+        def unload() -> int:
+            users = self._scheduler.adapter_users(name)
+            self._free_unused_adapters()
+            return users
+
+        return await self._on_engine(unload)
+
+    def _free_unused_adapters(self) -> None:
+        """Engine thread: free the unloaded adapters no request holds any more."""
+        for name in [n for n in list(self._unloaded) if not self._scheduler.adapter_users(n)]:
+            if self._lora is not None:
+                self._lora.free(name)
+            self._unloaded.discard(name)
+
+    async def _on_engine(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread between two ticks; its result or its exception."""
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._wake:
+            self._check_accepting()
+            self._inbox.append(("call", (fn, done)))
+            self._wake.notify()
+        return await asyncio.wrap_future(done)
 
     def _sleep_while_idle(self) -> None:
         """With _wake held: sleep until something arrives, a read or a reader wakes it, or a
@@ -596,6 +667,19 @@ class EngineLoop:
             seen = len(self._inbox)
 
     def _add(self, stream: EngineStream) -> Emitted:
+        gone = [
+            a.name
+            for a in stream.request.spec.adapters
+            if self._lora is None
+            or a.name in self._unloaded
+            or not self._lora.has(a.name, a.digest)
+        ]
+        if gone:
+            error = errors.InvalidRequest(
+                f"adapter {gone[0]!r} was unloaded before this request started",
+                field="params.lora",
+            )
+            return [(stream.request, Failed(error))]
         try:
             self._scheduler.add(stream.request)
         except errors.ServiceError as exc:
@@ -686,6 +770,20 @@ class EngineLoop:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the event loop is closed: nobody is listening any more
                 continue
+
+
+def _call(fn: Callable[[], Any], done: concurrent.futures.Future[Any]) -> None:
+    """An inbox "call" on the engine thread: a ServiceError is the caller's answer; anything
+    else is also the engine's failure (raised on, as a failing clear_cache is)."""
+    if not done.set_running_or_notify_cancel():
+        return
+    try:
+        done.set_result(fn())
+    except errors.ServiceError as exc:
+        done.set_exception(exc)
+    except BaseException as exc:
+        done.set_exception(errors.EngineFailed(f"the engine failed: {describe(exc)}"))
+        raise
 
 
 def _holdable(events: Emitted) -> bool:

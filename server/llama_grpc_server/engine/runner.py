@@ -10,6 +10,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from llama_grpc_server.core.adapters import AdapterSet
 from llama_grpc_server.core.requests.embedding import Vectors
 from llama_grpc_server.core.scheduling.plan import (
     DECODE_OK,
@@ -22,6 +23,7 @@ from llama_grpc_server.core.scheduling.plan import (
     StepResult,
 )
 from llama_grpc_server.engine import cpu_share
+from llama_grpc_server.engine.adapters import LoraAdapters
 from llama_grpc_server.engine.batch import Batch
 from llama_grpc_server.engine.embedding import Embedder
 from llama_grpc_server.engine.llama import LlamaModel
@@ -48,8 +50,9 @@ def _done(result: StepResult) -> Collect:
 class Runner:
     """Owns the batch and the per-request samplers; used only by the engine thread."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: LlamaModel, adapters: LoraAdapters | None = None) -> None:
         self.model = model
+        self.adapters = adapters  # the model's LoRA adapters (None: it serves none)
         self.batch = Batch(model.n_batch)
         self.samplers: dict[str, RequestSampler] = {}
         self.top_logprobs: dict[str, int] = {}  # request_id -> k, only for those asking
@@ -83,6 +86,7 @@ class Runner:
         )
         if not chunks:
             return _done(StepResult(saved=saved, restored=restored, reset=reset))
+        self._apply_adapters(plan.adapters)
         if plan.is_embedding:
             return _done(self._embed(chunks, saved, restored, reset))
         outputs = self.batch.fill(chunks)
@@ -127,6 +131,13 @@ class Runner:
             )
 
         return collect
+
+    def _apply_adapters(self, adapters: AdapterSet) -> None:
+        """The pass's adapter set on the context (llama.cpp rebuilds its graph after a switch)."""
+        if self.adapters is not None:
+            self.adapters.apply(adapters)
+        elif adapters:
+            raise RuntimeError("a plan with LoRA adapters for a model that serves none")
 
     def _embed(
         self,

@@ -125,8 +125,17 @@ def directory_models(models_dir: str) -> Discover:
 
 
 def settings_for(settings: Settings, spec: ModelSpec) -> Settings:
-    """The settings one model's engine is built with: the server's, naming that model."""
-    model = dataclasses.replace(settings.model, model_path=spec.path, model_name=spec.name)
+    """The settings one model's engine is built with: the server's, naming that model, with
+    the --lora adapters of that model ("" stands for the default model: model_specs' first)."""
+    default = model_specs(settings)[0].name
+    loras = tuple(
+        dataclasses.replace(lora, model=spec.name)
+        for lora in settings.model.loras
+        if (lora.model or default) == spec.name
+    )
+    model = dataclasses.replace(
+        settings.model, model_path=spec.path, model_name=spec.name, loras=loras
+    )
     return dataclasses.replace(settings, model=model)
 
 

@@ -345,6 +345,36 @@ def _snapshot_series(s: StatsSnapshot) -> Iterator[Series]:
     }
     for name, (doc, value) in counters.items():
         yield COUNTER, name, doc, {}, value
+    yield (
+        COUNTER,
+        "adapter_switches",
+        "Forward passes whose LoRA adapter set differed from the pass before's.",
+        {},
+        s.adapter_switches,
+    )
+    for usage in s.adapters:
+        labels = {"adapter": usage.name}
+        yield (
+            COUNTER,
+            "adapter_requests",
+            "Requests that applied the LoRA adapter.",
+            labels,
+            (usage.requests),
+        )
+        yield (
+            COUNTER,
+            "adapter_generation_tokens",
+            "Tokens generated with the adapter.",
+            labels,
+            (usage.generated_tokens),
+        )
+        yield (
+            COUNTER,
+            "adapter_passes",
+            "Forward passes run with the adapter.",
+            labels,
+            (usage.passes),
+        )
 
 
 def _model_series(models: Sequence[ModelStatus]) -> Iterator[Metric]:

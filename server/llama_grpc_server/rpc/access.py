@@ -26,7 +26,15 @@ PROTECTED_SERVICES = (PROTECTED_SERVICE, VLLM_SERVICE)
 # request for a model that is not loaded loads it (on demand); managing models is an admin's.
 # The vLLM protocol's FlushCache is ClearCache; its Abort reaches the caller's own calls only.
 ADMIN_METHODS: frozenset[str] = frozenset(
-    PROTECTED_SERVICE + name for name in ("ClearCache", "ListModels", "LoadModel", "UnloadModel")
+    PROTECTED_SERVICE + name
+    for name in (
+        "ClearCache",
+        "ListModels",
+        "LoadModel",
+        "UnloadModel",
+        "LoadAdapter",
+        "UnloadAdapter",
+    )
 ) | {VLLM_SERVICE + "FlushCache"}
 
 

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc_server.core.adapters import AdapterEntry
 from llama_grpc_server.core.api import ModelInfo, StatsSnapshot
 from llama_grpc_server.core.requests import request as core
 from llama_grpc_server.core.tools.types import ToolCall, ToolCallDelta
@@ -126,8 +127,11 @@ def generate_tokens_response(
 DISK = "disk_cache_"  # GetStatsResponse's disk-tier fields: StatsSnapshot.disk_cache's, by name
 
 
-def stats_response(snapshot: StatsSnapshot, model_name: str = "") -> pb.GetStatsResponse:
-    """Field for field by name; snapshot fields the proto does not carry (yet) are left out."""
+def stats_response(
+    snapshot: StatsSnapshot, model_name: str = "", adapters: Sequence[AdapterEntry] = ()
+) -> pb.GetStatsResponse:
+    """Field for field by name; snapshot fields the proto does not carry (yet) are left out.
+    `adapters`: the model's loaded adapters, shown with their counters."""
     names = [f.name for f in pb.GetStatsResponse.DESCRIPTOR.fields if f.name not in NOT_SNAPSHOT]
     fields = {name: getattr(snapshot, name) for name in names if not name.startswith(DISK)}
     if snapshot.disk_cache is not None:
@@ -137,10 +141,32 @@ def stats_response(snapshot: StatsSnapshot, model_name: str = "") -> pb.GetStats
             if name.startswith(DISK)
         }
     slots = [pb.SlotStats(**dataclasses.asdict(slot)) for slot in snapshot.slots]
-    return pb.GetStatsResponse(**fields, slots=slots, model_name=model_name)
+    shown = [adapter(a, model_name, snapshot) for a in adapters]
+    return pb.GetStatsResponse(**fields, slots=slots, model_name=model_name, adapters=shown)
 
 
-NOT_SNAPSHOT = frozenset({"slots", "model_name"})  # GetStatsResponse fields filled otherwise
+def adapter(entry: AdapterEntry, model_name: str, snapshot: StatsSnapshot | None) -> pb.Adapter:
+    """A loaded adapter with its counters from `snapshot` (0 without one)."""
+    usage = next((u for u in snapshot.adapters if u.name == entry.name), None) if snapshot else None
+    return pb.Adapter(
+        name=entry.name,
+        path=entry.path,
+        default_scale=entry.default_scale,
+        rank=entry.rank,
+        alpha=entry.alpha,
+        num_tensors=entry.num_tensors,
+        size_bytes=entry.size_bytes,
+        sha256=entry.digest,
+        model=model_name,
+        requests=usage.requests if usage else 0,
+        generated_tokens=usage.generated_tokens if usage else 0,
+        passes=usage.passes if usage else 0,
+    )
+
+
+NOT_SNAPSHOT = frozenset(
+    {"slots", "model_name", "adapters"}
+)  # GetStatsResponse fields filled otherwise
 MODEL_STATES = {
     state.value: pb.ModelState.Value("MODEL_STATE_" + state.name) for state in ModelState
 }

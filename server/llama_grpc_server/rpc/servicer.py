@@ -22,6 +22,8 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import errors
 from llama_grpc_server.config import Settings
+from llama_grpc_server.core import adapters
+from llama_grpc_server.core.adapters import AdapterEntry, AdapterSet
 from llama_grpc_server.core.api import EngineApi, RequestStream, StatsSnapshot
 from llama_grpc_server.core.reasoning.split import ReasoningSplitter
 from llama_grpc_server.core.reasoning.stream import with_reasoning
@@ -90,6 +92,19 @@ async def _chat_tokens(
         raise errors.InvalidRequest(str(exc), field="messages") from None
     tokens = await tokenize_text(engine, text, add_special=False, parse_special=True)
     return text, (validation.chat_prompt_tokens(tokens, engine.model_info) if add_bos else tokens)
+
+
+def _adapters(engine: EngineApi, draft: validation.Draft) -> AdapterSet:
+    """The LoRA adapters a request applies, resolved against its model's (INVALID_ARGUMENT for
+    an unknown one, PERMISSION_DENIED for one its tenant may not use)."""
+    if not draft.lora:
+        return ()
+    return engine.adapters.resolve(draft.lora, allowed=current_principal().adapters)
+
+
+def _visible(engine: EngineApi, allowed: frozenset[str] | None) -> list[AdapterEntry]:
+    """The model's adapters a caller may see: those its tenant may use."""
+    return [e for e in engine.adapters.entries() if allowed is None or e.name in allowed]
 
 
 def _request_id() -> str:
@@ -303,6 +318,7 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
             request_id=request_id,
             deadline=deadline_of(context),
             tenant=current_principal().tenant,
+            adapters=_adapters(engine, draft),
         )
         if thinks is None:
             return spec, _Chat(session=session)
@@ -353,6 +369,7 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
                 request_id=request_id,
                 deadline=deadline_of(context),
                 tenant=current_principal().tenant,
+                adapters=_adapters(engine, draft),
             )
             async with aclosing(run_request(engine, spec, context)) as events:
                 async for event in events:
@@ -420,7 +437,8 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
             caller = current_principal()
             if not caller.is_admin:  # a user sees its own requests' ids only
                 snapshot = _seen_by(snapshot, caller.tenant)
-            return convert.stats_response(snapshot, engine.model_info.model_name)
+            name = engine.model_info.model_name
+            return convert.stats_response(snapshot, name, _visible(engine, caller.adapters))
 
     async def WatchLoad(
         self, request: pb.WatchLoadRequest, context: Context
@@ -462,6 +480,49 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
             self._engine(request.model, context) as engine,
         ):
             return convert.model_info_response(engine.model_info)
+
+    # -- LoRA adapters ----------------------------------------------------------------------------
+
+    async def LoadAdapter(
+        self, request: pb.LoadAdapterRequest, context: Context
+    ) -> pb.LoadAdapterResponse:
+        async with (
+            ErrorsToStatus(context, _request_id()),
+            self._engine(request.model, context) as engine,
+        ):
+            name = adapters.check_name(request.name, "name")
+            if not request.path:
+                raise errors.InvalidRequest("path must name the adapter's GGUF file", field="path")
+            scale = (
+                adapters.check_scale(request.default_scale, "default_scale")
+                if request.HasField("default_scale")
+                else 1.0
+            )
+            entry = await engine.load_adapter(name, request.path, scale)
+            model = engine.model_info.model_name
+            log.info("adapter_added", model=model, name=name, path=request.path)
+            return pb.LoadAdapterResponse(adapter=convert.adapter(entry, model, engine.stats()))
+
+    async def UnloadAdapter(
+        self, request: pb.UnloadAdapterRequest, context: Context
+    ) -> pb.UnloadAdapterResponse:
+        async with ErrorsToStatus(context, _request_id()):
+            engine = self._ready_pool().resident(request.model)
+            in_flight = await engine.unload_adapter(request.name)
+            return pb.UnloadAdapterResponse(in_flight=in_flight)
+
+    async def ListAdapters(
+        self, request: pb.ListAdaptersRequest, context: Context
+    ) -> pb.ListAdaptersResponse:
+        async with (
+            ErrorsToStatus(context, _request_id()),
+            self._engine(request.model, context) as engine,
+        ):
+            model, snapshot = engine.model_info.model_name, engine.stats()
+            shown = _visible(engine, current_principal().adapters)
+            return pb.ListAdaptersResponse(
+                adapters=[convert.adapter(e, model, snapshot) for e in shown]
+            )
 
     # -- models (admin) ---------------------------------------------------------------------------
 

@@ -21,6 +21,8 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
 from llama_grpc_server.auth import scoped_cache_scope
 from llama_grpc_server.config import SchedulerSettings
+from llama_grpc_server.core import adapters
+from llama_grpc_server.core.adapters import AdapterSet, scoped
 from llama_grpc_server.core.api import GrammarCompiler, ModelInfo
 from llama_grpc_server.core.constrained.structural_tag import structural_tag_to_gbnf
 from llama_grpc_server.core.requests import context_fit, embedding
@@ -45,6 +47,7 @@ from llama_grpc_server.core.requests.request import (
 from llama_grpc_server.core.tools.types import ToolCall
 
 MAX_ID_LENGTH = 256  # session_id, cache_scope
+MAX_ADAPTERS = 8  # LoRA adapters one request may apply
 MAX_LOGIT_BIAS = 1024  # entries of params.sampling.logit_bias
 MAX_TOP_LOGPROBS = 20
 MAX_CONSTRAINT_CHARS = 100_000  # grammar text or JSON schema
@@ -75,6 +78,8 @@ class Message(enum.StrEnum):
     STOP_TOO_LONG = "stop string is {length} characters long; at most {limit} are allowed"
     TIME_LIMIT_ZERO = "time_limit_ms must be at least 1 (leave it unset for no limit)"
     ID_TOO_LONG = "{name} is {length} characters long; at most {limit} are allowed"
+    CONTROL_CHARACTER = "{name} must not contain control characters (found U+{code:04X})"
+    TOO_MANY_ADAPTERS = "lora names {count} adapters; at most {limit} are allowed"
     BIAS_TOKEN_OUT_OF_RANGE = (
         "token id {token_id} is out of range: the vocabulary has {n_vocab} tokens"
     )
@@ -193,6 +198,9 @@ class Draft:
     priority: Priority = Priority.NORMAL
     cache_response: bool = True
     speculative: SpeculativeParams = dataclasses.field(default_factory=SpeculativeParams)
+    # params.lora as asked for: (name, scale or None for the adapter's default), resolved
+    # against the model's adapters by the servicer (core.adapters.AdapterCatalog.resolve)
+    lora: tuple[tuple[str, float | None], ...] = ()
 
 
 # -- public entry points ---------------------------------------------------------------------------
@@ -309,9 +317,11 @@ def complete_request(
     request_id: str,
     deadline: float | None,
     tenant: str = "",
+    adapters: AdapterSet = (),
 ) -> GenerationRequest:
     """Apply the context checks and the default max_tokens; the result is ready to submit.
-    The tenant's name prefixes its cache scope: tenants never share cached prefixes."""
+    The tenant's name prefixes its cache scope: tenants never share cached prefixes; nor do
+    adapter sets (core.adapters.scoped)."""
     tokens, num_truncated = _truncate_left(draft, tuple(prompt_tokens))
     max_tokens = _fit_max_tokens(draft, len(tokens))
     stopping = dataclasses.replace(
@@ -326,9 +336,10 @@ def complete_request(
         constraint=draft.constraint,
         num_truncated=num_truncated,
         session_id=draft.session_id,
-        cache_scope=scoped_cache_scope(tenant, draft.cache_scope),
+        cache_scope=scoped(scoped_cache_scope(tenant, draft.cache_scope), adapters),
         cache_prompt=draft.cache_prompt,
         deadline=deadline,
+        adapters=adapters,
         tenant=tenant,
         priority=draft.priority,
         cache_response=draft.cache_response,
@@ -355,6 +366,7 @@ def _draft(
     params = message.params
     _check_id_length("session_id", message.session_id)
     _check_id_length("cache_scope", message.cache_scope)
+    _check_printable("cache_scope", message.cache_scope)
     max_tokens = _max_tokens(params.stopping, info.n_ctx)
     return Draft(
         sampling=_sampling(params.sampling, limits.default_sampling, info),
@@ -375,6 +387,7 @@ def _draft(
         prompt_field=prompt_field,
         cache_response=params.cache_response if params.HasField("cache_response") else True,
         speculative=_speculative(params.speculative, limits),
+        lora=_lora(params.lora),
     )
 
 
@@ -463,6 +476,31 @@ def _chat_template(requested: str, info: ModelInfo) -> str:
             Message.NO_GGUF_TEMPLATE.format(builtins=builtins), field="chat_template"
         )
     return name
+
+
+def _check_printable(name: str, value: str) -> None:
+    """No control characters (the server's own cache-scope parts are set off by one)."""
+    for char in value:
+        if not char.isprintable() and char != " ":
+            raise _invalid(name, Message.CONTROL_CHARACTER, name=name, code=ord(char))
+
+
+def _lora(entries: Sequence[pb.LoraAdapter]) -> tuple[tuple[str, float | None], ...]:
+    """params.lora's names and scales, each checked on its own (the servicer resolves them
+    against the model's adapters)."""
+    if len(entries) > MAX_ADAPTERS:
+        raise _invalid(
+            "params.lora", Message.TOO_MANY_ADAPTERS, count=len(entries), limit=MAX_ADAPTERS
+        )
+    out: list[tuple[str, float | None]] = []
+    for i, entry in enumerate(entries):
+        where = f"params.lora[{i}]"
+        name = adapters.check_name(entry.name, f"{where}.name")
+        scale = (
+            adapters.check_scale(entry.scale, f"{where}.scale") if entry.HasField("scale") else None
+        )
+        out.append((name, scale))
+    return tuple(out)
 
 
 def _check_id_length(name: str, value: str) -> None:

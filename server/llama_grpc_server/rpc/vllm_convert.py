@@ -47,6 +47,10 @@ FINISH_REASONS: dict[FinishReason, str] = {
     FinishReason.TOOL_CALLS: STOP,  # never here: the engine protocol parses no tools (SMG does)
 }
 SERVER_TYPE = "vllm-grpc"  # the protocol this service speaks, as vLLM's own servicer names it
+# The cache_salt of the base model's blocks on a replica whose engine-protocol requests apply an
+# adapter (--engine-lora; scope_salt): core.adapters.scoped's form for no adapters, which no
+# request's scope can equal (a caller's scope is printable).
+BASE_MODEL_SALT = "\x1flora="
 
 
 @dataclass(slots=True)
@@ -125,9 +129,13 @@ def complete(sample: Sample, finished: Finished | None) -> vpb.GenerateResponse:
 
 
 def model_info(
-    info: ModelInfo, defaults: SamplingParams, default_max_tokens: int
+    info: ModelInfo,
+    defaults: SamplingParams,
+    default_max_tokens: int,
+    served_name: str | None = None,
 ) -> vpb.GetModelInfoResponse:
-    """The model as the gateway sees it; the default sampling is the server's."""
+    """The model as the gateway sees it, named `served_name` (default: the model's name; the
+    gateway registers the worker under it); the default sampling is the server's."""
     sampling = {
         "temperature": defaults.temperature,
         "top_k": defaults.top_k,
@@ -143,7 +151,7 @@ def model_info(
         max_context_length=info.n_ctx,
         vocab_size=info.n_vocab,
         supports_vision=False,
-        served_model_name=info.model_name,
+        served_model_name=info.model_name if served_name is None else served_name,
         eos_token_ids=list(info.eog_token_ids),
         max_req_input_len=info.n_ctx - 1,  # a prompt leaves room for one generated token
         default_sampling_params_json=json.dumps(sampling, sort_keys=True),
@@ -177,15 +185,28 @@ def loads(report: pb.LoadReport, active_cells: int, version: str) -> vpb.GetLoad
 # -- KV cache events (SubscribeKvEvents) ---------------------------------------------------------
 
 
-def scope_salt(tenant: str) -> Callable[[str], str | None]:
+def scope_salt(tenant: str, plain: str = "") -> Callable[[str], str | None]:
     """What a subscriber of `tenant` sees of a block's cache scope: None for another tenant's
     block (never sent: its token ids are that tenant's prompt), else the scope the tenant chose
     (\"\" for none), which goes out as the blocks' cache_salt when set. An anonymous subscriber
-    (no authentication configured) sees every scope."""
+    (no authentication configured) sees every scope.
+
+    `plain`: the scope (after the tenant's prefix) of the engine-protocol requests themselves,
+    whose blocks go out unsalted, as the gateway's requests carry no salt and SMG keeps salted
+    blocks apart from them: "" on a plain replica; on one with --engine-lora, its adapter set's
+    (core.adapters.scoped("", adapters)), and the base model's blocks then go out salted
+    BASE_MODEL_SALT, so that SMG never takes them for the adapter's."""
     prefix = scoped_cache_scope(tenant, "")
 
     def salt(scope: str) -> str | None:
-        return scope[len(prefix) :] if scope.startswith(prefix) else None
+        if not scope.startswith(prefix):
+            return None
+        own = scope[len(prefix) :]
+        if not plain:
+            return own
+        if own == plain:
+            return ""
+        return BASE_MODEL_SALT if own == "" else own
 
     return salt
 

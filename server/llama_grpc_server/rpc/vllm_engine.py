@@ -3,6 +3,12 @@ engine protocol: validate (rpc.vllm_requests) -> submit the same GenerationReque
 to the same engine -> convert (rpc.vllm_convert). Served beside LlmService on the same port,
 behind the same interceptors, access rules and health; the default model answers.
 
+The protocol names no model and has no LoRA field: a replica started with --engine-lora NAME
+applies that adapter of the default model to every Generate (in the requests' cache scope too,
+so slots, tiers and KV events keep it apart from the base model) and reports itself to the
+gateway as model `<model>+NAME` (GetModelInfo), which SMG then routes by name; Embed is refused
+there (embeddings apply no adapter).
+
 State: the model pool (attached once the default model loads), the draining flag shared with
 LlmService, and the calls in flight by (tenant, request_id), so that Abort reaches them and a
 second call with an id in flight gets ALREADY_EXISTS. Never imports llama_cpp."""
@@ -30,7 +36,9 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc_server import errors
 from llama_grpc_server.config import Settings
+from llama_grpc_server.config.settings import parse_engine_lora
 from llama_grpc_server.core import stats
+from llama_grpc_server.core.adapters import AdapterSet, scoped
 from llama_grpc_server.core.api import EngineApi, ModelInfo, RequestStream
 from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES
 from llama_grpc_server.core.requests.request import (
@@ -187,6 +195,33 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
         self._started = time.monotonic()
         self._last_receive = 0.0
         self._version = _version()
+        # --engine-lora: (adapter name, scale or None for its default), or None
+        engine_lora = settings.model.engine_lora
+        self._engine_lora = parse_engine_lora(engine_lora) if engine_lora else None
+
+    # -- the adapter of --engine-lora -------------------------------------------------------------
+
+    def _engine_adapters(self, engine: EngineApi, *, check_tenant: bool = True) -> AdapterSet:
+        """The adapter set every engine-protocol request applies: --engine-lora's, () without
+        it. FAILED_PRECONDITION when that adapter is not loaded (an admin unloaded it),
+        PERMISSION_DENIED when the caller's tenant may not use it (`check_tenant`)."""
+        if self._engine_lora is None:
+            return ()
+        name, scale = self._engine_lora
+        if engine.adapters.get(name) is None:
+            raise errors.FailedPrecondition(
+                f"this replica applies adapter {name!r} to the engine protocol (--engine-lora), "
+                "and it is not loaded"
+            )
+        allowed = current_principal().adapters if check_tenant else None
+        return engine.adapters.resolve([(name, scale)], allowed=allowed, field_name="engine_lora")
+
+    def _served_name(self, info: ModelInfo) -> str:
+        """The model id the gateway registers this worker under: the model's name, with
+        `+NAME` for --engine-lora's adapter."""
+        if self._engine_lora is None:
+            return info.model_name
+        return f"{info.model_name}+{self._engine_lora[0]}"
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -219,6 +254,7 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
         parsed = vllm_requests.parse_generate(
             request, engine.model_info, self._settings.scheduler, grammars=engine
         )
+        adapters = self._engine_adapters(engine)
         tokens: Sequence[int] = parsed.draft.prompt_tokens
         if parsed.text is not None:  # as the gateway's tokenizer: BOS added, specials parsed
             tokens = await tokenize_text(engine, parsed.text, add_special=True, parse_special=True)
@@ -236,6 +272,7 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
             request_id=request_id,
             deadline=deadline_of(context),
             tenant=current_principal().tenant,
+            adapters=adapters,
         )
         if thinks is None:
             return specs
@@ -305,6 +342,9 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
             return vpb.HealthCheckResponse(healthy=False, message=f"the engine is down: {why}")
         if self.draining.is_set():
             return vpb.HealthCheckResponse(healthy=False, message="the server is draining")
+        if self._engine_lora is not None and engine.adapters.get(self._engine_lora[0]) is None:
+            why = f"adapter {self._engine_lora[0]!r} (--engine-lora) is not loaded"
+            return vpb.HealthCheckResponse(healthy=False, message=why)
         return vpb.HealthCheckResponse(healthy=True, message="healthy")
 
     async def GetModelInfo(
@@ -314,7 +354,10 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
             engine = self._ready_pool().resident("")
             limits = self._settings.scheduler
             return vllm_convert.model_info(
-                engine.model_info, limits.default_sampling, limits.default_max_tokens
+                engine.model_info,
+                limits.default_sampling,
+                limits.default_max_tokens,
+                self._served_name(engine.model_info),
             )
 
     async def GetServerInfo(
@@ -387,8 +430,11 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
         KV_HEARTBEAT_S while nothing else goes out. A subscriber sees its own tenant's blocks
         only. Ends when the server drains."""
         async with ErrorsToStatus(context, current_request_id()):
-            log = self._ready_pool().resident("").kv_events
-            salt = vllm_convert.scope_salt(current_principal().tenant)
+            engine = self._ready_pool().resident("")
+            log = engine.kv_events
+            # the scope of this replica's own engine-protocol requests goes out unsalted
+            plain = scoped("", self._engine_adapters(engine, check_tenant=False))
+            salt = vllm_convert.scope_salt(current_principal().tenant, plain)
             wake = _Wake(asyncio.get_running_loop())
             remove = log.add_listener(wake.notify)
             drained = asyncio.ensure_future(self.draining.wait())
@@ -430,6 +476,12 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
             self._ready_pool().lease("", deadline_of(context)) as engine,
         ):
             self._last_receive = time.time()
+            if self._engine_lora is not None:
+                raise errors.FailedPrecondition(
+                    f"this replica applies adapter {self._engine_lora[0]!r} to the engine "
+                    "protocol (--engine-lora), and embeddings apply no adapter: ask a replica "
+                    "of the base model"
+                )
             tenant = current_principal().tenant
             spec = embeddings.engine_protocol_request(
                 request.tokenized.input_ids,

@@ -19,6 +19,10 @@ Each SamplingParams field is honoured or refused (INVALID_ARGUMENT naming it):
   become one GBNF grammar; structural_tag (core.constrained.structural_tag) one too, lazy for
   triggered tags: free text until a trigger, the tag's grammar from there on.
 - prompt_logprobs, multimodal inputs, KV transfer and data-parallel ranks are refused.
+
+The protocol has no LoRA field (nor a model name): a replica started with --engine-lora applies
+that adapter to every request (generation_requests' `adapters`) and is its own model to the
+gateway (rpc.vllm_engine).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from llama_grpc_server import errors
 from llama_grpc_server.config import SchedulerSettings
+from llama_grpc_server.core.adapters import AdapterSet
 from llama_grpc_server.core.api import GrammarCompiler, ModelInfo
 from llama_grpc_server.core.constrained.regex_grammar import choice_to_gbnf, regex_to_gbnf
 from llama_grpc_server.core.requests import context_fit
@@ -140,10 +145,12 @@ def generation_requests(
     request_id: str,
     deadline: float | None,
     tenant: str = "",
+    adapters: AdapterSet = (),
 ) -> list[GenerationRequest]:
     """The n scheduler requests of one Generate call: the same prompt (its KV computed once
     and shared by the prefix cache), ids `request_id` (n = 1) or `request_id[i]`, and distinct
-    seeds (seed + i when the request sets one; the engine draws each otherwise)."""
+    seeds (seed + i when the request sets one; the engine draws each otherwise). `adapters`:
+    the replica's --engine-lora (this protocol has no LoRA field), in the cache scope too."""
     tokens = tuple(prompt_tokens)
     num_cut = 0
     if parsed.keep_last is not None and len(tokens) > parsed.keep_last:
@@ -151,7 +158,12 @@ def generation_requests(
         tokens = tokens[num_cut:]
     try:
         spec = validation.complete_request(
-            parsed.draft, tokens, request_id=request_id, deadline=deadline, tenant=tenant
+            parsed.draft,
+            tokens,
+            request_id=request_id,
+            deadline=deadline,
+            tenant=tenant,
+            adapters=adapters,
         )
     except errors.ServiceError as exc:
         raise renamed(exc) from None

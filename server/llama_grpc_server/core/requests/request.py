@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from llama_grpc_server.core.adapters import AdapterSet
 from llama_grpc_server.core.reasoning.budget import ReasoningParams
 from llama_grpc_server.core.requests.embedding import EmbeddingParams, Vectors
 from llama_grpc_server.core.tools.types import ToolCall, ToolCallDelta
@@ -184,6 +185,9 @@ class GenerationRequest:
     embedding: EmbeddingParams | None = None
     # A thinking request with a reasoning budget (core.reasoning.budget; None: no budget)
     reasoning: ReasoningParams | None = None
+    # LoRA adapters applied for the whole answer (core.adapters; (): the base model). The rpc
+    # layer has put them in cache_scope too (core.adapters.scoped).
+    adapters: AdapterSet = ()
 
     def __post_init__(self) -> None:
         # An embedding request needs every token's output, so no prefix KV is reused (reused

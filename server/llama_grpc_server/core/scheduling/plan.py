@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from llama_grpc_server.core.adapters import AdapterSet
 from llama_grpc_server.core.reasoning.budget import ReasoningParams
 from llama_grpc_server.core.requests.embedding import EmbeddingParams, Vectors
 from llama_grpc_server.core.requests.request import (
@@ -120,6 +121,9 @@ class StepPlan:
     # every token an output, llama.cpp's embeddings read instead of logits sampled (the
     # runner turns llama_set_embeddings on for this pass only). Never mixed with generation.
     is_embedding: bool = False
+    # The LoRA adapters of every chunk's request (core.adapters): llama.cpp applies adapters to
+    # the whole context, so a pass runs one set; the runner switches the context to it first.
+    adapters: AdapterSet = ()
 
     @property
     def num_decode(self) -> int:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from llama_grpc_server import errors
 from llama_grpc_server.core import stats
+from llama_grpc_server.core.adapters import AdapterSet
 from llama_grpc_server.core.api import StatsSnapshot
 from llama_grpc_server.core.kv import prefix_cache
 from llama_grpc_server.core.kv.events import KvEventPublisher, LoadRecord
@@ -111,6 +112,10 @@ class Scheduler:
         self._samplers_to_open: list[SamplerSpec] = []
         self._tick = 0
         self._last_pass_embedded = False  # while a generation prompt waits, the passes alternate
+        # LoRA adapter sets take turns (_adapter_turn): the tick each set last had a pass, and
+        # the set of the last forward pass (a change is a switch, counted).
+        self._set_served: dict[AdapterSet, int] = {}
+        self._last_adapters: AdapterSet = ()
         self.embedding_costs = embedding.PassCosts()
         self._started_ns = clock_ns()
 
@@ -169,6 +174,13 @@ class Scheduler:
                 out += self.endings.end_failed(request, error)
         return out
 
+    def adapter_users(self, name: str) -> int:
+        """Requests queued, waiting for the disk or running that apply the adapter `name`."""
+        requests = [*self.queue, *self.restoring.values(), *(s.request for s in self.slots)]
+        return sum(
+            1 for r in requests if r is not None and any(a.name == name for a in r.spec.adapters)
+        )
+
     @property
     def has_work(self) -> bool:
         """Whether a tick would do something now (a request waiting for the disk or for its
@@ -196,7 +208,7 @@ class Scheduler:
         self._admit()
         self.kv.resolve_waits()
         self.kv.persist_idle(self.clock_ns())
-        chunks, is_embedding = self._chunks()
+        chunks, is_embedding, adapters = self._chunks()
         plan = StepPlan(
             tick=self._tick,
             chunks=tuple(chunks),
@@ -204,6 +216,7 @@ class Scheduler:
             open_samplers=tuple(self._samplers_to_open),
             close_samplers=tuple(self.endings.samplers_to_close),
             is_embedding=is_embedding,
+            adapters=adapters,
         )
         self._samplers_to_open, self.endings.samplers_to_close = [], []
         if not (plan.chunks or plan.seq_ops or plan.open_samplers or plan.close_samplers):
@@ -247,9 +260,11 @@ class Scheduler:
             self.drafts.admitted(request)
         self.counters.started += 1
         self.counters.prompt_tokens += request.num_prompt
+        self.counters.count_adapters(request.spec.adapters, requests=1)
 
-    def _chunks(self) -> tuple[list[Chunk], bool]:
-        """The tick's chunks, and whether they make an embedding pass. llama.cpp turns
+    def _chunks(self) -> tuple[list[Chunk], bool, AdapterSet]:
+        """The tick's chunks, whether they make an embedding pass, and the pass's adapter set
+        (_adapter_turn; an embedding pass runs the base model). llama.cpp turns
         embeddings on for a whole pass, and then computes every token's logits too: so an
         embedding pass carries the embedding requests' tokens and the decoding requests' rows
         (sampled from those logits), never a generation prompt chunk (its every token's logits
@@ -265,12 +280,14 @@ class Scheduler:
         ]
         embedding_requests = [r for r in active if r.spec.is_embedding]
         active = [r for r in active if not r.spec.is_embedding]
-        is_prefilling = any(not r.is_decoding for r in active)
-        if not embedding_requests or (is_prefilling and self._last_pass_embedded):
+        # adapter streams cannot ride in an embedding pass (the base model's): they alternate
+        is_waiting = any(not r.is_decoding or r.spec.adapters for r in active)
+        if not embedding_requests or (is_waiting and self._last_pass_embedded):
             self._last_pass_embedded = False
-            return self._generation_chunks(active), False
+            turn, adapters = self._adapter_turn(active)
+            return self._generation_chunks(turn), False, adapters
         self._last_pass_embedded = True
-        decoding = [r for r in active if r.is_decoding]
+        decoding = [r for r in active if r.is_decoding and not r.spec.adapters]
         for request in decoding:
             request.last_served_tick = self._tick
         rows = [
@@ -278,7 +295,30 @@ class Scheduler:
             for r in decoding
         ]
         embedding_chunks = self._embedding_chunks(embedding_requests, is_generating=bool(active))
-        return rows + embedding_chunks, True
+        return rows + embedding_chunks, True, ()
+
+    def _adapter_turn(self, active: list[Request]) -> tuple[list[Request], AdapterSet]:
+        """The requests this pass serves and their LoRA adapter set. llama.cpp applies adapters
+        to the whole context, so a pass runs one set: with several sets running, the set whose
+        last pass is oldest goes next (never served first; then the set of the earliest
+        arrival), so the sets take strict turns and none starves. A request's set is fixed, so
+        its answer never changes adapters midway."""
+        earliest: dict[AdapterSet, int] = {}
+        for r in active:
+            earliest[r.spec.adapters] = min(
+                earliest.get(r.spec.adapters, r.arrival_ns), r.arrival_ns
+            )
+        sets = set(earliest)
+        if len(sets) <= 1:
+            chosen = next(iter(sets), ())
+        else:
+            chosen = min(sets, key=lambda a: (self._set_served.get(a, -1), earliest[a]))
+            active = [r for r in active if r.spec.adapters == chosen]
+        if active:
+            self._set_served[chosen] = self._tick
+            for gone in [a for a in self._set_served if a not in sets]:
+                del self._set_served[gone]
+        return active, chosen
 
     def _embedding_chunks(self, requests: list[Request], *, is_generating: bool) -> list[Chunk]:
         """Prompt tokens of embedding requests, least recently served first, within the
@@ -368,6 +408,8 @@ class Scheduler:
             chunks = [c for c in chunks if c.embedding is None]  # the decode rows riding along
         elif chunks:  # a plan of KV edits only is no forward pass
             self._observe_tick(chunks, result)
+        if chunks:
+            self._observe_adapters(plan.adapters)
         for chunk in chunks:
             request = self.slots[chunk.slot_id].request
             if request is None or request.key != chunk.request_id:
@@ -429,6 +471,14 @@ class Scheduler:
         num_spec = num_draft - sum(c.num_pad for c in chunks)
         self.counters.count_pass(num_tokens, num_spec, result.eval_ms, result.eval_cpu_ms)
 
+    def _observe_adapters(self, adapters: AdapterSet) -> None:
+        """A forward pass of this adapter set: counted per adapter, and as a switch when the
+        pass before ran another set."""
+        self.counters.count_adapters(adapters, passes=1)
+        if adapters != self._last_adapters:
+            self.counters.adapter_switches += 1
+            self._last_adapters = adapters
+
     def _accept_draft(self, request: Request, chunk: Chunk, result: StepResult) -> Emitted:
         """A speculative decode: the sampled tokens go one by one through the normal accept
         path (stop strings, stop tokens, limits and logprobs per token; what follows a finish
@@ -467,6 +517,8 @@ class Scheduler:
         out: Emitted = []
         if verdict.delta is not None:
             self.counters.generated_tokens += 1
+            if request.spec.adapters:
+                self.counters.count_adapters(request.spec.adapters, tokens=1)
             request.num_sent += len(verdict.delta.token_ids)
             out.append((request, verdict.delta))
         reason = verdict.reason

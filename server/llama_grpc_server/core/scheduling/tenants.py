@@ -18,6 +18,8 @@ class TenantLimits:
     max_concurrent: int = 0  # its requests in slots at once; 0 = no limit
     max_queued: int = 0  # its requests waiting for a slot; 0 = no limit
     weight: float = 1.0  # its share of the slots while tenants contend for them
+    # The LoRA adapters its requests may apply (auth: carried by its principals); None: any.
+    adapters: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 0 or self.max_queued < 0 or not self.weight > 0:
