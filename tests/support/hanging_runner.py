@@ -2,7 +2,8 @@
 hangs or slows down on demand: `python -m hanging_runner [serve options]` with this directory on
 PYTHONPATH. HANG_AT_PASS=N: forward pass N (the warm-up's is the first) blocks for ever, a
 llama_decode that never returns; SLOW_PASS_S=S: every pass after the warm-up takes S seconds
-more, slow but legitimate."""
+more, slow but legitimate; SLOW_TOKEN_S=S: every pass after the warm-up takes S seconds more for
+each token it feeds, slow in proportion to its work as a long prefill is."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def install() -> None:
     execute = Runner.execute
     hang_at = int(os.environ.get("HANG_AT_PASS", "0"))
     slow_s = float(os.environ.get("SLOW_PASS_S", "0"))
+    slow_token_s = float(os.environ.get("SLOW_TOKEN_S", "0"))
     never = threading.Event()
     passes = 0
 
@@ -30,6 +32,8 @@ def install() -> None:
             never.wait()  # for ever, asleep: the watchdog must notice
         if slow_s > 0 and passes > 1:
             time.sleep(slow_s)
+        if slow_token_s > 0 and passes > 1:
+            time.sleep(slow_token_s * sum(len(chunk.tokens) for chunk in plan.chunks))
         return execute(self, plan)
 
     Runner.execute = faulty_execute  # type: ignore[method-assign]

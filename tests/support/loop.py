@@ -9,6 +9,7 @@ from llama_grpc_server.core.requests.request import Event
 from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.testing import FakeRunner, fake_model_info
+from llama_grpc_server.watchdog import PassBounds
 from tests.support.scheduler import PIECES
 
 
@@ -20,7 +21,7 @@ def make_loop(
     on_idle: Any = None,
     *,
     overlap_decode: bool = False,
-    watchdog_s: float = 0.0,
+    watchdog_s: float | PassBounds = 0.0,
 ) -> EngineLoop:
     scheduler = Scheduler(
         SchedulerLimits(n_parallel, 512, 64, 16, 8),

@@ -24,7 +24,7 @@ from llama_grpc_server.engine.llama import LlamaModel, ModelLoadError, system_in
 from llama_grpc_server.engine.loop import DoneHook, EngineLoop, TickHook
 from llama_grpc_server.engine.runner import Runner
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_path, file_sha256
-from llama_grpc_server.watchdog import bound_s
+from llama_grpc_server.watchdog import tick_bounds
 
 log = structlog.get_logger("llama_grpc.engine")
 
@@ -42,8 +42,8 @@ def warm_up(
 ) -> float:
     """One real decode so the first request does not pay for lazy allocations, then timed
     prefills of CALIBRATION_TEXT: the fastest one's milliseconds per prompt token are returned
-    (the watchdog's bound derives from them). Given the speculation cost model, calibrate it
-    for ticks of up to max_rows rows."""
+    (the watchdog's start bound derives from them). Given the speculation cost model, calibrate
+    it for ticks of up to max_rows rows."""
     tokens = tuple(model.tokenize("Hello", add_special=True, parse_special=False))
     plan = StepPlan(tick=0, chunks=(Chunk(0, "", 0, tokens, False),))
     runner.execute(plan)
@@ -185,7 +185,7 @@ def build_engine(
             )
         ),
         # asked for after on_start, on the engine thread: the warm-up has measured by then
-        watchdog_s=lambda: bound_s(sched.watchdog_s, model.n_batch, measured[-1]),
+        watchdog_s=lambda: tick_bounds(sched.watchdog_s, model.n_batch, measured[-1]),
         # An idle engine's docked OpenMP helpers throttle a busy engine's barriers the same way
         # (engine/openmp.py): they are released after IDLE_RELEASE_S without work.
         on_idle=openmp.idle_release(),

@@ -9,9 +9,10 @@ UNAVAILABLE, stats() reports engine_state "failed" with the cause, and the failu
 (the server: health NOT_SERVING, exit) are told once.
 
 If a tick runs past the watchdog's bound (watchdog.py: a llama_decode or any step that never
-returns), the watchdog's thread does the same with UNAVAILABLE (reason ENGINE_HUNG) after logging
-the engine thread's stack; the stuck thread is left alone (close() does not wait for it) and the
-server exits so that it is replaced."""
+returns; with --watchdog-s auto the bound follows the tick's forward pass, its tokens at the cost
+of one measured in the passes before), the watchdog's thread does the same with UNAVAILABLE
+(reason ENGINE_HUNG) after logging the engine thread's stack; the stuck thread is left alone
+(close() does not wait for it) and the server exits so that it is replaced."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ from llama_grpc_server.core.scheduling.tenants import TenantLimits
 from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.engine.adapters import AdapterLoadError, LoraAdapters
 from llama_grpc_server.engine.burst import BurstDetector
-from llama_grpc_server.watchdog import TickWatchdog
+from llama_grpc_server.watchdog import Basis, PassBounds, PassShape, TickWatchdog, pass_shape
 
 log = structlog.get_logger("llama_grpc.engine")
 
@@ -177,7 +178,7 @@ class EngineLoop:
         on_idle: Callable[[], None] | None = None,
         admission_window_s: float = 0.0,
         overlap_decode: bool = False,
-        watchdog_s: Callable[[], float] | None = None,
+        watchdog_s: Callable[[], float | PassBounds | None] | None = None,
         lora: LoraAdapters | None = None,
     ) -> None:
         self._scheduler = scheduler
@@ -207,10 +208,14 @@ class EngineLoop:
         self._inbox: list[tuple[str, Any]] = []
         self._num_rejected_at_submit = 0
         self._num_failed_by_death = 0  # requests _end_engine ended (written once)
-        # The tick watchdog's bound, asked for on the engine thread once the warm-up has
-        # measured the costs it derives from (<= 0: no watchdog); the watchdog, once started.
+        # The tick watchdog's bounds (a number: the same for every tick; <= 0 or None: no
+        # watchdog), asked for on the engine thread once the warm-up has measured the costs they
+        # derive from; the watchdog, once started, and its bounds.
         self._watchdog_s = watchdog_s
         self._watchdog: TickWatchdog | None = None
+        self._bounds: PassBounds | None = None
+        self._floor_basis: Basis | None = None  # a tick's basis until its pass is known
+        self._shape: PassShape | None = None  # the running tick's forward pass (engine thread)
         self._is_hung = False  # the watchdog tripped: the engine thread is stuck in a tick
         self._wake = threading.Condition()  # guards inbox, streams, state, error, listeners
         self._streams: dict[str, EngineStream] = {}  # by request key: (tenant, request id)
@@ -430,29 +435,65 @@ class EngineLoop:
                 self._watchdog.stop()
 
     def _start_watchdog(self) -> None:
-        bound_s = self._watchdog_s() if self._watchdog_s is not None else 0.0
-        if bound_s > 0:
-            self._watchdog = TickWatchdog(bound_s, self._on_hung)
-            log.info("watchdog", watchdog_s=round(bound_s, 1))
+        bounds = self._watchdog_s() if self._watchdog_s is not None else None
+        if not isinstance(bounds, PassBounds):
+            bounds = PassBounds.constant(bounds) if bounds is not None and bounds > 0 else None
+        if bounds is None:
+            return
+        self._bounds = bounds
+        self._floor_basis = bounds.for_pass(None, 0.0)[1]
+        self._watchdog = TickWatchdog(bounds.floor_s, self._on_hung)
+        if bounds.fixed:
+            log.info("watchdog", watchdog_s=round(bounds.start_s, 1))
+        else:
+            log.info(
+                "watchdog",
+                watchdog_s="auto",
+                start_s=round(bounds.start_s, 1),
+                floor_s=bounds.floor_s,
+                margin=bounds.margin,
+            )
 
     def _watched_tick(self) -> None:
-        """One tick, timed by the watchdog."""
-        watchdog = self._watchdog
-        if watchdog is not None:
-            watchdog.tick_started()
+        """One tick, timed by the watchdog; with bounds that follow the pass (_expect), its
+        time teaches them the cost of a token."""
+        watchdog, bounds = self._watchdog, self._bounds
+        if watchdog is None or bounds is None:
+            self._tick_once()
+            return
+        self._shape = None
+        started = time.monotonic()
+        watchdog.tick_started(self._floor_basis)
         try:
-            if self._released:
-                self._tick_after_release()
-            else:
-                self._tick()
+            self._tick_once()
         finally:
-            if watchdog is not None:
-                watchdog.tick_ended()
+            watchdog.tick_ended()
+        if not bounds.fixed:
+            now = time.monotonic()
+            bounds.observe(self._shape, now - started, now)
 
-    def _on_hung(self, seconds: float, bound_s: float) -> None:
+    def _tick_once(self) -> None:
+        if self._released:
+            self._tick_after_release()
+        else:
+            self._tick()
+
+    def _expect(self, plan: StepPlan) -> None:
+        """The tick's plan is known: its bound follows its forward pass from now on."""
+        bounds, watchdog = self._bounds, self._watchdog
+        if bounds is None or bounds.fixed or watchdog is None:
+            return
+        self._shape = shape = pass_shape(plan)
+        if shape is not None:
+            watchdog.expect(*bounds.for_pass(shape, time.monotonic()))
+
+    def _on_hung(self, seconds: float, bound_s: float, basis: Basis | None) -> None:
         """On the watchdog's thread: the running tick has passed its bound. Log where the
         engine thread is stuck, then end the engine as _fail does, callers hearing UNAVAILABLE."""
         cause = f"a tick has run for {seconds:.1f} s, past the watchdog's {bound_s:g} s"
+        why = self._bounds.describe(basis) if self._bounds is not None else ""
+        if why:
+            cause += f" ({why})"
         frame = sys._current_frames().get(self._thread.ident or -1)
         # Only the code locations, never frame locals: they hold requests (prompt text).
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)"
@@ -701,6 +742,7 @@ class EngineLoop:
         plan, events = self._scheduler.schedule()
         ran = plan is not None and bool(plan.chunks)
         if plan is not None:
+            self._expect(plan)
             if self._overlap_decode:
                 collect = self._runner.launch(plan)
                 self._flush_held()  # the previous tick's, while this pass computes
