@@ -18,7 +18,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 .PHONY: install wheelhouse llama-cmake-args FORCE run serve test test-data test-unit test-model test-e2e check docs prometheus lint format types \
 	proto proto-check \
 	proto-lint proto-breaking check-min-deps model cluster gateway bench bench-single bench-concurrency bench-strategies bench-prefix \
-	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-gateway bench-tools bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-aiperf bench-soak bench-backpressure bench-embeddings \
+	bench-tokenize bench-telemetry bench-logprobs bench-overhead bench-grpc-floor bench-grpc-ceiling bench-security bench-models bench-cluster bench-gateway bench-tools bench-kv-tiers bench-speculative bench-build-isa bench-peers bench-aiperf bench-soak bench-backpressure bench-embeddings bench-lora \
 	bench-gpu-bundle bench-gpu-cpu clean
 
 install: $(STAMP)
@@ -320,6 +320,13 @@ bench-backpressure: $(BENCH_STAMP)
 	$(PY) bench/summary.py
 bench-embeddings: $(BENCH_STAMP)
 	$(PY) bench/embeddings.py $(ARGS)
+# LoRA adapters: 4 and 8 greedy streams on the trained Qwen2.5-Coder-0.5B-Instruct with no adapter,
+# one, and 2 or 4 random rank-8 adapters interleaved; llama-grpc against llama-server with the same
+# adapters (bench/build_llama_server.sh builds it), 1 thread each, 3 reps; ~40 minutes on 2 cores,
+# not part of `make bench`. A check of the script (bench/results/lora_quick.*): ARGS="--quick"
+bench-lora: $(BENCH_STAMP)
+	PYTHON=$(PYTHON) bench/build_llama_server.sh
+	$(PY) bench/lora.py $(ARGS)
 bench-peers: $(BENCH_STAMP)
 	PYTHON=$(PYTHON) bench/setup_peers.sh
 	$(PY) bench/peers.py $(ARGS)
