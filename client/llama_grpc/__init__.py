@@ -19,7 +19,9 @@ from llama_grpc.client import (
     LoadStream,
     LoraLike,
     Stream,
+    StreamParams,
     TokenGenerationParams,
+    TokenStreamParams,
 )
 from llama_grpc.errors import (
     ContextLengthExceededError,
@@ -119,10 +121,12 @@ __all__ = [
     "Stream",
     "StreamAccumulator",
     "StreamEvent",
+    "StreamParams",
     "Timings",
     "TlsConfig",
     "TokenGenerationParams",
     "TokenLogprob",
+    "TokenStreamParams",
     "TokenizeResult",
     "Tool",
     "ToolCall",

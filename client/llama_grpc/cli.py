@@ -28,6 +28,7 @@ from llama_grpc.client import (
     tool_message,
 )
 from llama_grpc.errors import LlamaGrpcError
+from llama_grpc.resume import DEFAULT_RESUME_ATTEMPTS
 from llama_grpc.tls import TlsConfig
 from llama_grpc.types import ChatMessage, Delta, Done, ReasoningDelta, ToolCall, Usage
 
@@ -444,6 +445,15 @@ def _connection_parser(default_target: str) -> argparse.ArgumentParser:
         f"robin, skipping those not SERVING (default: ${TARGET_ENV} or {DEFAULT_TARGET})",
     )
     parent.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parent.add_argument(
+        "--resume-attempts",
+        type=int,
+        default=DEFAULT_RESUME_ATTEMPTS,
+        metavar="N",
+        help="a stream cut by UNAVAILABLE (a replica drained or went away) is called again with "
+        f"the tokens received, at most N times in a row (default {DEFAULT_RESUME_ATTEMPTS}; "
+        "0: never)",
+    )
     tls = parent.add_argument_group("TLS and authentication (any --tls-* option implies --tls)")
     tls.add_argument("--tls", action="store_true", help="use TLS, trusting the system roots")
     tls.add_argument("--tls-ca", metavar="PATH", help="PEM file of the CA to trust instead")
@@ -684,7 +694,13 @@ def _check_lora(args: argparse.Namespace) -> None:
 def _client(args: argparse.Namespace) -> Client:
     """The client of the connection flags; --token wins over $LLAMA_GRPC_TOKEN."""
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
-    return Client(target_of(args.target), timeout=args.timeout, tls=_tls(args), token=token)
+    return Client(
+        target_of(args.target),
+        timeout=args.timeout,
+        tls=_tls(args),
+        token=token,
+        resume_attempts=args.resume_attempts,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

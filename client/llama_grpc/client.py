@@ -6,9 +6,11 @@ every grpc.RpcError to a LlamaGrpcError (errors.py). Never imports the server pa
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +23,8 @@ import grpc.aio
 from google.protobuf.message import Message
 
 from llama_grpc import types as t
-from llama_grpc.errors import REQUEST_ID_KEY, InternalError, from_rpc_error
+from llama_grpc.errors import REQUEST_ID_KEY, InternalError, LlamaGrpcError, from_rpc_error
+from llama_grpc.resume import DEFAULT_RESUME_ATTEMPTS, GenerationRequest, Resumption, check_attempts
 from llama_grpc.routing import (
     BALANCED_SERVICE_CONFIG,
     SERVICE_CONFIG_OPTION,
@@ -119,6 +122,21 @@ class GenerationParams(TokenGenerationParams, total=False):
     add_special: bool | None
     # chat() / stream_chat(): a built-in template ("gemma", "chatml") or "gguf" (the model's own).
     chat_template: str | None
+
+
+class _Resuming(TypedDict, total=False):
+    # How many times in a row a stream cut by UNAVAILABLE is called again (None: the client's
+    # resume_attempts; 0: never). See Client.__init__.
+    resume_attempts: int | None
+
+
+class TokenStreamParams(TokenGenerationParams, _Resuming, total=False):
+    """Keyword parameters of generate_tokens(): those of TokenGenerationParams + resume_attempts."""
+
+
+class StreamParams(GenerationParams, _Resuming, total=False):
+    """Keyword parameters of stream() and stream_chat(): those of GenerationParams +
+    resume_attempts."""
 
 
 # A chat turn: ChatMessage, a dict in OpenAI's shape ({"role", "content"}, and "tool_calls",
@@ -605,13 +623,30 @@ def _target_uri(
 
 
 class _Defaults:
-    """Client-wide call defaults: a deadline and metadata (with the token) sent with every call."""
+    """Client-wide call defaults: a deadline and metadata (with the token) sent with every call,
+    and how many times in a row a generation stream is resumed."""
 
     def __init__(
-        self, timeout: float | None, metadata: MetadataLike | None, token: str | None
+        self,
+        timeout: float | None,
+        metadata: MetadataLike | None,
+        token: str | None,
+        resume_attempts: int,
     ) -> None:
         self.timeout = timeout
         self.metadata = _bearer(token) + _to_metadata(metadata)
+        self.resume_attempts = check_attempts(resume_attempts)
+
+    def resumption(
+        self, call: _Streaming[Any, Any], timeout: float | None, metadata: _Metadata | None
+    ) -> Resumption | None:
+        """The resumption of a generation stream starting now (None: it is not resumed)."""
+        attempts = call.resume_attempts
+        attempts = self.resume_attempts if attempts is None else check_attempts(attempts)
+        if not (call.resumable and attempts):
+            return None
+        request = cast("GenerationRequest", call.request)
+        return Resumption(request, timeout, metadata, attempts)
 
     def call_options(
         self, options: CallOptions, request: Message, *, use_default_timeout: bool = True
@@ -633,14 +668,34 @@ class _Defaults:
 _Message = TypeVar("_Message", bound=Message)
 
 
+_Dialed_co = TypeVar("_Dialed_co", covariant=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Redial(Generic[_Dialed_co]):
+    """How a stream calls again: `dial` starts the call of a (request, timeout, metadata) and
+    gives (call, its messages); `state` says when and with what."""
+
+    dial: Callable[[Any, float | None, _Metadata | None], _Dialed_co]
+    state: Resumption
+
+
 class _SyncCall(Generic[_Message]):
     """One server-streaming call read message by message: close(), leaving a `with` block or
-    GC cancels it unless it has ended; errors arrive as LlamaGrpcError."""
+    GC cancels it unless it has ended; errors arrive as LlamaGrpcError. With `redial`, a
+    generation stream cut by UNAVAILABLE calls again (see _EventStream)."""
 
-    def __init__(self, call: grpc.Call, messages: Iterator[_Message]) -> None:
+    def __init__(
+        self,
+        call: grpc.Call,
+        messages: Iterator[_Message],
+        redial: _Redial[tuple[grpc.Call, Iterator[_Message]]] | None = None,
+    ) -> None:
         self._call = call
         self._messages = messages
+        self._redial = redial
         self._is_ended = False
+        self._is_closed = False
 
     def _read(self) -> _Message | None:
         """The next message; None once the call ended OK."""
@@ -655,6 +710,7 @@ class _SyncCall(Generic[_Message]):
 
     def close(self) -> None:
         """Cancel the RPC unless it already ended; later iteration stops at once."""
+        self._is_closed = True
         if not self._is_ended:
             self._is_ended = True
             self._call.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs leaves cancel untyped
@@ -673,10 +729,17 @@ class _SyncCall(Generic[_Message]):
 class _AsyncCall(Generic[_Message]):
     """The asyncio _SyncCall: aclose(), leaving an `async with` block or GC cancels it."""
 
-    def __init__(self, call: grpc.aio.Call, messages: AsyncIterator[_Message]) -> None:
+    def __init__(
+        self,
+        call: grpc.aio.Call,
+        messages: AsyncIterator[_Message],
+        redial: _Redial[tuple[grpc.aio.Call, AsyncIterator[_Message]]] | None = None,
+    ) -> None:
         self._call = call
         self._messages = messages
+        self._redial = redial
         self._is_ended = False
+        self._is_closed = False
 
     async def _read(self) -> _Message | None:
         """The next message; None once the call ended OK."""
@@ -694,6 +757,7 @@ class _AsyncCall(Generic[_Message]):
         self._cancel()
 
     def _cancel(self) -> None:
+        self._is_closed = True
         if not self._is_ended:
             self._is_ended = True
             self._call.cancel()
@@ -719,10 +783,17 @@ _E = TypeVar("_E", bound=t.ReasoningDelta | t.Delta | t.ToolCallDelta)
 
 class _EventStream(_SyncCall[_EventMessage], Generic[_E]):
     """A sync stream of generation events ending with one Done; close() or GC cancels the RPC.
-    Each delta message becomes the events `_events` makes of it."""
+    Each delta message becomes the events `_events` makes of it. With `redial` (the client's
+    resume_attempts), a call cut by UNAVAILABLE is made again with the tokens received so far
+    (resume.py) and iteration goes on with what the caller has not had."""
 
-    def __init__(self, call: grpc.Call, messages: Iterator[_EventMessage]) -> None:
-        super().__init__(call, messages)
+    def __init__(
+        self,
+        call: grpc.Call,
+        messages: Iterator[_EventMessage],
+        redial: _Redial[tuple[grpc.Call, Iterator[_EventMessage]]] | None = None,
+    ) -> None:
+        super().__init__(call, messages, redial)
         self._done: t.Done | None = None
         self._pending: deque[_E] = deque()
 
@@ -736,19 +807,41 @@ class _EventStream(_SyncCall[_EventMessage], Generic[_E]):
         while not self._is_ended:
             if self._pending:
                 return self._pending.popleft()
-            message = self._read()
+            try:
+                message = self._read()
+            except LlamaGrpcError as error:
+                if self._redial is None:
+                    raise
+                time.sleep(self._redial.state.after(error))  # or raises the stream's error
+                if self._is_closed:
+                    break
+                self._call, self._messages = self._redial.dial(*self._redial.state.next_call())
+                self._is_ended = False
+                continue
             if message is None:
                 if self._done is None:
                     raise InternalError(_NO_DONE)
                 break
             kind = message.WhichOneof("event")
             if kind == "delta":
-                self._pending.extend(self._events(message.delta))
+                delta = self._new_part(message.delta)
+                self._pending.extend(self._events(delta) if delta is not None else ())
             elif kind == "done":
                 request_id = message.done.request_id or self._fallback_request_id()
                 self._done = t.done_from_proto(message.done, request_id)
                 return self._done
         raise StopIteration
+
+    def _new_part(self, delta: pb.GenerationDelta) -> pb.GenerationDelta | None:
+        """What of `delta` the caller has not had (all of it unless the stream was resumed);
+        a resumed call that cannot be lined up with the answer is cancelled (InternalError)."""
+        if self._redial is None:
+            return delta
+        try:
+            return self._redial.state.take(delta)
+        except InternalError:
+            self.close()
+            raise
 
     def _fallback_request_id(self) -> str:
         return request_id_of(self._call.initial_metadata())
@@ -757,6 +850,11 @@ class _EventStream(_SyncCall[_EventMessage], Generic[_E]):
     def done(self) -> t.Done | None:
         """The final Done value, once the stream has yielded it."""
         return self._done
+
+    @property
+    def resumptions(self) -> int:
+        """How many times the stream called again after its call was cut (0: never)."""
+        return 0 if self._redial is None else self._redial.state.resumptions
 
     @property
     def request_id(self) -> str:
@@ -778,8 +876,13 @@ class ChatStream(_EventStream[t.ReasoningDelta | t.Delta | t.ToolCallDelta]):
     Done; close() or GC cancels the RPC. It joins what it has yielded: reasoning, text,
     tool_calls and message() give the answer so far (whole once the Done has come)."""
 
-    def __init__(self, call: grpc.Call, messages: Iterator[_EventMessage]) -> None:
-        super().__init__(call, messages)
+    def __init__(
+        self,
+        call: grpc.Call,
+        messages: Iterator[_EventMessage],
+        redial: _Redial[tuple[grpc.Call, Iterator[_EventMessage]]] | None = None,
+    ) -> None:
+        super().__init__(call, messages, redial)
         self._answer = t.StreamAccumulator()
 
     def _events(
@@ -814,10 +917,16 @@ class ChatStream(_EventStream[t.ReasoningDelta | t.Delta | t.ToolCallDelta]):
 
 
 class _AsyncEventStream(_AsyncCall[_EventMessage], Generic[_E]):
-    """The asyncio _EventStream: aclose(), `async with` or GC cancels the RPC."""
+    """The asyncio _EventStream: aclose(), `async with` or GC cancels the RPC; resumed the same
+    way."""
 
-    def __init__(self, call: grpc.aio.Call, messages: AsyncIterator[_EventMessage]) -> None:
-        super().__init__(call, messages)
+    def __init__(
+        self,
+        call: grpc.aio.Call,
+        messages: AsyncIterator[_EventMessage],
+        redial: _Redial[tuple[grpc.aio.Call, AsyncIterator[_EventMessage]]] | None = None,
+    ) -> None:
+        super().__init__(call, messages, redial)
         self._done: t.Done | None = None
         self._pending: deque[_E] = deque()
 
@@ -831,19 +940,40 @@ class _AsyncEventStream(_AsyncCall[_EventMessage], Generic[_E]):
         while not self._is_ended:
             if self._pending:
                 return self._pending.popleft()
-            message = await self._read()
+            try:
+                message = await self._read()
+            except LlamaGrpcError as error:
+                if self._redial is None:
+                    raise
+                await asyncio.sleep(self._redial.state.after(error))  # or raises the error
+                if self._is_closed:
+                    break
+                self._call, self._messages = self._redial.dial(*self._redial.state.next_call())
+                self._is_ended = False
+                continue
             if message is None:
                 if self._done is None:
                     raise InternalError(_NO_DONE)
                 break
             kind = message.WhichOneof("event")
             if kind == "delta":
-                self._pending.extend(self._events(message.delta))
+                delta = self._new_part(message.delta)
+                self._pending.extend(self._events(delta) if delta is not None else ())
             elif kind == "done":
                 request_id = message.done.request_id or await self._fallback_request_id()
                 self._done = t.done_from_proto(message.done, request_id)
                 return self._done
         raise StopAsyncIteration
+
+    def _new_part(self, delta: pb.GenerationDelta) -> pb.GenerationDelta | None:
+        """What of `delta` the caller has not had (see _EventStream._new_part)."""
+        if self._redial is None:
+            return delta
+        try:
+            return self._redial.state.take(delta)
+        except InternalError:
+            self._cancel()
+            raise
 
     async def _fallback_request_id(self) -> str:
         return request_id_of(await self._call.initial_metadata())
@@ -852,6 +982,11 @@ class _AsyncEventStream(_AsyncCall[_EventMessage], Generic[_E]):
     def done(self) -> t.Done | None:
         """The final Done value, once the stream has yielded it."""
         return self._done
+
+    @property
+    def resumptions(self) -> int:
+        """How many times the stream called again after its call was cut (0: never)."""
+        return 0 if self._redial is None else self._redial.state.resumptions
 
     async def request_id(self) -> str:
         """The server's `x-request-id` (waits for the response headers, which come with the
@@ -871,8 +1006,13 @@ class AsyncChatStream(_AsyncEventStream[t.ReasoningDelta | t.Delta | t.ToolCallD
     aclose(), `async with` or GC cancels the RPC. reasoning, text, tool_calls and message()
     join what it yielded."""
 
-    def __init__(self, call: grpc.aio.Call, messages: AsyncIterator[_EventMessage]) -> None:
-        super().__init__(call, messages)
+    def __init__(
+        self,
+        call: grpc.aio.Call,
+        messages: AsyncIterator[_EventMessage],
+        redial: _Redial[tuple[grpc.aio.Call, AsyncIterator[_EventMessage]]] | None = None,
+    ) -> None:
+        super().__init__(call, messages, redial)
         self._answer = t.StreamAccumulator()
 
     def _events(
@@ -966,12 +1106,22 @@ class _Streaming(Generic[_Req, _Resp]):
     request: _Req
     options: CallOptions
     use_default_timeout: bool = True
+    # A generation stream, resumed when its call is cut; resume_attempts None: the client's.
+    resumable: bool = False
+    resume_attempts: int | None = None
 
 
 # chat()'s tools, tool_choice and parallel_tool_calls, passed on together.
 _Tools = tuple[Sequence[ToolLike] | None, ToolChoiceLike | None, bool | None]
 # chat()'s enable_thinking, chat_template_kwargs and reasoning_budget.
 _Thinking = tuple[bool | None, Mapping[str, Any] | None, int | None]
+
+
+def _resume_attempts(params: Mapping[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """A stream's keyword parameters without resume_attempts, and resume_attempts (None: not
+    given)."""
+    fields = dict(params)
+    return fields, fields.pop("resume_attempts", None)
 
 
 def _value(convert: Callable[[_Resp], _T]) -> Callable[[_Resp, str], _T]:
@@ -994,10 +1144,17 @@ class _Surface:
 
     @staticmethod
     def stream(
-        prompt: str, params: GenerationParams
+        prompt: str, params: StreamParams
     ) -> _Streaming[pb.StreamGenerateRequest, pb.StreamGenerateResponse]:
-        request = build_request(pb.StreamGenerateRequest(prompt=prompt), params)
-        return _Streaming(lambda stub: stub.StreamGenerate, request, params)
+        fields, attempts = _resume_attempts(params)
+        request = build_request(pb.StreamGenerateRequest(prompt=prompt), fields)
+        return _Streaming(
+            lambda stub: stub.StreamGenerate,
+            request,
+            params,
+            resumable=True,
+            resume_attempts=attempts,
+        )
 
     @staticmethod
     def chat(
@@ -1014,17 +1171,31 @@ class _Surface:
         messages: Iterable[MessageLike],
         tools: _Tools,
         thinking: _Thinking,
-        params: GenerationParams,
+        params: StreamParams,
     ) -> _Streaming[pb.StreamGenerateRequest, pb.StreamGenerateResponse]:
-        request = build_chat_request(pb.StreamGenerateRequest(), messages, *tools, params, thinking)
-        return _Streaming(lambda stub: stub.StreamGenerate, request, params)
+        fields, attempts = _resume_attempts(params)
+        request = build_chat_request(pb.StreamGenerateRequest(), messages, *tools, fields, thinking)
+        return _Streaming(
+            lambda stub: stub.StreamGenerate,
+            request,
+            params,
+            resumable=True,
+            resume_attempts=attempts,
+        )
 
     @staticmethod
     def generate_tokens(
-        token_ids: Sequence[int], params: TokenGenerationParams
+        token_ids: Sequence[int], params: TokenStreamParams
     ) -> _Streaming[pb.GenerateTokensRequest, pb.GenerateTokensResponse]:
-        request = build_request(pb.GenerateTokensRequest(token_ids=token_ids), params)
-        return _Streaming(lambda stub: stub.GenerateTokens, request, params)
+        fields, attempts = _resume_attempts(params)
+        request = build_request(pb.GenerateTokensRequest(token_ids=token_ids), fields)
+        return _Streaming(
+            lambda stub: stub.GenerateTokens,
+            request,
+            params,
+            resumable=True,
+            resume_attempts=attempts,
+        )
 
     @staticmethod
     def tokenize(  # noqa: PLR0917  # tokenize()'s arguments, passed on
@@ -1163,6 +1334,7 @@ class Client:
         tls: bool | TlsConfig = False,
         token: str | None = None,
         balance: bool | None = None,
+        resume_attempts: int = DEFAULT_RESUME_ATTEMPTS,
     ) -> None:
         """Connect to `target` (or use `channel`); `timeout` (s) is the default deadline.
 
@@ -1173,12 +1345,20 @@ class Client:
         TlsConfig(server_name=...). `tls`: True for TLS trusting the system roots, a TlsConfig for
         a CA, a client certificate (mTLS) or a server name; its files are read here. `token` is
         sent as `authorization: Bearer <token>` with every call, also over plaintext (fine on
-        loopback; anywhere else anyone on the path can read it: use TLS)."""
+        loopback; anywhere else anyone on the path can read it: use TLS).
+
+        `resume_attempts`: a generation stream (stream, stream_chat, generate_tokens) whose call
+        ends UNAVAILABLE (a replica drained, stopped or hung, a connection reset) calls again
+        through the same target with the tokens received so far, and goes on yielding what it
+        had not yet yielded, as if nothing happened (docs/resume-client.md); this many times in
+        a row at most (a call that brings new tokens starts the count again), within the call's
+        deadline, each after a short random wait. 0 turns it off; a stream's resume_attempts=
+        keyword overrides it, and its `resumptions` says how often it called again."""
         self._owns_channel = channel is None
         uri, credentials, channel_options = _channel_settings(
             target, channel is not None, options, tls, balance
         )
-        self._defaults = _Defaults(timeout, metadata, token)
+        self._defaults = _Defaults(timeout, metadata, token, resume_attempts)
         if channel is not None:
             self._channel = channel
         elif credentials is None:
@@ -1199,19 +1379,31 @@ class Client:
     def _streaming(
         self,
         call: _Streaming[_Req, _Resp],
-        wrap: Callable[[grpc.Call, Iterator[_Resp]], _Wrapped],
+        wrap: Callable[
+            [grpc.Call, Iterator[_Resp], _Redial[tuple[grpc.Call, Iterator[_Resp]]] | None],
+            _Wrapped,
+        ],
     ) -> _Wrapped:
         timeout, metadata = self._defaults.call_options(
             call.options, call.request, use_default_timeout=call.use_default_timeout
         )
-        rpc = call.rpc(self._stub)(call.request, timeout=timeout, metadata=metadata)
-        return wrap(rpc, iter(rpc))
+        method = call.rpc(self._stub)
+
+        def dial(
+            request: _Req, timeout: float | None, metadata: _Metadata | None
+        ) -> tuple[grpc.Call, Iterator[_Resp]]:
+            rpc = method(request, timeout=timeout, metadata=metadata)
+            return rpc, iter(rpc)
+
+        resumption = self._defaults.resumption(call, timeout, metadata)
+        redial = None if resumption is None else _Redial(dial, resumption)
+        return wrap(*dial(call.request, timeout, metadata), redial)
 
     def generate(self, prompt: str, **params: Unpack[GenerationParams]) -> t.GenerateResult:
         """Generate a whole completion of `prompt`."""
         return self._unary(_Surface.generate(prompt, params))
 
-    def stream(self, prompt: str, **params: Unpack[GenerationParams]) -> Stream:
+    def stream(self, prompt: str, **params: Unpack[StreamParams]) -> Stream:
         """Stream the completion of `prompt` as Delta values, then one Done."""
         return self._streaming(_Surface.stream(prompt, params), Stream)
 
@@ -1254,7 +1446,7 @@ class Client:
         enable_thinking: bool | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         reasoning_budget: int | None = None,
-        **params: Unpack[GenerationParams],
+        **params: Unpack[StreamParams],
     ) -> ChatStream:
         """Stream the reply to a conversation as ReasoningDelta values (thinking, all before the
         text), Delta values (text) and ToolCallDelta values (pieces of tool calls), then one
@@ -1267,7 +1459,7 @@ class Client:
         )
 
     def generate_tokens(
-        self, token_ids: Sequence[int], **params: Unpack[TokenGenerationParams]
+        self, token_ids: Sequence[int], **params: Unpack[TokenStreamParams]
     ) -> Stream:
         """Stream the completion of a pre-tokenized prompt (used as given: add BOS yourself)."""
         return self._streaming(_Surface.generate_tokens(token_ids, params), Stream)
@@ -1420,14 +1612,15 @@ class AsyncClient:
         tls: bool | TlsConfig = False,
         token: str | None = None,
         balance: bool | None = None,
+        resume_attempts: int = DEFAULT_RESUME_ATTEMPTS,
     ) -> None:
         """Connect to `target` (or use a grpc.aio `channel`): the arguments are Client's (see
-        Client.__init__: target lists and balance=True, tls, token)."""
+        Client.__init__: target lists and balance=True, tls, token, resume_attempts)."""
         self._owns_channel = channel is None
         uri, credentials, channel_options = _channel_settings(
             target, channel is not None, options, tls, balance
         )
-        self._defaults = _Defaults(timeout, metadata, token)
+        self._defaults = _Defaults(timeout, metadata, token, resume_attempts)
         if channel is not None:
             self._channel = channel
         elif credentials is None:
@@ -1452,20 +1645,35 @@ class AsyncClient:
     def _streaming(
         self,
         call: _Streaming[_Req, _Resp],
-        wrap: Callable[[grpc.aio.Call, AsyncIterator[_Resp]], _Wrapped],
+        wrap: Callable[
+            [
+                grpc.aio.Call,
+                AsyncIterator[_Resp],
+                _Redial[tuple[grpc.aio.Call, AsyncIterator[_Resp]]] | None,
+            ],
+            _Wrapped,
+        ],
     ) -> _Wrapped:
         timeout, metadata = self._defaults.call_options(
             call.options, call.request, use_default_timeout=call.use_default_timeout
         )
         method = cast("grpc.aio.UnaryStreamMultiCallable[_Req, _Resp]", call.rpc(self._stub))
-        rpc = method(call.request, timeout=timeout, metadata=metadata)
-        return wrap(rpc, aiter(rpc))
+
+        def dial(
+            request: _Req, timeout: float | None, metadata: _Metadata | None
+        ) -> tuple[grpc.aio.Call, AsyncIterator[_Resp]]:
+            rpc = method(request, timeout=timeout, metadata=metadata)
+            return rpc, aiter(rpc)
+
+        resumption = self._defaults.resumption(call, timeout, metadata)
+        redial = None if resumption is None else _Redial(dial, resumption)
+        return wrap(*dial(call.request, timeout, metadata), redial)
 
     async def generate(self, prompt: str, **params: Unpack[GenerationParams]) -> t.GenerateResult:
         """Generate a whole completion of `prompt`."""
         return await self._unary(_Surface.generate(prompt, params))
 
-    def stream(self, prompt: str, **params: Unpack[GenerationParams]) -> AsyncStream:
+    def stream(self, prompt: str, **params: Unpack[StreamParams]) -> AsyncStream:
         """Stream the completion of `prompt` as Delta values, then one Done."""
         return self._streaming(_Surface.stream(prompt, params), AsyncStream)
 
@@ -1508,7 +1716,7 @@ class AsyncClient:
         enable_thinking: bool | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         reasoning_budget: int | None = None,
-        **params: Unpack[GenerationParams],
+        **params: Unpack[StreamParams],
     ) -> AsyncChatStream:
         """Stream the reply to a conversation as ReasoningDelta values (thinking, all before the
         text), Delta values (text) and ToolCallDelta values (pieces of tool calls), then one
@@ -1521,7 +1729,7 @@ class AsyncClient:
         )
 
     def generate_tokens(
-        self, token_ids: Sequence[int], **params: Unpack[TokenGenerationParams]
+        self, token_ids: Sequence[int], **params: Unpack[TokenStreamParams]
     ) -> AsyncStream:
         """Stream the completion of a pre-tokenized prompt (used as given: add BOS yourself)."""
         return self._streaming(_Surface.generate_tokens(token_ids, params), AsyncStream)

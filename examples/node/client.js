@@ -18,7 +18,8 @@ const protobuf = require('protobufjs');
 const USAGE = `usage: node client.js [options] COMMAND [ARG]
 commands:
   stream <prompt>    print each delta's text as it arrives, then a "done" line with the whole text
-                     (--concurrency N: N identical streams at once, each printing its own lines)
+                     (--concurrency N: N identical streams at once, each printing its own lines);
+                     a stream cut by UNAVAILABLE is resumed (--resume-attempts)
   generate <prompt>  the whole completion, in one "result" line
   tokenize <text>    the token ids of the text (with BOS)
   tools <question>   a chat offering a get_weather tool: print the model's tool calls, answer
@@ -34,6 +35,8 @@ options:
   --max-tokens N       tokens to generate (default 32)
   --concurrency N      streams at once for "stream" (default 1)
   --deadline-ms MS     deadline of each call (default 60000)
+  --resume-attempts N  times in a row a cut stream is called again with the tokens it has
+                       received (default 3; 0: never)
   --request-id ID      x-request-id to send (the server makes one up otherwise)
   --session-id ID      session_id of generation requests (slot affinity; also sent as x-session-id)
   --cache-scope NAME   cache_scope of generation requests (also sent as x-cache-scope)
@@ -48,6 +51,7 @@ const OPTIONS = {
   'max-tokens': { type: 'string', default: '32' },
   concurrency: { type: 'string', default: '1' },
   'deadline-ms': { type: 'string', default: '60000' },
+  'resume-attempts': { type: 'string', default: '3' },
   'request-id': { type: 'string', default: '' },
   'session-id': { type: 'string', default: '' },
   'cache-scope': { type: 'string', default: '' },
@@ -70,6 +74,10 @@ try {
 for (const name of ['max-tokens', 'concurrency', 'deadline-ms']) {
   const value = Number(opts[name]);
   if (!Number.isInteger(value) || value < 1) usageError(`--${name} must be a positive integer`);
+}
+const resumeAttempts = Number(opts['resume-attempts']);
+if (!Number.isInteger(resumeAttempts) || resumeAttempts < 0) {
+  usageError('--resume-attempts must be an integer, 0 or more');
 }
 const budget = Number(opts['reasoning-budget']);
 if (opts['reasoning-budget'] !== '' && !(Number.isInteger(budget) && budget >= -1)) {
@@ -201,28 +209,110 @@ function unary(client, method, request, sentRequestId = opts['request-id']) {
   });
 }
 
-// One StreamGenerate: prints each delta as it arrives; resolves to the final "done" line.
+// A StreamGenerate that resumes (docs/resume-client.md): when the call ends UNAVAILABLE (a
+// replica drained, stopped or hung, a connection reset), it is made again through the same
+// target with params.resume.token_ids = every token received so far, the same x-request-id
+// (the caller's, else the one the server gave the first call) and the time left of the
+// deadline, after a short random wait; at most --resume-attempts times in a row (a call that
+// brings new tokens starts the count again). Positions already received are not printed twice.
+// Prints each delta as it arrives; resolves to the final "done" line.
 // Request ids must be unique among calls in flight, so concurrent streams get "<id>-<index>".
-function stream(client, request, index, requestId) {
+async function stream(client, request, index, requestId) {
+  const deadline = Date.now() + Number(opts['deadline-ms']);
+  const answer = { tokens: [], text: '', resumptions: 0, requestId };
+  const failures = []; // since the answer last moved on; the first one cut the stream
+  for (;;) {
+    const resume = { token_ids: answer.tokens.slice() }; // none yet: the same request again
+    const params = answer.tokens.length ? { ...request.params, resume } : request.params;
+    const sent = { ...request, params };
+    try {
+      const done = await streamOnce(client, sent, deadline, answer, index, failures);
+      const { finish_reason, usage, request_id } = done;
+      const { text, resumptions } = answer;
+      return { event: 'done', stream: index, text, finish_reason, usage, request_id, resumptions };
+    } catch (error) {
+      if (error.code === undefined || !resumable(error, answer.resumptions > 0)) throw error;
+      failures.push(error);
+      const ceiling = Math.min(1000, 100 * 2 ** (failures.length - 1));
+      const waitMs = ceiling / 2 + (Math.random() * ceiling) / 2;
+      if (failures.length > resumeAttempts || Date.now() + waitMs >= deadline) throw failures[0];
+      await sleep(waitMs);
+      answer.resumptions += 1;
+    }
+  }
+}
+
+// UNAVAILABLE (but for a model unloaded or failing to load), or a proxy's reset stream
+// (INTERNAL "RST_STREAM" with no details); on a call that is itself a resumption, also
+// REQUEST_ID_IN_FLIGHT (the replica has not yet seen that the cut call is gone).
+function resumable(error, recalled) {
+  const { reason } = describeError(error);
+  if (error.code === grpc.status.UNAVAILABLE) {
+    return reason !== 'MODEL_UNLOADED' && reason !== 'MODEL_LOAD_FAILED';
+  }
+  if (error.code === grpc.status.INTERNAL) return !reason && /RST_STREAM/.test(error.details);
+  return recalled && reason === 'REQUEST_ID_IN_FLIGHT';
+}
+
+// One call of a resumable stream: prints what is new of each delta (lineUp) and resolves to the
+// done message; rejects with the call's error.
+function streamOnce(client, request, deadline, answer, index, failures) {
   return new Promise((resolve, reject) => {
-    const call = client.StreamGenerate(request, metadataFor(request, requestId), callOptions());
-    let text = '';
+    const metadata = metadataFor(request, answer.requestId);
+    const call = client.StreamGenerate(request, metadata, { deadline });
+    const seam = { next: null, base: 0, sent: 0 }; // this call's place in the answer
     let done = null;
+    call.on('metadata', (m) => (answer.requestId ||= firstValue(m, 'x-request-id')));
     call.on('data', (message) => {
-      if (message.event === 'delta') {
-        text += message.delta.text;
-        print({ event: 'delta', stream: index, text: message.delta.text });
-      } else {
-        done = message.done;
+      if (message.event === 'done') return (done = message.done);
+      let fresh;
+      try {
+        fresh = lineUp(answer, seam, message.delta);
+      } catch (error) {
+        call.cancel();
+        return reject(error);
       }
+      if (!fresh.text && fresh.token_ids.length === 0) return undefined;
+      failures.length = 0; // the answer moved on
+      print({ event: 'delta', stream: index, text: fresh.text });
     });
     call.on('error', reject); // the status was not OK (emitted before 'end')
     call.on('end', () => {
       if (!done) return reject(new Error('the stream ended without its "done" message'));
-      const { finish_reason, usage, request_id } = done;
-      resolve({ event: 'done', stream: index, text, finish_reason, usage, request_id });
+      resolve(done);
     });
   });
+}
+
+// A stream that cannot be lined up with the answer fails like a call that ended INTERNAL.
+const streamError = (message) =>
+  Object.assign(new Error(message), { code: grpc.status.INTERNAL, details: message });
+
+// What of a delta the answer does not have yet. A resumed call's first delta says where the
+// server went on (its index): the tokens received so far (a server that resumes), or 0 (one that
+// ignores resume and answers again: its indexes are all 0, and only a greedy or seeded answer
+// replays the same tokens). Positions below the tokens received are skipped, and the text the
+// answer already has: `base` is the answer's text length at the call's first position.
+function lineUp(answer, seam, delta) {
+  const have = answer.tokens.length;
+  let start = have; // the first call: all of it is new
+  if (answer.resumptions > 0) start = seam.next === null ? delta.index : delta.index || seam.next;
+  if (seam.next === null && start !== have && start !== 0) {
+    throw streamError(`the resumed stream went on at position ${start}, not ${have}`);
+  }
+  if (seam.next === null) seam.base = start === have ? answer.text.length : 0;
+  const ids = delta.token_ids.map(Number);
+  const skip = Math.min(Math.max(have - start, 0), ids.length);
+  if (start > have || ids.slice(0, skip).some((id, i) => id !== answer.tokens[start + i])) {
+    throw streamError('the resumed stream does not go on with the tokens received');
+  }
+  seam.next = start + ids.length;
+  const from = seam.base + seam.sent; // where this delta's text starts in the answer
+  seam.sent += delta.text.length;
+  const text = delta.text.slice(Math.max(answer.text.length - from, 0));
+  answer.tokens.push(...ids.slice(skip));
+  answer.text += text;
+  return { text, token_ids: ids.slice(skip) };
 }
 
 // A failed call as one JSON line: the status code's name and message, then what the

@@ -147,6 +147,8 @@ class FakeRunner:
             self.samplers.add(spec.request_id)
             if spec.request_id in self.pending_scripts:
                 self.scripts[spec.request_id] = self.pending_scripts.pop(spec.request_id)
+            if spec.resumed:  # a resumed answer's script goes on after its resumed tokens
+                self.num_sampled[spec.request_id] = len(spec.resumed)
         saved: dict[int, bytes] = {}
         restored: dict[int, bool] = {}
         reset = self._edit_kv(plan, saved, restored)

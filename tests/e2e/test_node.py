@@ -1,6 +1,7 @@
 """The Node.js example client (examples/node/client.js) against the real server: concurrent greedy
 streams, unary calls, a decoded BadRequest and a client-side cancel, each compared with what the
-Python client gets from the same server.
+Python client gets from the same server. Its resumption of a cut stream runs against a scripted
+grpc.aio server (no model): a real server's side of resume is checked by its own tests.
 
 Needs `node` (>= 20) and `npm`; skipped without them. The npm packages are installed once per
 package-lock.json (`npm ci`) into a cache outside the checkout, and client.js finds them through
@@ -9,6 +10,7 @@ NODE_PATH."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -16,13 +18,18 @@ import shutil
 import subprocess
 import tempfile
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
+import grpc.aio
 import pytest
 
 from llama_grpc import AsyncClient, InvalidArgumentError
+from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from tests.support.greedy import assert_text_greedy_equal
 
@@ -93,11 +100,13 @@ def node() -> Node:
 
 
 async def run_client(
-    node: Node, server: RunningServer, *args: str
+    node: Node, server: RunningServer | str, *args: str
 ) -> tuple[int, list[dict[str, Any]]]:
-    """Run client.js against the server (bounded): its exit status and its JSON lines."""
+    """Run client.js against the server (or a HOST:PORT target), bounded: its exit status and
+    its JSON lines."""
+    target = server if isinstance(server, str) else f"127.0.0.1:{server.port}"
     proc = await asyncio.create_subprocess_exec(
-        node.executable, str(CLIENT_JS), "--target", f"127.0.0.1:{server.port}", *args,
+        node.executable, str(CLIENT_JS), "--target", target, *args,
         env=node.env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -204,3 +213,76 @@ async def test_node_cancel_frees_the_slot(
     assert stats.active_slots == 0, "a slot still busy 5 s after the Node client cancelled"
     assert stats.requests_cancelled == before.requests_cancelled + 1
     assert stats.generated_tokens - before.generated_tokens < 2000
+
+
+def _delta(text: str, index: int, token_id: int) -> pb.StreamGenerateResponse:
+    return pb.StreamGenerateResponse(
+        delta=pb.GenerationDelta(text=text, index=index, token_ids=[token_id])
+    )
+
+
+class CutOnce(pb_grpc.LlmServiceServicer):
+    """The answer "abcde" (tokens 1-5): the first call sends "abc" and ends UNAVAILABLE (a
+    drained replica); a call with params.resume sends the rest from its position, then done.
+    Each call's request and x-request-id are kept."""
+
+    def __init__(self) -> None:
+        self.requests: list[pb.StreamGenerateRequest] = []
+        self.request_ids: list[str | None] = []
+
+    async def StreamGenerate(
+        self, request: pb.StreamGenerateRequest, context: Any
+    ) -> AsyncIterator[pb.StreamGenerateResponse]:
+        self.requests.append(request)
+        self.request_ids.append(dict(context.invocation_metadata()).get("x-request-id"))
+        await context.send_initial_metadata((("x-request-id", "srv-1"),))
+        have = len(request.params.resume.token_ids)
+        for index, text in enumerate("abcde"):
+            if index >= have:
+                yield _delta(text, index, index + 1)
+            if index == 2 and not have:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+        usage = pb.Usage(prompt_tokens=4, completion_tokens=5)
+        done = pb.GenerationDone(
+            finish_reason=pb.FINISH_REASON_EOS, usage=usage, request_id="srv-1"
+        )
+        yield pb.StreamGenerateResponse(done=done)
+
+
+@contextlib.asynccontextmanager
+async def scripted(servicer: pb_grpc.LlmServiceServicer) -> AsyncIterator[str]:
+    server = grpc.aio.server()
+    pb_grpc.add_LlmServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+async def test_node_resumes_a_cut_stream(node: Node) -> None:
+    """The stream is cut after 3 deltas: client.js calls again with their tokens as
+    params.resume (the request otherwise the same) and the server's x-request-id, prints each
+    delta once and a done line with the whole text and resumptions 1. With --resume-attempts 0
+    the cut is its error."""
+    servicer = CutOnce()
+    async with scripted(servicer) as target:
+        status, lines = await run_client(node, target, "stream", "hi", "--max-tokens", "5")
+        off_status, off_lines = await run_client(
+            node, target, "stream", "hi", "--resume-attempts", "0"
+        )
+    assert status == 0, lines
+    *deltas, done = lines
+    assert [line["text"] for line in deltas] == list("abcde")
+    assert (done["event"], done["text"], done["resumptions"]) == ("done", "abcde", 1)
+    assert done["usage"]["completion_tokens"] == 5
+    first, again = servicer.requests[:2]
+    assert list(again.params.resume.token_ids) == [1, 2, 3]
+    again.params.ClearField("resume")
+    assert again == first
+    assert servicer.request_ids[:2] == [None, "srv-1"]
+    assert off_status == 1
+    assert [line.get("text") for line in off_lines[:3]] == list("abc")
+    assert (off_lines[3]["event"], off_lines[3]["code"]) == ("error", "UNAVAILABLE")
+    assert len(servicer.requests) == 3

@@ -523,7 +523,8 @@ def test_cli_flags_reach_the_client(
     monkeypatch.setattr(cli, "Client", _ClientSpy)
     monkeypatch.delenv(cli.TOKEN_ENV, raising=False)
     assert cli.main(["info", "--target", "h:1", "--timeout", "3", *argv]) == 1
-    assert _ClientSpy.calls == [("h:1", {"timeout": 3.0, "tls": tls, "token": None})]
+    expected = {"timeout": 3.0, "tls": tls, "token": None, "resume_attempts": 3}
+    assert _ClientSpy.calls == [("h:1", expected)]
 
 
 def test_cli_tls_flag_uses_the_system_roots(tls_server: Served, pki: Pki) -> None:

@@ -947,6 +947,7 @@ class GenerationParams(_message.Message):
     CACHE_RESPONSE_FIELD_NUMBER: _builtins.int
     SPECULATIVE_FIELD_NUMBER: _builtins.int
     LORA_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
     cache_prompt: _builtins.bool
     """Reuse and keep KV cache for this request's prefix (server default: true)."""
     json_schema: _builtins.str
@@ -997,6 +998,18 @@ class GenerationParams(_message.Message):
         different sets take turns.
         """
 
+    @_builtins.property
+    def resume(self) -> Global___Resume:
+        """Continue an answer whose stream was cut (docs/api.md#resumable-streams): send the same
+        request again, on any replica, with the answer's tokens received so far. The server takes
+        the prompt plus those tokens as the new prefix and goes on as if nothing happened:
+        max_tokens, min_tokens, stop strings spanning the seam, a grammar's state, tool calls and
+        thinking continue; the deltas carry the answer's positions from there (GenerationDelta.index)
+        and usage counts the whole answer. Greedy and seeded requests go on with the tokens an
+        undisturbed run would give (seeded: the sampler's randomness is a function of the seed and
+        the position); unseeded ones with the same distribution.
+        """
+
     def __init__(
         self,
         *,
@@ -1011,10 +1024,11 @@ class GenerationParams(_message.Message):
         cache_response: _builtins.bool | None = ...,
         speculative: Global___SpeculativeParams | None = ...,
         lora: _abc.Iterable[Global___LoraAdapter] | None = ...,
+        resume: Global___Resume | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "_cache_response", b"_cache_response", "cache_prompt", b"cache_prompt", "cache_response", b"cache_response", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "sampling", b"sampling", "speculative", b"speculative", "stopping", b"stopping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "_cache_response", b"_cache_response", "cache_prompt", b"cache_prompt", "cache_response", b"cache_response", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "output", b"output", "resume", b"resume", "sampling", b"sampling", "speculative", b"speculative", "stopping", b"stopping"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "_cache_response", b"_cache_response", "cache_prompt", b"cache_prompt", "cache_response", b"cache_response", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "lora", b"lora", "output", b"output", "priority", b"priority", "sampling", b"sampling", "speculative", b"speculative", "stopping", b"stopping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt", "_cache_response", b"_cache_response", "cache_prompt", b"cache_prompt", "cache_response", b"cache_response", "constraint", b"constraint", "context_overflow", b"context_overflow", "grammar", b"grammar", "json_schema", b"json_schema", "lora", b"lora", "output", b"output", "priority", b"priority", "resume", b"resume", "sampling", b"sampling", "speculative", b"speculative", "stopping", b"stopping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cache_prompt: _TypeAlias = _typing.Literal["cache_prompt"]  # noqa: Y015
     _WhichOneofArgType__cache_prompt: _TypeAlias = _typing.Literal["_cache_prompt", b"_cache_prompt"]  # noqa: Y015
@@ -1030,6 +1044,30 @@ class GenerationParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_constraint) -> _WhichOneofReturnType_constraint | None: ...
 
 Global___GenerationParams: _TypeAlias = GenerationParams  # noqa: Y015
+
+@_typing.final
+class Resume(_message.Message):
+    """What a caller already has of an answer (GenerationParams.resume)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Every token of the answer received so far, in order: the deltas' token_ids joined."""
+
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Resume: _TypeAlias = Resume  # noqa: Y015
 
 @_typing.final
 class SpeculativeParams(_message.Message):
@@ -1782,10 +1820,15 @@ class GenerationDelta(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     REASONING_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """New text; never ends inside a UTF-8 character or a possible stop string."""
     reasoning: _builtins.str
     """New thinking of a thinking model (a chat request): all of it comes before any `text`."""
+    index: _builtins.int
+    """The position in the answer of this delta's first token (0 for the first): with
+    token_ids, what a caller that lost its stream sends back in params.resume.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens generated since the previous delta."""
@@ -1808,10 +1851,11 @@ class GenerationDelta(_message.Message):
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
         reasoning: _builtins.str = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "reasoning", b"reasoning", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "logprobs", b"logprobs", "reasoning", b"reasoning", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

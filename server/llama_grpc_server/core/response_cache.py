@@ -4,7 +4,8 @@ without the scheduler. Pure Python: the key, the byte-bounded LRU and its counte
 
 A request is cacheable when its output depends on nothing but its inputs: greedy (temperature
 0) or an explicit seed, and no time_limit_ms (where a time limit cuts the output depends on the
-load); and the caller did not opt out (cache_response false). Its key is the sha256 of the
+load); the caller did not opt out (cache_response false); and it does not resume a cut answer
+(see UNKEYED's "resumed"). Its key is the sha256 of the
 model's identity (the GGUF file's sha256) and a canonical text of every request field that can
 change the output (KEYED below; UNKEYED says why each other field cannot). The tenant-scoped
 cache_scope and the tenant are keyed: tenants and scopes never share an entry.
@@ -103,6 +104,9 @@ UNKEYED: Mapping[type, Mapping[str, str]] = {
         "the tokens the request's sampler picks without drafts (rounding aside, as batching)",
         "embedding": "an embedding request is never cacheable (GenerationRequest sets "
         "cache_response false for it)",
+        "resumed": "a resumed answer is never cacheable (is_cacheable): its entry would serve "
+        "only the same cut again, which a caller hardly ever sends twice, and a stream cut "
+        "was cancelled, so the whole answer is not stored to cut a resume's tail from",
     },
     AdapterRef: {"name": "a label: the file (its digest) and the scale compute the output"},
 }
@@ -129,6 +133,7 @@ def is_cacheable(request: GenerationRequest) -> bool:
     sampling = request.sampling
     return (
         request.cache_response
+        and not request.resumed
         and request.stopping.time_limit_ms is None
         and (sampling.is_greedy or sampling.seed is not None)
     )

@@ -54,7 +54,10 @@ class Counters:
         return self.started + ended + self.preemptions
 
     def count_cached(self, request: Request, num_cached: int) -> None:
-        """Set a request's cached prompt tokens (a resumed preempted request counts no more)."""
+        """Set a request's cached prompt tokens (a resumed preempted request counts no more).
+        A resumed answer's prefix is its prompt and the resumed tokens; only the prompt's
+        count (usage's cached_prompt_tokens is of the prompt, as prompt_tokens is)."""
+        num_cached = min(num_cached, request.num_prompt)
         if request.num_preemptions == 0:
             self.cached_prompt_tokens += num_cached - request.num_cached_prompt
             request.num_cached_prompt = num_cached

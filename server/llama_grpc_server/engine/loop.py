@@ -124,22 +124,25 @@ class EngineStream:
         while not self._is_done:
             event = self._held if self._held is not None else await self.queue.get()
             self._held = None
-            if isinstance(event, TokenDelta) and not self.queue.empty():
+            if isinstance(event, TokenDelta) and event.token_ids and not self.queue.empty():
                 event = self._merge_queued(event)
             if isinstance(event, Finished | Failed):
                 self._is_done = True
-            elif event.token_ids:
+            elif isinstance(event, TokenDelta) and event.token_ids:
                 self.reader.num_read += len(event.token_ids)
                 if self.reader.is_paused:  # the engine skips the request until this read
                     self._engine.wake()
             yield event
 
     def _merge_queued(self, first: TokenDelta) -> TokenDelta:
-        """`first` and the deltas queued right behind it, as one delta."""
+        """`first` and the deltas with tokens queued right behind it, as one delta. A delta
+        without tokens (the text held back until the end) stays apart: a caller resuming a
+        cut stream keeps the text of the deltas that carried the tokens it sends back, and
+        the resumed stream sends that end again (docs/api.md#resumable-streams)."""
         parts = [first]
         while not self.queue.empty():
             event = self.queue.get_nowait()
-            if not isinstance(event, TokenDelta):
+            if not isinstance(event, TokenDelta) or not event.token_ids:
                 self._held = event
                 break
             parts.append(event)
@@ -150,6 +153,7 @@ class EngineStream:
             "".join(part.text for part in parts),
             tuple(lp for part in parts for lp in part.logprobs),
             max(part.cached_prompt_tokens for part in parts),
+            index=first.index,
         )
 
     def cancel(self, *, deadline_exceeded: bool = False) -> None:
@@ -830,9 +834,11 @@ def _call(fn: Callable[[], Any], done: concurrent.futures.Future[Any]) -> None:
 
 def _holdable(events: Emitted) -> bool:
     """Whether an overlapped tick may hold these events until the next forward pass: later
-    tokens of running requests only (a delta carrying all of a request's output is its first)."""
+    tokens of running requests only (a delta carrying all of a request's new output, its
+    resumed tokens aside, is its first)."""
     return all(
-        isinstance(event, TokenDelta) and request.num_output > len(event.token_ids)
+        isinstance(event, TokenDelta)
+        and request.num_output - request.num_resumed > len(event.token_ids)
         for request, event in events
     )
 

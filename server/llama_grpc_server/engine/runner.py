@@ -38,6 +38,7 @@ class _Sampled:
     sampled: dict[int, int] = field(default_factory=dict)
     logprobs: dict[int, SampledLogprob] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
+    failed_field: dict[int, str] = field(default_factory=dict)
     draft_sampled: dict[int, tuple[int, ...]] = field(default_factory=dict)
     draft_logprobs: dict[int, tuple[SampledLogprob, ...]] = field(default_factory=dict)
 
@@ -124,6 +125,7 @@ class Runner:
                 (t2 - t_sample) / 1e6,
                 logprobs=got.logprobs,
                 failed=got.failed,
+                failed_field=got.failed_field,
                 reset=reset,
                 eval_cpu_ms=eval_cpu_ms,
                 draft_sampled=got.draft_sampled,
@@ -181,6 +183,7 @@ class Runner:
             (t2 - t1) / 1e6,
             logprobs=got.logprobs,
             failed=got.failed,
+            failed_field=got.failed_field,
             reset=reset,
             eval_cpu_ms=eval_cpu_ms,
             draft_sampled=got.draft_sampled,
@@ -255,6 +258,8 @@ class Runner:
             token = sampler.sample(ctx, index + i, None if rows is None else rows[i])
             if token == NO_TOKEN:
                 out.failed[chunk.slot_id] = sampler.error
+                if sampler.error_field:
+                    out.failed_field[chunk.slot_id] = sampler.error_field
                 break
             tokens.append(token)
             if k is not None:
@@ -323,6 +328,7 @@ class Runner:
                 min_tokens=spec.min_tokens,
                 suppressed=spec.suppressed,
                 reasoning=spec.reasoning,
+                resumed=spec.resumed,
             )
         if self._candidates is None:
             self._candidates = Candidates(self.model.n_vocab)
@@ -336,6 +342,7 @@ class Runner:
             min_tokens=spec.min_tokens,
             suppressed=spec.suppressed,
             reasoning=spec.reasoning,
+            resumed=spec.resumed,
         )
 
     def close(self) -> None:

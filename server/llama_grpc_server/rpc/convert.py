@@ -73,6 +73,7 @@ def generation_delta(delta: core.TokenDelta) -> pb.GenerationDelta:
         logprobs=[token_logprob(lp) for lp in delta.logprobs],
         tool_calls=[tool_call_delta(d) for d in delta.tool_calls],
         reasoning=delta.reasoning,
+        index=delta.index,
     )
 
 

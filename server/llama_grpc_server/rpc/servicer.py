@@ -31,6 +31,7 @@ from llama_grpc_server.core.requests.request import (
     Failed,
     Finished,
     GenerationRequest,
+    Resumed,
     TokenDelta,
 )
 from llama_grpc_server.core.tools.stream import ToolSession, with_tool_calls
@@ -138,12 +139,15 @@ async def run_request(
     operation: str = "text_completion",
     *,
     on_submit: Callable[[RequestStream], None] | None = None,
+    on_resumed: Callable[[str], None] | None = None,
 ) -> AsyncGenerator[TokenDelta | Finished, None]:
     """Submit and yield deltas, then the Finished event. A Failed event raises its error.
     Leaving early (client cancel, deadline, closed stream) cancels the request in the engine,
     as a deadline exceeded when the call's deadline has passed (the access log's test too).
     With tracing on, the finished request's GenAI attributes and phases go on the RPC's span.
-    `on_submit` is handed the engine's stream (to cancel it from elsewhere)."""
+    `on_submit` is handed the engine's stream (to cancel it from elsewhere); `on_resumed` the
+    text of a resumed request's resumed tokens (its Resumed event, never yielded: the caller
+    has that text)."""
     submitted_unix_ns = time.time_ns()
     stream = engine.submit(spec)
     if on_submit is not None:
@@ -151,6 +155,10 @@ async def run_request(
     is_done = False
     try:
         async for event in stream:
+            if isinstance(event, Resumed):
+                if on_resumed is not None:
+                    on_resumed(event.text)
+                continue
             if isinstance(event, Failed):
                 is_done = True
                 raise event.error
@@ -197,6 +205,14 @@ class _Chat:
     splitter: ReasoningSplitter | None = None
     session: ToolSession | None = None
 
+    def resume(self, text: str) -> None:
+        """A resumed request: what its resumed tokens' text did to the transforms, done again,
+        their output dropped (the caller has it), so the answer goes on where the cut stream
+        left off: thinking or answer, inside a tool call or not."""
+        answer = self.splitter.push(text)[1] if self.splitter is not None else text
+        if self.session is not None:
+            self.session.push(answer)
+
 
 async def _events(
     engine: EngineApi,
@@ -207,7 +223,9 @@ async def _events(
 ) -> AsyncGenerator[TokenDelta | Finished, None]:
     """run_request's events, with thinking split from the text and tool calls parsed out of
     the answer (`chat`)."""
-    async with aclosing(run_request(engine, spec, context, operation)) as events:
+    on_resumed = chat.resume if chat is not None else None
+    run = run_request(engine, spec, context, operation, on_resumed=on_resumed)
+    async with aclosing(run) as events:
         source: AsyncIterator[TokenDelta | Finished] = events
         if chat is not None and chat.splitter is not None:
             source = with_reasoning(source, chat.splitter)

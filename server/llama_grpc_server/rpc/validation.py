@@ -109,6 +109,10 @@ class Message(enum.StrEnum):
         "ngram_min ({ngram_min}) must be at most ngram_max ({ngram_max}); unset ones take the "
         "server's ({default_min}, {default_max})"
     )
+    RESUME_TOO_LONG = (
+        "resume has {count} tokens but max_tokens allows {max_tokens}: an answer of this "
+        "request never has more"
+    )
     INTERVAL_TOO_SHORT = (
         "interval_ms must be at least {minimum} (or 0 for the default, {default}), got {value}"
     )
@@ -201,7 +205,11 @@ class Draft:
     # params.lora as asked for: (name, scale or None for the adapter's default), resolved
     # against the model's adapters by the servicer (core.adapters.AdapterCatalog.resolve)
     lora: tuple[tuple[str, float | None], ...] = ()
+    # params.resume.token_ids: the answer so far of a cut stream (GenerationRequest.resumed)
+    resumed: tuple[int, ...] = ()
 
+
+RESUME_FIELD = "params.resume.token_ids"
 
 # -- public entry points ---------------------------------------------------------------------------
 
@@ -324,6 +332,10 @@ def complete_request(
     adapter sets (core.adapters.scoped)."""
     tokens, num_truncated = _truncate_left(draft, tuple(prompt_tokens))
     max_tokens = _fit_max_tokens(draft, len(tokens))
+    if len(draft.resumed) > max_tokens:
+        raise _invalid(
+            RESUME_FIELD, Message.RESUME_TOO_LONG, count=len(draft.resumed), max_tokens=max_tokens
+        )
     stopping = dataclasses.replace(
         draft.stopping, max_tokens=max_tokens, max_tokens_is_default=draft.max_tokens is None
     )
@@ -344,6 +356,7 @@ def complete_request(
         priority=draft.priority,
         cache_response=draft.cache_response,
         speculative=draft.speculative,
+        resumed=draft.resumed,
     )
 
 
@@ -388,7 +401,17 @@ def _draft(
         cache_response=params.cache_response if params.HasField("cache_response") else True,
         speculative=_speculative(params.speculative, limits),
         lora=_lora(params.lora),
+        resumed=_resumed(params, info.n_vocab),
     )
+
+
+def _resumed(params: pb.GenerationParams, n_vocab: int) -> tuple[int, ...]:
+    """params.resume's tokens, each in the vocabulary (their count is checked against
+    max_tokens once it is known: complete_request)."""
+    if not params.HasField("resume"):
+        return ()
+    check_token_ids(params.resume.token_ids, n_vocab, field=RESUME_FIELD)
+    return tuple(params.resume.token_ids)
 
 
 MAX_NAME_CHARS = 64

@@ -21,6 +21,7 @@ async def with_reasoning(
             continue
         thinking, answer = splitter.finish()
         if thinking or answer:
-            yield TokenDelta((), answer, reasoning=thinking)
+            index = event.usage.completion_tokens  # after the answer's last token
+            yield TokenDelta((), answer, reasoning=thinking, index=index)
         yield event
         return

@@ -1,13 +1,16 @@
 """Outputs: what each sampled token means for its request. It owns the per-request text
 assembly (UTF-8 safe, stop strings held back) and judges a token: end of generation, a stop
 token, or a delta (with its logprobs) that may complete a stop string or reach a length limit.
-Pure Python; the scheduler applies the verdict (finishing frees the slot)."""
+A resumed request's tokens (GenerationRequest.resumed) are judged the same way when it opens,
+emitting nothing (replay). Pure Python; the scheduler applies the verdict (finishing frees the
+slot)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from llama_grpc_server import errors
 from llama_grpc_server.core.requests import context_fit
 from llama_grpc_server.core.requests.request import (
     FinishReason,
@@ -27,6 +30,21 @@ class Verdict:
     and why the request ends now, if it does."""
 
     delta: TokenDelta | None = None
+    reason: FinishReason | None = None
+    matched_stop: str = ""
+    matched_token_id: int | None = None
+
+
+RESUME_FIELD = "params.resume.token_ids"
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """What a resumed request's tokens did when replayed: the text they released (the caller
+    has it) and, when they end the answer at the last one, why (with the stop string or token
+    that ended it)."""
+
+    text: str = ""
     reason: FinishReason | None = None
     matched_stop: str = ""
     matched_token_id: int | None = None
@@ -72,7 +90,53 @@ class Outputs:
             min_tokens=spec.stopping.min_tokens,
             suppressed=self.suppressed_until_min_tokens(spec.stopping),
             reasoning=spec.reasoning,
+            resumed=spec.resumed,
         )
+
+    def is_open(self, key: str) -> bool:
+        return key in self._texts
+
+    def replay(self, request: Request) -> Replay:
+        """Judge an opened resumed request's resumed tokens (already in request.tokens) in
+        order, as if it had just generated them, emitting nothing: the text state (held-back
+        text, a stop string the next tokens may complete across the seam, min_tokens) is then
+        where the cut stream left it. An end of generation or a stop token ending the answer
+        is taken out of request.tokens (they are not output). InvalidRequest naming the first
+        token past the end when the answer ended before the last one (the caller sent tokens
+        this request would never have generated)."""
+        resumed = request.spec.resumed
+        stopping = request.spec.stopping
+        text = self._texts[request.key]
+        parts: list[str] = []
+        for i, token in enumerate(resumed):
+            num_output = i + 1
+            matched, matched_token_id = "", None
+            reason: FinishReason | None = None
+            if token in self._eog_ids and not stopping.ignore_eos:
+                reason, matched_token_id = FinishReason.EOS, token
+            elif token in stopping.stop_token_ids:
+                reason, matched_token_id = FinishReason.STOP_TOKEN, token
+            else:
+                out, matched = text.push(token, find_stops=num_output > stopping.min_tokens)
+                parts.append(out)
+                num_tokens = request.num_prompt + num_output
+                reason = (
+                    FinishReason.STOP_SEQUENCE
+                    if matched
+                    else context_fit.length_reason(num_output, num_tokens, self._n_ctx, stopping)
+                )
+            if reason is None:
+                continue
+            if num_output < len(resumed):
+                raise errors.InvalidRequest(
+                    f"the answer ends at {RESUME_FIELD}[{i}] ({reason.value}): "
+                    f"the {len(resumed) - num_output} tokens after it were never generated",
+                    field=f"{RESUME_FIELD}[{num_output}]",
+                )
+            if matched_token_id is not None:
+                request.tokens.pop()  # an end of generation or a stop token is not output
+            return Replay("".join(parts), reason, matched, matched_token_id)
+        return Replay("".join(parts))
 
     def close(self, key: str) -> bool:
         """Forget a request's text state (by its key); False if it had none (never opened or
@@ -105,7 +169,8 @@ class Outputs:
             token, find_stops=request.num_output > stopping.min_tokens
         )
         logprobs = () if logprob is None else (self._token_logprob(token, logprob),)
-        delta = TokenDelta((token,), text, logprobs, request.num_cached_prompt)
+        index = request.num_output - 1
+        delta = TokenDelta((token,), text, logprobs, request.num_cached_prompt, index=index)
         if matched:
             return Verdict(delta, FinishReason.STOP_SEQUENCE, matched_stop=matched)
         reason = context_fit.length_reason(

@@ -188,6 +188,13 @@ class GenerationRequest:
     # LoRA adapters applied for the whole answer (core.adapters; (): the base model). The rpc
     # layer has put them in cache_scope too (core.adapters.scoped).
     adapters: AdapterSet = ()
+    # A resumed answer (params.resume, docs/api.md#resumable-streams): the tokens of the answer
+    # its caller already has. They follow the prompt as a prefix to compute (or find cached),
+    # and count as the answer's first tokens: the text state, stop strings, min_tokens,
+    # max_tokens and the sampler (penalties, grammar, reasoning budget, the seeded draws'
+    # positions) are where they would be after generating them; nothing is sent for them, and
+    # the first delta's index is their count. Usage counts them as completion tokens.
+    resumed: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # An embedding request needs every token's output, so no prefix KV is reused (reused
@@ -258,7 +265,9 @@ class TokenLogprob:
 @dataclass(frozen=True, slots=True)
 class TokenDelta:
     """New output: token ids generated since the last delta and the text that is safe to show;
-    logprobs has one entry per token id when the request asked for them."""
+    logprobs has one entry per token id when the request asked for them. `index` is the
+    position in the answer of its first token (for a delta without tokens, the number of tokens
+    before it: only the end of an answer has such deltas, the text held back until then)."""
 
     token_ids: tuple[int, ...]
     text: str
@@ -270,6 +279,7 @@ class TokenDelta:
     tool_calls: tuple[ToolCallDelta, ...] = ()
     # Thinking split from the text (a chat request of a thinking model: core.reasoning.stream)
     reasoning: str = ""
+    index: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +306,17 @@ class Failed:
     error: ServiceError
 
 
-Event = TokenDelta | Finished | Failed
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """The first event of a resumed request (GenerationRequest.resumed): the text its resumed
+    tokens released when they were generated, which the caller already has (nothing is sent
+    for it). The rpc layer's chat transforms (thinking split, tool calls) read it, so they go on
+    where the cut stream left off; every other consumer skips it."""
+
+    text: str
+
+
+Event = TokenDelta | Finished | Failed | Resumed
 
 
 @dataclass(slots=True)
@@ -358,6 +378,7 @@ class Request:
     def __post_init__(self) -> None:
         self.tokens = list(self.spec.prompt_tokens)
         self.num_prompt = len(self.tokens)
+        self.tokens += self.spec.resumed  # a resumed answer: its tokens so far
         self.key = self.spec.key
 
     @property
@@ -375,7 +396,12 @@ class Request:
 
     @property
     def num_output(self) -> int:
+        """The answer's tokens so far: resumed ones (GenerationRequest.resumed) included."""
         return len(self.tokens) - self.num_prompt
+
+    @property
+    def num_resumed(self) -> int:
+        return len(self.spec.resumed)
 
     @property
     def num_pending(self) -> int:

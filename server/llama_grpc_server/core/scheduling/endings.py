@@ -75,7 +75,7 @@ class Endings:
         if reason is not FinishReason.STOP_SEQUENCE:
             tail = self.outputs.flush(request.key)
             if tail:
-                out.append((request, TokenDelta((), tail)))
+                out.append((request, TokenDelta((), tail, index=request.num_output)))
         slot_id = request.slot_id
         self.release(request, keep_cache=True)
         now_ns = self.clock_ns()
@@ -120,11 +120,13 @@ class Endings:
         self.admission.queue.appendleft(request)
         self.admission.is_paused = True  # until a request ends: the same pressure would return
 
-    def fail_constraint(self, request: Request, why: str) -> Emitted:
-        """The runner found no token the request's constraint allows: end it with the reason."""
+    def fail_constraint(self, request: Request, why: str, *, field: str | None = None) -> Emitted:
+        """The runner found no token the request's constraint allows: end it with the reason
+        (pointing at `field`, else at the constraint)."""
         constraint = request.spec.constraint
+        if field is None and constraint is not None:
+            field = constraint.field
         error = errors.InvalidRequest(
-            f"{why} (after {request.num_output} generated tokens)",
-            field=constraint.field if constraint is not None else None,
+            f"{why} (after {request.num_output} generated tokens)", field=field
         )
         return self.end_failed(request, error)

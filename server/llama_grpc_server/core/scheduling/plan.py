@@ -53,6 +53,10 @@ class SamplerSpec:
     min_tokens: int = 0
     suppressed: tuple[int, ...] = ()
     reasoning: ReasoningParams | None = None  # a reasoning budget to keep (core.reasoning)
+    # A resumed answer's tokens (GenerationRequest.resumed): the sampler takes them as its own
+    # before its first sample (penalty history, grammar state, reasoning budget, min_tokens
+    # count, the position of its next seeded draw).
+    resumed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +204,9 @@ class StepResult:
     eval_cpu_ms: float = 0.0
     logprobs: dict[int, SampledLogprob] = field(default_factory=dict)  # slot_id -> (asked for)
     failed: dict[int, str] = field(default_factory=dict)  # slot_id -> why nothing was sampled
+    # slot_id -> the request field a failure points at when it is not the constraint's (a
+    # resumed token the constraint refuses: params.resume.token_ids[i])
+    failed_field: dict[int, str] = field(default_factory=dict)
     # Sequences the runner emptied because a partial removal failed; their chunks were skipped.
     reset: frozenset[int] = frozenset()
     # A speculative decode's tokens sampled after `sampled[slot]`, at its draft positions: the

@@ -27,6 +27,7 @@ from llama_grpc_server.core.requests.request import (
     FinishReason,
     Request,
     RequestState,
+    Resumed,
     request_key,
 )
 from llama_grpc_server.core.scheduling import expiry
@@ -205,7 +206,7 @@ class Scheduler:
         self._tick += 1
         self.admission.take_disk_reads()
         events = self._expire()
-        self._admit()
+        events += self._admit()
         self.kv.resolve_waits()
         self.kv.persist_idle(self.clock_ns())
         chunks, is_embedding, adapters = self._chunks()
@@ -240,24 +241,62 @@ class Scheduler:
                 out += self.endings.end_failed(request, end)
         return out
 
-    def _admit(self) -> None:
+    def _admit(self) -> Emitted:
+        out: Emitted = []
         if self.admission.is_paused and any(s.request is not None for s in self.slots):
-            return
+            return out
         self.admission.is_paused = False
         while self.queue and any(s.is_idle for s in self.slots):
             request = self.admission.next()
             if request is None:
-                return  # every tenant with queued requests is at its max_concurrent
+                return out  # every tenant with queued requests is at its max_concurrent
+            if not request.spec.is_embedding and not self.outputs.is_open(request.key):
+                events, has_ended = self._open(request)
+                out += events
+                if has_ended:
+                    continue
             if self.admission.place(request, self._tick) and request.num_preemptions == 0:
                 self._start(request)
+        return out
+
+    def _open(self, request: Request) -> tuple[Emitted, bool]:
+        """A generation request's outputs and sampler, before its first placement; a resumed
+        one's tokens replayed (Outputs.replay, then its Resumed event). True when that ends it
+        already, with no sampler opened and no token computed: its resumed tokens end the
+        answer (finished at once), or run past its end (InvalidRequest)."""
+        sampler = self.outputs.open(request)
+        if not request.spec.resumed:
+            self._samplers_to_open.append(sampler)
+            return [], False
+        try:
+            replay = self.outputs.replay(request)
+        except errors.ServiceError as exc:
+            self._count_start(request)
+            self.outputs.close(request.key)  # no sampler to close either
+            return self.endings.end_failed(request, exc), True
+        events: Emitted = [(request, Resumed(replay.text))]
+        if replay.reason is None:
+            self._samplers_to_open.append(sampler)
+            return events, False
+        self._count_start(request)
+        # (the finish asks the runner to close a sampler it never opened: a no-op there)
+        events += self.endings.finish(
+            request,
+            replay.reason,
+            matched_stop=replay.matched_stop,
+            matched_token_id=replay.matched_token_id,
+        )
+        return events, True
 
     def _start(self, request: Request) -> None:
-        """A request's first admission: its outputs, its sampler, its speculation (none for an
-        embedding request: it samples nothing)."""
-        request.admitted_ns = self.clock_ns()
+        """A request's first placement: its speculation (none for an embedding request: it
+        samples nothing), its counts."""
         if not request.spec.is_embedding:
-            self._samplers_to_open.append(self.outputs.open(request))
             self.drafts.admitted(request)
+        self._count_start(request)
+
+    def _count_start(self, request: Request) -> None:
+        request.admitted_ns = self.clock_ns()
         self.counters.started += 1
         self.counters.prompt_tokens += request.num_prompt
         self.counters.count_adapters(request.spec.adapters, requests=1)
@@ -420,7 +459,7 @@ class Scheduler:
                 continue
             request.num_computed += len(chunk.tokens)
             if chunk.wants_logits and chunk.slot_id in result.failed:
-                out += self.endings.fail_constraint(request, result.failed[chunk.slot_id])
+                out += self._fail_sample(request, chunk.slot_id, result)
             elif chunk.wants_logits:
                 logprob = result.logprobs.get(chunk.slot_id)
                 out += self._accept(request, result.sampled[chunk.slot_id], logprob)
@@ -501,12 +540,18 @@ class Scheduler:
                 break
         if request.state is not RequestState.FINISHED:
             if chunk.slot_id in result.failed or not tokens:
-                out += self.endings.fail_constraint(request, result.failed[chunk.slot_id])
+                out += self._fail_sample(request, chunk.slot_id, result)
             else:
                 self.spec.observe_tokens(request)
         if request.num_computed < chunk.start_pos + len(chunk.tokens):
             self.kv.discard_tail(self.slots[chunk.slot_id], request.num_computed)
         return out
+
+    def _fail_sample(self, request: Request, slot_id: int, result: StepResult) -> Emitted:
+        """The runner sampled nothing for the request: its constraint allows no token (or
+        refused one of its resumed tokens)."""
+        field = result.failed_field.get(slot_id)
+        return self.endings.fail_constraint(request, result.failed[slot_id], field=field)
 
     def _accept(self, request: Request, token: int, logprob: SampledLogprob | None) -> Emitted:
         now_ns = self.clock_ns()

@@ -89,7 +89,8 @@ async def with_tool_calls(
             continue
         parsed = session.finish()
         if parsed.text or parsed.calls:
-            yield TokenDelta((), parsed.text, tool_calls=parsed.calls)
+            index = event.usage.completion_tokens  # after the answer's last token
+            yield TokenDelta((), parsed.text, tool_calls=parsed.calls, index=index)
         calls = session.calls
         reason = FinishReason.TOOL_CALLS if calls and event.reason in _TURN_ENDS else event.reason
         yield dataclasses.replace(event, reason=reason, tool_calls=calls)
