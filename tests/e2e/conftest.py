@@ -32,7 +32,10 @@ NO_DRAIN = ("--drain-delay-s", "0")
 
 def settings(model_path: str = "", n_threads: int = TEST_THREADS, **scheduler: object) -> Settings:
     """A server's settings: the embedded model (or model_path), greedy by default, llama.cpp on
-    TEST_THREADS threads."""
+    TEST_THREADS threads. The RAM tier is 512 MiB unless given: its automatic size (a quarter
+    of the memory available at start) is per engine, and a test worker holds several engines at
+    once (session servers, module servers), whose RAM tiers together could outgrow the box."""
+    scheduler.setdefault("prompt_cache_ram_mb", 512)
     return Settings(
         model=ModelSettings(
             model_path=model_path,

@@ -50,7 +50,9 @@ def make_engine(
     model_path: str = "", n_threads: int = TEST_THREADS, **scheduler: object
 ) -> EngineLoop:
     """An engine on the embedded model (or model_path), llama.cpp on TEST_THREADS threads (0: the
-    default, one per CPU)."""
+    default, one per CPU). The RAM tier is 512 MiB unless given (tests/e2e/conftest.settings:
+    the automatic size is per engine, and a worker holds several engines)."""
+    scheduler.setdefault("prompt_cache_ram_mb", 512)
     settings = Settings(
         model=ModelSettings(
             model_path=model_path,
