@@ -61,6 +61,10 @@ SMALL_DRAW = 256
 # The candidates' floats as one ctypes type (llama_token_data is {int32 id, float logit, float p}):
 # a view of any array, sliced to its logits (the slice reads only inside it).
 _FLOATS = ctypes.c_float * (3 << 20)
+# One byte-array type over the same span as _FLOATS, viewed at any candidates array's address:
+# ctypes caches every array type it makes (one per length), so a type per candidate count would
+# grow without bound over a process's life.
+_RAW = ctypes.c_char * (3 << 22)
 _APPLY = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)  # addresses: no ctypes objects
 
 
@@ -112,8 +116,9 @@ class PositionDraw:
             if size <= SMALL_DRAW:
                 array.selected = draw(_FLOATS.from_address(data)[1 : 3 * size : 3], u)
             else:
-                raw = (ctypes.c_char * (size * _TOKEN_DATA.itemsize)).from_address(data)
-                array.selected = draw(np.frombuffer(memoryview(raw), _TOKEN_DATA)["logit"], u)
+                raw = memoryview(_RAW.from_address(data))  # a view: nothing past `size` is read
+                logits = np.frombuffer(raw, _TOKEN_DATA, count=size)["logit"]
+                array.selected = draw(logits, u)
         except Exception as exc:  # a C callback: report, never raise
             self.failure = f"sampling failed: {type(exc).__name__}: {exc}"
             array.selected = 0
