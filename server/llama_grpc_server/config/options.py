@@ -233,6 +233,14 @@ OPTIONS: tuple[Option, ...] = (
            at_least(1)),
     Option("n_ubatch", int, "model.n_ubatch", "physical micro-batch (<= n_batch)",
            at_least(1)),
+    Option("batch_invariant", bool, "model.batch_invariant",
+           "batch-invariant CPU numerics: a greedy answer no longer depends on the requests "
+           "decoded beside it, the chunks its prompt is fed in, its prefix's cache state or the "
+           "thread count (no repacked weights, no tiled matmul, micro-batches of 32, never a "
+           "one-row micro-batch); measured on the embedded model: 1.3-1.5x the CPU per prompt "
+           "token, 1.06-1.2x per token of one stream, ~1.05x of 4 (docs/batch-invariance.md). "
+           "Tokens placed in KV cells freed below a stream's earlier ones (another request's "
+           "cells removed while it runs) can still change it"),
     Option("chunk_size", int, "scheduler.chunk_size", "prompt tokens per slot per tick",
            at_least(1)),
     Option("prefill_stall", float, "scheduler.prefill_stall",

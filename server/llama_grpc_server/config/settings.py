@@ -75,6 +75,10 @@ class ModelSettings:
     n_threads_batch: int = 0  # 0 = n_threads
     n_gpu_layers: GpuLayers = 0
     flash_attn: bool = True
+    # A greedy answer that depends on its own tokens alone: not on the requests decoded beside
+    # it, the chunks its prompt was fed in, its prefix's cache state or the thread count
+    # (engine/llama.py: BATCH_INVARIANT_*; its cost: bench/batch_invariant.py).
+    batch_invariant: bool = False
     chat_template: str = ""  # a built-in for messages ("gemma", "chatml"); "" = the model's own
     loras: tuple[LoraSpec, ...] = ()  # LoRA adapters loaded at start (--lora)
     # NAME[:SCALE] (--engine-lora): the --lora adapter every vLLM engine-protocol request applies,

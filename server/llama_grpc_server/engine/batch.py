@@ -14,20 +14,26 @@ from llama_grpc_server.core.scheduling.plan import Chunk
 _I32P = ctypes.POINTER(ctypes.c_int32)
 
 
+def needs_spare_row(n_rows: int, n_ubatch: int) -> bool:
+    """Batch-invariant mode (engine/llama.py): whether a pass of n_rows would leave llama.cpp a
+    micro-batch of one row, which flash attention computes another way (split over the KV
+    cells in per-thread parts) once the KV view reaches 512 cells."""
+    return n_rows % n_ubatch == 1
+
+
 class Batch:
     """A llama_batch whose arrays are numpy-owned; never pass it to llama_batch_free."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.token = np.zeros(capacity, dtype=np.int32)
-        self.pos = np.zeros(capacity, dtype=np.int32)
-        self.n_seq_id = np.ones(capacity, dtype=np.int32)
-        self.seq = np.zeros(capacity, dtype=np.int32)
-        self.logits = np.zeros(capacity, dtype=np.int8)
+        rows = capacity + 1  # room for a spare row (add_spare_row)
+        self.token = np.zeros(rows, dtype=np.int32)
+        self.pos = np.zeros(rows, dtype=np.int32)
+        self.n_seq_id = np.ones(rows, dtype=np.int32)
+        self.seq = np.zeros(rows, dtype=np.int32)
+        self.logits = np.zeros(rows, dtype=np.int8)
         base = self.seq.ctypes.data
-        self._seq_rows = (_I32P * capacity)(
-            *[ctypes.cast(base + 4 * i, _I32P) for i in range(capacity)]
-        )
+        self._seq_rows = (_I32P * rows)(*[ctypes.cast(base + 4 * i, _I32P) for i in range(rows)])
         self.struct = llama_cpp.llama_batch(
             n_tokens=0,
             token=self.token.ctypes.data_as(_I32P),
@@ -69,3 +75,23 @@ class Batch:
         if every_output:
             self.logits[:n] = 1
         return outputs
+
+    def add_spare_row(self, n_ubatch: int, n_ctx: int) -> tuple[int, int] | None:
+        """Batch-invariant mode: when the filled rows would leave a micro-batch of one row
+        (needs_spare_row), one row more: the last row's sequence and token again at the next
+        position, without logits. Causal attention keeps it from every other row; the caller
+        removes its KV cell after the pass. Returns (sequence, position) of the spare, or None
+        when none was needed (or the last row is at the end of the context)."""
+        n = int(self.struct.n_tokens)
+        if n == 0 or not needs_spare_row(n, n_ubatch):
+            return None
+        seq, pos = int(self.seq[n - 1]), int(self.pos[n - 1]) + 1
+        if pos >= n_ctx:
+            return None
+        self.token[n], self.pos[n], self.seq[n], self.logits[n] = self.token[n - 1], pos, seq, 0
+        self.struct.n_tokens = n + 1
+        return seq, pos
+
+    def drop_spare_row(self) -> None:
+        """Take the spare row off again (its pass found no KV cell for it)."""
+        self.struct.n_tokens = int(self.struct.n_tokens) - 1

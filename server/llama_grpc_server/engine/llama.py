@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,26 @@ from llama_grpc_server.models.gguf_vocab import TokenizerExportError
 from llama_grpc_server.models.tokenizer_wordpiece import WordPieceTokenizer
 
 log = structlog.get_logger("llama_grpc.engine")
+
+# --batch-invariant (ModelSettings.batch_invariant). On the CPU, llama.cpp computes a row's
+# output by kernels that the batch picks, and they round differently (bench/batch_invariant.py
+# measured each on Gemma 3 270M Q4_K_M: logits move by up to ~1-10, greedy tokens diverge):
+# - repacked weights (use_extra_bufts: Q4_0, Q4_K, IQ4_NL into interleaved blocks): a GEMM
+#   kernel for each 4 rows of the micro-batch, a GEMV kernel for the rest: off, the plain
+#   per-row dot products (vec_dot; tinyBLAS for Q5_0/Q8_0 gave the same bits at every row count);
+# - the tiled K-quant matmul (Q4_K, Q6_K, ... once src1 has 8 rows): off (GGML_CPU_TILED_MM=0,
+#   which ggml reads once per process: set before the first forward pass);
+# - flash attention's tiled path, taken for a micro-batch of 64 query rows or more: micro-batches
+#   of BATCH_INVARIANT_UBATCH rows;
+# - flash attention's split-KV path, for a micro-batch of one row over 512 KV cells or more,
+#   whose partial sums follow the thread count: a pass that would leave one row in its last
+#   micro-batch takes a spare row (engine/batch.py: needs_spare_row; engine/runner.py).
+# Flash attention stays on (without it the attention matmuls take tinyBLAS from 2 rows, vec_dot
+# for one, and sum over the KV view's length). What remains: flash attention sums a sequence's
+# KV cells in cell order, so tokens placed in cells freed below its earlier ones (another
+# sequence's cells removed while it runs, or the cache wrapping around) sum in another order.
+BATCH_INVARIANT_ENV = {"GGML_CPU_TILED_MM": "0"}
+BATCH_INVARIANT_UBATCH = 32
 
 
 @functools.cache
@@ -65,6 +86,9 @@ class LlamaModel:
         mparams = llama_cpp.llama_model_default_params()
         self.n_gpu_layers = resolve_n_gpu_layers(settings.n_gpu_layers, model_path, settings.n_ctx)
         mparams.n_gpu_layers = self.n_gpu_layers
+        if settings.batch_invariant:
+            _batch_invariant_kernels(self.n_gpu_layers)
+            mparams.use_extra_bufts = False
         self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {model_path}")
@@ -91,6 +115,9 @@ class LlamaModel:
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
         self.n_batch = int(llama_cpp.llama_n_batch(self.ctx))
+        self.n_ubatch = int(llama_cpp.llama_n_ubatch(self.ctx))
+        # a generation context's passes take the mode's spare row (engine/runner.py)
+        self.batch_invariant = settings.batch_invariant and not self.is_encoder
         self.n_embd = int(llama_cpp.llama_model_n_embd_out(self.model))
         self.pooling = _gguf_pooling(self.model)
         self.n_seq_max = n_seq_max
@@ -130,6 +157,8 @@ class LlamaModel:
         params.n_ctx = s.n_ctx
         params.n_batch = min(s.n_batch, s.n_ctx)
         params.n_ubatch = min(s.n_ubatch, params.n_batch)
+        if s.batch_invariant:
+            params.n_ubatch = max(2, min(params.n_ubatch, BATCH_INVARIANT_UBATCH))
         if self.is_encoder:  # _load: one pass holds a whole input, up to the trained context
             n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self.model))
             params.n_ctx = min(s.n_ctx, n_ctx_train) if n_ctx_train > 0 else s.n_ctx
@@ -150,7 +179,7 @@ class LlamaModel:
         # numerics (F16 accumulation), not a cross-sequence leak. Greedy near-ties can flip.
         params.flash_attn_type = (
             llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
-            if s.flash_attn
+            if s.flash_attn or s.batch_invariant
             else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
         return params
@@ -277,6 +306,8 @@ class LlamaModel:
             "type_k": int(params.type_k),
             "type_v": int(params.type_v),
             "flash_attn": self.settings.flash_attn,
+            # the mode's kernels compute other bits: its KV is not the default's
+            "batch_invariant": self.settings.batch_invariant,
             "swa_full": bool(params.swa_full),
             "kv_unified": bool(params.kv_unified),
             "n_gpu_layers": self.settings.n_gpu_layers,
@@ -324,6 +355,19 @@ class LlamaModel:
         if self.model:
             llama_cpp.llama_model_free(self.model)
             self.model = None
+
+
+def _batch_invariant_kernels(n_gpu_layers: int) -> None:
+    """The mode's process-wide ggml settings, before this process's first forward pass (ggml
+    reads them once); a process that has run one already keeps what it read."""
+    os.environ.pop("GGML_CPU_TILED_MM_FORCE", None)
+    os.environ.update(BATCH_INVARIANT_ENV)
+    if n_gpu_layers != 0:
+        log.warning(
+            "batch_invariant_cpu_only",
+            n_gpu_layers=n_gpu_layers,
+            reason="the mode sets llama.cpp's CPU kernels; offloaded layers keep the GPU's",
+        )
 
 
 # llama.cpp's enum llama_pooling_type by value, as core.requests.embedding names them

@@ -13,6 +13,7 @@ import numpy as np
 from llama_grpc_server.core.adapters import AdapterSet
 from llama_grpc_server.core.requests.embedding import Vectors
 from llama_grpc_server.core.scheduling.plan import (
+    DECODE_KV_FULL,
     DECODE_OK,
     Chunk,
     Collect,
@@ -91,6 +92,9 @@ class Runner:
         if plan.is_embedding:
             return _done(self._embed(chunks, saved, restored, reset))
         outputs = self.batch.fill(chunks)
+        spare = None
+        if self.model.batch_invariant:  # engine/llama.py: no micro-batch of one row
+            spare = self.batch.add_spare_row(self.model.n_ubatch, self.model.n_ctx)
         with cpu_share.forward_pass(self.model.threads) as threads:
             if threads != self._threads:  # fewer while another model loads (cpu_share)
                 self.model.set_threads(*threads)
@@ -98,8 +102,14 @@ class Runner:
             cpu0 = time.thread_time_ns()
             t0 = time.perf_counter_ns()
             status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
+            if spare is not None and status == DECODE_KV_FULL:  # no cell left for the spare
+                self.batch.drop_spare_row()
+                spare = None
+                status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
             t1 = time.perf_counter_ns()
             eval_cpu_ms = (time.thread_time_ns() - cpu0) / 1e6
+        if spare is not None and status == DECODE_OK:
+            self.model.seq_remove(spare[0], spare[1], spare[1] + 1)
         if status != DECODE_OK:
             return _done(
                 StepResult(
