@@ -545,6 +545,16 @@ def test_the_ram_tier_is_on_by_default_sized_from_available_memory() -> None:
     assert ram_tier_mb(-1, 24 * gib) == 6144
     assert ram_tier_mb(-1, 64 * gib) == 8192
     assert ram_tier_mb(-1, 0) == 0
+    # shared among the engines that may be resident at once
+    assert ram_tier_mb(-1, 24 * gib, engines=3) == 2048
+    assert ram_tier_mb(-1, 64 * gib, engines=2) == 8192
+    assert ram_tier_mb(-1, 64 * gib, engines=4) == 4096
+    assert ram_tier_mb(512, 24 * gib, engines=4) == 512  # a configured size is every engine's
+    assert PoolSettings().resident_engines() == 1
+    assert PoolSettings(models=(("a", "a.gguf"), ("b", "b.gguf"))).resident_engines() == 1
+    unlimited = PoolSettings(models=(("a", "a.gguf"), ("b", "b.gguf")), max_loaded_models=0)
+    assert unlimited.resident_engines() == 3
+    assert PoolSettings(max_loaded_models=2).resident_engines() == 2
     assert ram_tier_mb(0, 64 * gib) == 0
     assert ram_tier_mb(300, 1) == 300
     assert 0 < ram_tier_mb(-1) == min(8192, available_memory_bytes() // 4 // 2**20)

@@ -317,7 +317,8 @@ OPTIONS: tuple[Option, ...] = (
            "auto (on when layers are offloaded to a GPU)", one_of(*OVERLAP_MODES), "MODE"),
     Option("prompt_cache_ram_mb", int, "scheduler.prompt_cache_ram_mb",
            "RAM tier: MiB of saved slot caches kept after eviction, per loaded model (-1 = auto: "
-           "a quarter of the memory available at start, at most 8192; 0 = off)", at_least(-1)),
+           "a quarter of the memory available at start shared among the models that may be "
+           "resident at once, at most 8192 each; 0 = off)", at_least(-1)),
     Option("kv_cache_dir", str, "scheduler.kv_cache_dir",
            "disk tier: save slot caches here (evicted ones, idle sessions, all idle ones at "
            "shutdown) and restore them by longest token prefix, also after a restart or from "

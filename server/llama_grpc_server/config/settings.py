@@ -104,13 +104,17 @@ RAM_TIER_AUTO_CAP_MB = 8192  # llama-server's --cache-ram default
 RAM_TIER_AUTO_SHARE = 4  # auto: a quarter of the memory available at start, at most the cap
 
 
-def ram_tier_mb(configured: int, available_bytes: int | None = None) -> int:
-    """The RAM tier's MiB: as configured, or for auto (-1) a quarter of the memory available
-    at start (available_bytes, default: available_memory_bytes()), at most 8 GiB."""
+def ram_tier_mb(configured: int, available_bytes: int | None = None, engines: int = 1) -> int:
+    """One engine's RAM tier in MiB: as configured, or for auto (-1) a quarter of the memory
+    available at start (available_bytes, default: available_memory_bytes()) shared among the
+    `engines` that may be resident at once (PoolSettings.resident_engines), at most 8 GiB.
+    Before the share, every resident model took its own quarter: four resident models could fill
+    the machine with KV snapshots."""
     if configured != RAM_TIER_AUTO:
         return configured
     available = available_memory_bytes() if available_bytes is None else available_bytes
-    return min(RAM_TIER_AUTO_CAP_MB, available // RAM_TIER_AUTO_SHARE // (1024 * 1024))
+    share = available // RAM_TIER_AUTO_SHARE // max(1, engines)
+    return min(RAM_TIER_AUTO_CAP_MB, share // (1024 * 1024))
 
 
 def available_memory_bytes() -> int:
@@ -224,6 +228,12 @@ class PoolSettings:
     # several models never holds more than one model's memory unless told it may.
     max_loaded_models: int = 1
     max_loaded_bytes: int = 0  # sum of the resident models' file sizes (0 = no limit)
+
+    def resident_engines(self) -> int:
+        """How many engines may be resident at once: max_loaded_models, or with no limit every
+        model configured (the default one and `models`; a --models-dir file found later is not
+        counted)."""
+        return self.max_loaded_models or 1 + len(self.models)
 
 
 @dataclass(frozen=True, slots=True)

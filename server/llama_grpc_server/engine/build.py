@@ -110,8 +110,9 @@ def build_engine(
             model.kv_fingerprint(file_sha256(path)),
             sched.kv_cache_disk_mb * 1024 * 1024,
         )
-    ram_mb = ram_tier_mb(sched.prompt_cache_ram_mb)
-    log.info("ram_tier", mb=ram_mb, configured=sched.prompt_cache_ram_mb)
+    engines = settings.pool.resident_engines()
+    ram_mb = ram_tier_mb(sched.prompt_cache_ram_mb, engines=engines)
+    log.info("ram_tier", mb=ram_mb, configured=sched.prompt_cache_ram_mb, engines=engines)
     info = model.info(name)
     scheduler = Scheduler(
         SchedulerLimits(
