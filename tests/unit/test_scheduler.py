@@ -130,6 +130,39 @@ def test_prefill_is_chunked() -> None:
     assert max(sizes) == 16 and sum(sizes) == 100 + 1  # prompt + one decode token
 
 
+RIDS = ("a", "bb", "ccc", "dddd")
+
+
+def _first_token_pass(chunk: int) -> tuple[dict[str, int], int]:
+    """Four 64-token prompts arriving together in passes of 64 tokens: the pass (1-based) that
+    gave each its first token, and the passes in all."""
+    s, runner = make(n_parallel=4, n_batch=64, chunk=chunk), FakeRunner()
+    for rid in RIDS:  # ids of different lengths: prompts with no common prefix (req)
+        s.add(req(rid, 64, 1))  # one token: no decode rows in later passes
+    first: dict[str, int] = {}
+    passes = 0
+    while s.has_work:
+        plan, _ = s.schedule()
+        if plan is None or not plan.chunks:
+            continue
+        passes += 1
+        for request, event in s.update(plan, runner.execute(plan)):
+            if isinstance(event, TokenDelta):
+                first.setdefault(request.request_id, passes)
+    return first, passes
+
+
+def test_prompts_sharing_passes_finish_one_after_another() -> None:
+    """Oldest first, each taking what it needs: the first prompt's first token after one pass,
+    the next after two... (mean 2.5 passes); capped at 16 tokens a prompt, round robin as
+    before, all four wait for the fourth pass. The same number of passes either way."""
+    whole, passes = _first_token_pass(chunk=64)
+    capped, capped_passes = _first_token_pass(chunk=16)
+    assert whole == {"a": 1, "bb": 2, "ccc": 3, "dddd": 4}
+    assert capped == dict.fromkeys(RIDS, 4)
+    assert passes == capped_passes == 4
+
+
 def test_stop_token_and_eos_reasons() -> None:
     """An EOG token ends with EOS, a stop token with STOP_TOKEN; neither is emitted."""
     first = alone(20, 5, "a")[0]

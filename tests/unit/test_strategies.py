@@ -8,6 +8,7 @@ from llama_grpc_server.core.scheduling.strategies import (
     DEFAULT_PREFILL_STALL,
     INTERACTIVE_PREFILL_STALL,
     MAX_DECODE_WAIT_TICKS,
+    MAX_PREFILL_WAIT_TICKS,
     Balanced,
     BatchStrategy,
     BatchView,
@@ -81,10 +82,46 @@ def test_starving_decoder_is_served(strategy: BatchStrategy) -> None:
     assert alloc.get(0) == 1
 
 
-def test_prefills_are_round_robin() -> None:
-    """The prefilling slot served longest ago goes first; a long prompt cannot block another."""
-    v = view(pre(0, 1000, last=9), pre(1, 1000, last=5), budget=16, chunk=16)
-    assert DecodeMaximal().allocate(v) == {1: 16}
+def arrived(slot_id: int, pending: int, arrival_ns: int, last: int = 9) -> SlotView:
+    return SlotView(slot_id, pending, False, last, arrival_ns)
+
+
+@pytest.mark.parametrize("strategy", ALL, ids=lambda s: s.name)
+def test_equal_prompts_go_oldest_first_each_taking_what_it_needs(strategy: BatchStrategy) -> None:
+    """Four 2,048-token prompts in passes of 2,048: the oldest takes the whole first pass (it
+    used to be 512 each, round robin, all four finishing in the fourth pass)."""
+    slots = [arrived(i, 2048, arrival_ns=[30, 10, 40, 20][i]) for i in range(4)]
+    assert strategy.allocate(view(*slots, budget=2048, chunk=2048)) == {1: 2048}
+    # the oldest's last 100 tokens, then the next oldest fills the rest of the pass
+    slots[1] = arrived(1, 100, arrival_ns=10)
+    assert strategy.allocate(view(*slots, budget=2048, chunk=2048)) == {1: 100, 3: 1948}
+
+
+def test_the_shortest_remaining_prompt_goes_first() -> None:
+    """A short prompt behind a long one finishes in this pass; the long one takes the rest."""
+    v = view(arrived(0, 5000, arrival_ns=1), arrived(1, 40, arrival_ns=2), budget=512, chunk=512)
+    assert DecodeMaximal().allocate(v) == {1: 40, 0: 472}
+
+
+def test_a_prompt_kept_waiting_goes_first() -> None:
+    """Short prompts filling every pass cannot starve a long one: after MAX_PREFILL_WAIT_TICKS
+    ticks without a token it goes before them."""
+    tick = 20
+    waiting = arrived(0, 5000, arrival_ns=1, last=tick - MAX_PREFILL_WAIT_TICKS)
+    short = [arrived(i, 16, arrival_ns=2, last=tick - 1) for i in (1, 2)]
+    assert DecodeMaximal().allocate(view(waiting, *short, budget=32, chunk=32, tick=tick)) == {
+        0: 32
+    }
+    recent = arrived(0, 5000, arrival_ns=1, last=tick - MAX_PREFILL_WAIT_TICKS + 1)
+    assert DecodeMaximal().allocate(view(recent, *short, budget=32, chunk=32, tick=tick)) == {
+        1: 16,
+        2: 16,
+    }
+
+
+def test_chunk_size_still_caps_one_prompt() -> None:
+    v = view(arrived(0, 1000, arrival_ns=1), arrived(1, 1000, arrival_ns=2), budget=24, chunk=16)
+    assert DecodeMaximal().allocate(v) == {0: 16, 1: 8}
 
 
 @pytest.mark.parametrize("strategy", ALL, ids=lambda s: s.name)

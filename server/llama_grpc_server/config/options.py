@@ -241,8 +241,9 @@ OPTIONS: tuple[Option, ...] = (
            "token, 1.06-1.2x per token of one stream, ~1.05x of 4 (docs/batch-invariance.md). "
            "Tokens placed in KV cells freed below a stream's earlier ones (another request's "
            "cells removed while it runs) can still change it"),
-    Option("chunk_size", int, "scheduler.chunk_size", "prompt tokens per slot per tick",
-           at_least(1)),
+    Option("chunk_size", int, "scheduler.chunk_size",
+           "prompt tokens one slot may take in a pass (0 = the whole pass, --n-batch: prompts "
+           "take the pass shortest remaining first, the oldest among equals)", at_least(0)),
     Option("prefill_stall", float, "scheduler.prefill_stall",
            "decode_maximal: while slots generate, a pass carrying prompt tokens lasts about this "
            "many decode-only passes at most (2: streams' inter-token gaps at most ~2x while a "

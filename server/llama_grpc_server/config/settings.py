@@ -136,7 +136,9 @@ def available_memory_bytes() -> int:
 @dataclass(frozen=True, slots=True)
 class SchedulerSettings:
     n_parallel: int = 4
-    chunk_size: int = 512
+    # prompt tokens one slot may take in a pass; 0 = the whole pass (n_batch): prompts take the
+    # budget shortest remaining first (core.scheduling.strategies._prefill_order)
+    chunk_size: int = 0
     # decode_maximal: while slots generate, a pass carrying prompt tokens lasts about this many
     # decode-only passes at most (2: the running streams' ITL at most ~2x during a prefill;
     # more: prompts in larger, cheaper chunks, sooner first tokens, longer gaps meanwhile);

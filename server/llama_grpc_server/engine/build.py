@@ -120,7 +120,9 @@ def build_engine(
             n_ctx=model.n_ctx,
             n_batch=model.n_batch,
             # an encoder's input goes whole in one pass (core.requests.embedding.share_whole)
-            chunk_size=model.n_batch if model.is_encoder else min(sched.chunk_size, model.n_batch),
+            chunk_size=min(sched.chunk_size or model.n_batch, model.n_batch)
+            if not model.is_encoder
+            else model.n_batch,
             prefill_stall=sched.prefill_stall,
             max_queue=sched.max_queue,
             supports_partial_removal=model.supports_partial_removal,

@@ -402,7 +402,7 @@ class Scheduler:
             chunk_size=self.limits.chunk_size,
             queue_depth=len(self.queue),
             slots=tuple(
-                SlotView(r.slot_id, r.num_pending, r.is_decoding, r.last_served_tick)
+                SlotView(r.slot_id, r.num_pending, r.is_decoding, r.last_served_tick, r.arrival_ns)
                 for r in active
             ),
             prefill_allowance=self.costs.prefill_allowance(

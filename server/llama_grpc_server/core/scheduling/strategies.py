@@ -10,6 +10,8 @@ from typing import Protocol, runtime_checkable
 
 MAX_DECODE_WAIT_TICKS = 3
 """Under any built-in strategy a generating slot waits at most this many ticks for a token."""
+MAX_PREFILL_WAIT_TICKS = 8
+"""A prompt that got no token for this many ticks goes before every other (_prefill_order)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +22,7 @@ class SlotView:
     num_pending: int  # tokens to feed before its next sample (1 = a decode token)
     is_decoding: bool
     last_served_tick: int  # for round-robin: the oldest served goes first
+    arrival_ns: int = 0  # when the request arrived: among equal prompts the oldest goes first
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +116,27 @@ def _give_decodes(view: BatchView, slots: list[SlotView], budget: int, out: dict
     return budget
 
 
+def _prefill_order(view: BatchView, slots: list[SlotView]) -> list[SlotView]:
+    """Prompts in the order they take the pass's budget: the fewest tokens left first, the
+    oldest first among equals, and a prompt kept waiting MAX_PREFILL_WAIT_TICKS ahead of all.
+    Each takes what it needs (up to chunk_size) before the next gets any. Shortest remaining
+    first is the order that minimizes the mean time to first token of prompts sharing passes
+    (SRPT), and costs no pass more: the passes carry the same tokens. Four 2,048-token prompts
+    arriving together used to take 512 tokens a pass each, round robin, and all finished in the
+    fourth pass; now the first finishes after one (then two, three, four: mean TTFT 2.5 passes
+    instead of 4), as in llama-server's slot order. A long prompt still fills what a pass
+    leaves, and one that got nothing for MAX_PREFILL_WAIT_TICKS (short prompts filling every
+    pass) goes first: none starves."""
+
+    def key(slot: SlotView) -> tuple[bool, int, int, int]:
+        starving = view.waited(slot) >= MAX_PREFILL_WAIT_TICKS
+        return (not starving, slot.num_pending, slot.arrival_ns, slot.slot_id)
+
+    return sorted(slots, key=key)
+
+
 def _give_prefills(view: BatchView, slots: list[SlotView], budget: int, out: dict[int, int]) -> int:
-    for slot in _round_robin(slots):
+    for slot in _prefill_order(view, slots):
         if budget <= 0:
             break
         n = min(slot.num_pending, view.chunk_size, budget)
