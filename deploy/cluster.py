@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -168,15 +168,19 @@ class Replica:
     args: Sequence[str]
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    # `python -m module` taking the serve options (a test's fault-injecting wrapper), and its
+    # environment (None: this process's)
+    module: str = "llama_grpc_server"
+    env: Mapping[str, str] | None = None
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "llama_grpc_server", "--port", str(self.port), *self.args]
+        cmd = [sys.executable, "-m", self.module, "--port", str(self.port), *self.args]
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
 
     def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> None:
         def ready() -> bool:
@@ -248,6 +252,8 @@ class Cluster(Started):
     server_args: Sequence[str] = ()
     hash_balance_factor: int = render.HASH_BALANCE_FACTOR
     threads: int | None = None  # per replica (None: the CPUs split evenly, at least 1)
+    module: str = "llama_grpc_server"  # each replica's `python -m` (Replica.module)
+    env: Mapping[str, str] | None = None  # each replica's environment (None: this process's)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="llama-grpc-")))
     members: list[Replica] = field(default_factory=list)
     envoy: subprocess.Popen[bytes] | None = None
@@ -270,7 +276,14 @@ class Cluster(Started):
                 "--drain-delay-s", str(DRAIN_DELAY_S), "--log-format", "json",
                 *self.server_args]  # fmt: skip
         self.members = [
-            Replica(i, free_port(), args, self.workdir / f"replica-{i}.log")
+            Replica(
+                i,
+                free_port(),
+                args,
+                self.workdir / f"replica-{i}.log",
+                module=self.module,
+                env=self.env,
+            )
             for i in range(self.replicas)
         ]
         for replica in self.members:
