@@ -4,8 +4,10 @@ bench-resume-chaos`) writes bench/results/resume_chaos.json.
 Kill: three replicas behind Envoy (deploy/cluster.py), the Python client with its automatic
 resumption, --streams streams of --tokens tokens on prompts of --prompt-tokens (half greedy, half
 seeded at temperature 4 over the top 5), each prompt cached once beforehand under its session;
-SIGKILL of the replica holding the most of them once all are in flight. Per rep: the streams in
-flight at the kill (and the victim's), those completed (max_tokens, every token), the tokens lost
+SIGKILL of the replica holding the most of them once all are in flight. Each replica has a
+slot for every stream (with fewer, a stream the ring or the resumption puts on a full replica
+waits in its queue: 12 and 19 s to the first token after the cut were seen with 8 slots). Per
+rep: the streams in flight at the kill (and the victim's), those completed (max_tokens, every token), the tokens lost
 and repeated on the wire (every call's delta indexes, tests/support/wire.py: must be 0 and 0), the
 greedy streams that differ from the model's known answer, and for each resumed stream the time
 from the kill to the first token of the call that resumed it (detection of the cut, the client's
@@ -183,6 +185,7 @@ async def kill_rep(cluster: Cluster, args: argparse.Namespace, disk: bool) -> di
         "resumptions": sorted(s.resumptions for s in streams),
         "resume_ttft_ms": sorted(resume_ms),
         "resumed_cached_prompt_tokens": sorted(cached),
+        "cut_calls": cut_calls(streams, recorder),
         "disk_writes_before_streams": written,
         "disk_hits_during_streams": hits,
     }
@@ -219,12 +222,26 @@ def wire_figures(
     return lost, repeated, resume_ms, cached
 
 
+def cut_calls(streams: list[Stream], recorder: WireRecorder) -> list[str]:
+    """How each call that ended in error ended (its stream, its number, tokens it carried)."""
+    out = []
+    for i, s in enumerate(streams):
+        for number, call in enumerate(recorder.calls.get(tuple(s.prompt), [])):
+            if call.error is not None:
+                carried = sum(n for _, n, _ in call.deltas)
+                first = str(call.error).splitlines()[0][:160]
+                out.append(f"stream {i} call {number} ({carried} tokens): {first}")
+    return out
+
+
 def counting_answer(s: Stream, args: argparse.Namespace) -> list[int]:
     return counting(s.prompt[-1], args.tokens) if args.model is None else s.tokens
 
 
 async def kill_config(args: argparse.Namespace, disk: bool, model: str) -> dict[str, Any]:
-    extra = ["--n-ctx", "32768", "--n-parallel", "8", "--grace-s", "15"]
+    # a slot for every stream on every replica: no stream, first or resumed, waits for one
+    slots = max(args.streams, 1)
+    extra = ["--n-ctx", str(4096 * slots), "--n-parallel", str(slots), "--grace-s", "15"]
     if disk:
         kv_dir = Path(args.workdir or "/tmp") / f"resume-chaos-kv-{uuid.uuid4().hex[:6]}"
         extra += ["--kv-cache-dir", str(kv_dir), "--session-idle-s", "1"]
@@ -310,11 +327,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     hangs = []
     for _ in range(args.hang_reps):
         hangs.append(await hang_once(args, model, long=False))
-    hangs.append(await hang_once(args, model, long=True))
+    long = [await hang_once(args, model, long=True)] if args.long_prompt_tokens else []
     data["hang"] = {
-        "rows": hangs,
-        "short_declared_s_median": median([h["declared_s"] for h in hangs[:-1]]),
-        "long_declared_s": hangs[-1]["declared_s"],
+        "rows": hangs + long,
+        "short_declared_s_median": median([h["declared_s"] for h in hangs]),
+        "long_declared_s": long[0]["declared_s"] if long else None,
     }
     data["loadavg_at_end"] = Path("/proc/loadavg").read_text().strip()
     return data
@@ -330,7 +347,7 @@ def main() -> None:
     parser.add_argument("--paced-pass-s", type=float, default=0.002)
     parser.add_argument("--disk", nargs="*", default=["off", "on"], choices=["off", "on"])
     parser.add_argument("--hang-reps", type=int, default=3)
-    parser.add_argument("--long-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--long-prompt-tokens", type=int, default=1024, help="0: no long-pass hang")
     parser.add_argument("--slow-token-s", type=float, default=0.003)
     parser.add_argument("--workdir", default=os.environ.get("TMPDIR"))
     parser.add_argument("--name", default="resume_chaos")

@@ -37,9 +37,12 @@ from ..conftest import TEST_THREADS, TINY_BOS, counting, tiny_model_file
 N = 1200  # tokens a stream
 STREAMS = 12
 PACED_PASS_S = "0.002"  # N passes: 2.4 s at least for a stream that is never cut
-# 8 slots a replica (more than the streams one gets), 4,096 positions each. --watchdog-s is the
-# default, auto: a hung decode pass is declared at the floor (watchdog.FLOOR_S, 5 s).
-SERVER_ARGS = ("--n-ctx", "32768", "--n-parallel", "8", "--grace-s", "15")
+# A slot a replica for every stream, 4,096 positions each: the ring may hash most sessions to one
+# replica, and after a kill the survivors hold them all; with fewer slots a stream would wait in
+# a queue for seconds (seen with 8: a stream started 1 s late, a resumed one 12 s late).
+# --watchdog-s is the default, auto: a hung decode pass is declared at the floor
+# (watchdog.FLOOR_S, 5 s).
+SERVER_ARGS = ("--n-ctx", "49152", "--n-parallel", "12", "--grace-s", "15")
 EXIT_ENGINE_HUNG = 71
 # Seeded sampling far from greedy (about 1 token in 60 is not the counting model's successor),
 # over the 5 likeliest tokens only. Over the whole vocabulary (top_k 0) the draw at the seam
@@ -140,15 +143,23 @@ async def check_every_stream_whole(
     client: AsyncClient, recorder: WireRecorder, tracked: list[Tracked], victims: set[str]
 ) -> None:
     """Every stream complete, each position once on the wire, the undisturbed run's tokens; the
-    victim's streams resumed once each, the others never."""
+    victim's streams resumed, the others never. A victim's stream is resumed once, or twice
+    when its first call again reaches Envoy before Envoy knows the replica is gone (Envoy's own
+    retries go to the dead replica too: UNAVAILABLE "upstream connect error", bench/
+    resume_chaos.py saw it for 2 or 3 of 5 cut streams in some reps); each failed call is an
+    UNAVAILABLE, and the last call of every stream ends OK."""
     for s in tracked:
         assert s.done is not None and s.done.finish_reason == "max_tokens", (s.request_id, s.done)
         assert s.done.usage.completion_tokens == N
         assert len(s.tokens) == N
         check_once_each(recorder.calls[tuple(s.prompt)], N)
-    assert {s.request_id: s.resumptions for s in tracked} == {
-        s.request_id: 1 if s.request_id in victims else 0 for s in tracked
-    }
+    resumed = {s.request_id for s in tracked if s.resumptions}
+    assert resumed == victims, (resumed, victims)
+    for s in tracked:  # every call that failed was one the client resumes: UNAVAILABLE
+        calls = recorder.calls[tuple(s.prompt)]
+        assert s.resumptions == len(calls) - 1
+        assert all(isinstance(c.error, UnavailableError) for c in calls[:-1]), calls
+        assert calls[-1].error is None
     for s in tracked:
         if s.greedy:
             assert s.tokens == counting(s.prompt[-1], N), s.request_id
@@ -173,8 +184,8 @@ async def test_a_killed_replicas_streams_are_resumed_elsewhere_whole(
 ) -> None:
     """SIGKILL the replica holding the most of 12 streams in flight: every stream ends complete
     (max_tokens, the whole answer's usage), every position carried once, each answer the
-    undisturbed one; the victim's streams resumed once each (Envoy sends the call again past
-    the dead replica: connect-failure retry), the others not at all."""
+    undisturbed one; the victim's streams resumed (Envoy sends the call again past the dead
+    replica: connect-failure retry), the others not at all."""
     client, recorder = wire
     tracked = streams("kill", 100)
     tasks = [asyncio.create_task(run(client, s, i)) for i, s in enumerate(tracked)]
