@@ -4,18 +4,19 @@ bench-resume-chaos`) writes bench/results/resume_chaos.json.
 Kill: three replicas behind Envoy (deploy/cluster.py), the Python client with its automatic
 resumption, --streams streams of --tokens tokens on prompts of --prompt-tokens (half greedy, half
 seeded at temperature 4 over the top 5), each prompt cached once beforehand under its session;
-SIGKILL of the replica holding the most of them once all are in flight. Each replica has a
-slot for every stream (with fewer, a stream the ring or the resumption puts on a full replica
-waits in its queue: 12 and 19 s to the first token after the cut were seen with 8 slots). Per
-rep: the streams in flight at the kill (and the victim's), those completed (max_tokens, every token), the tokens lost
-and repeated on the wire (every call's delta indexes, tests/support/wire.py: must be 0 and 0), the
-greedy streams that differ from the model's known answer, and for each resumed stream the time
-from the kill to the first token of the call that resumed it (detection of the cut, the client's
-back-off, Envoy's retry past the dead replica, the new replica's prefill of prompt + answer so far
-or its restore, the first decode). Without and with a shared disk tier (--kv-cache-dir, one
-directory for the three, --session-idle-s 1: the prompts' caches are written before the streams
-start; an in-flight answer's own cache is never written, so the resumed tokens are computed
-again either way). Medians over --reps.
+SIGKILL of the replica holding the most of them once all are in flight. Each replica has a slot
+for every stream (with fewer, a stream the ring or the resumption puts on a full replica waits
+in its queue: 12 and 19 s to the first token after the cut were seen with 8 slots). Per rep:
+the streams in flight at the kill (and the victim's), those completed (max_tokens, every
+token), the tokens lost and repeated on the wire (every call's delta indexes, tests/support/
+wire.py: must be 0 and 0), the greedy streams that differ from the model's known answer, how
+every failed call ended, and for each resumed stream the time from the kill to the first token
+of the call that resumed it (detection of the cut, the client's back-off, Envoy's retry past
+the dead replica, the new replica's prefill of prompt + answer so far or its restore, the first
+decode). Without and with a shared disk tier (--kv-cache-dir, one directory for the three,
+--session-idle-s 1: the prompts' caches are written before the streams start; an in-flight
+answer's own cache is never written, so the resumed tokens are computed again either way).
+Medians over --reps.
 
 Hang: one replica (tests/support/hanging_runner.py, HANG_FILE) whose next forward pass never
 returns, --watchdog-s auto: the time from the hang to the stream's UNAVAILABLE (ENGINE_HUNG), in a
