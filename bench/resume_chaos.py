@@ -14,7 +14,9 @@ every failed call ended, and for each resumed stream the time from the kill to t
 of the call that resumed it (detection of the cut, the client's back-off, Envoy's retry past
 the dead replica, the new replica's prefill of prompt + answer so far or its restore, the first
 decode). Without and with a shared disk tier (--kv-cache-dir, one directory for the three,
---session-idle-s 1: the prompts' caches are written before the streams start; an in-flight
+--session-idle-s 1: the prompts' caches are written, and indexed by every replica, before the
+streams start (without the wait for the index, the survivors of the first rep restored none of
+the victim's files: they index another replica's within a second); an in-flight
 answer's own cache is never written, so the resumed tokens are computed again either way).
 Medians over --reps.
 
@@ -137,6 +139,8 @@ async def kill_rep(cluster: Cluster, args: argparse.Namespace, disk: bool) -> di
                 break
             await asyncio.sleep(0.1)
         written = sum(w for w, _ in await disk_counts(cluster)) - writes
+        if disk:  # every replica has indexed the others' files (core/kv/disk.py REFRESH_S: 1 s)
+            await asyncio.sleep(2.5)
         recorder.calls.clear()
         tasks = [asyncio.create_task(s.run(client, args.tokens)) for s in streams]
         sessions = {s.session for s in streams}
