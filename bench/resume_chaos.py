@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
 import signal
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -248,8 +248,7 @@ async def kill_config(args: argparse.Namespace, disk: bool, model: str) -> dict[
     slots = max(args.streams, 1)
     extra = ["--n-ctx", str(4096 * slots), "--n-parallel", str(slots), "--grace-s", "15"]
     if disk:
-        kv_dir = Path(args.workdir or "/tmp") / f"resume-chaos-kv-{uuid.uuid4().hex[:6]}"
-        extra += ["--kv-cache-dir", str(kv_dir), "--session-idle-s", "1"]
+        extra += ["--kv-cache-dir", str(args.scratch / "kv"), "--session-idle-s", "1"]
     env = support_env(SLOW_PASS_S=str(args.paced_pass_s))
     with Cluster(
         3,
@@ -275,7 +274,7 @@ async def kill_config(args: argparse.Namespace, disk: bool, model: str) -> dict[
 
 async def hang_once(args: argparse.Namespace, model: str, long: bool) -> dict[str, Any]:
     """Seconds from the hang to the stream's UNAVAILABLE, and the bound the server named."""
-    hang_file = Path(args.workdir or "/tmp") / f"resume-chaos-hang-{uuid.uuid4().hex[:6]}"
+    hang_file = args.scratch / f"hang-{uuid.uuid4().hex[:6]}"
     env = support_env(HANG_FILE=str(hang_file), SLOW_TOKEN_S=str(args.slow_token_s))
     extra = ["--n-ctx", "8192", "--n-parallel", "2", "--grace-s", "1"]
     if long:
@@ -325,7 +324,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "command": "python bench/resume_chaos.py " + " ".join(sys.argv[1:]),
         "machine": machine_facts(threads=1),
         "loadavg_at_start": Path("/proc/loadavg").read_text().strip(),
-        "settings": {k: v for k, v in vars(args).items() if k != "workdir"},
+        "settings": {k: v for k, v in vars(args).items() if k != "scratch"},
         "model": Path(model).name,
     }
     data["kill"] = [await kill_config(args, disk == "on", model) for disk in args.disk]
@@ -354,10 +353,11 @@ def main() -> None:
     parser.add_argument("--hang-reps", type=int, default=3)
     parser.add_argument("--long-prompt-tokens", type=int, default=1024, help="0: no long-pass hang")
     parser.add_argument("--slow-token-s", type=float, default=0.003)
-    parser.add_argument("--workdir", default=os.environ.get("TMPDIR"))
     parser.add_argument("--name", default="resume_chaos")
     args = parser.parse_args()
-    data = asyncio.run(main_async(args))
+    with tempfile.TemporaryDirectory(prefix="resume-chaos-") as scratch:  # disk tier, hang files
+        args.scratch = Path(scratch)
+        data = asyncio.run(main_async(args))
     write_json(args.name, finish_facts(data))
 
 
