@@ -11,6 +11,13 @@ passes, prompt and generated tokens per pass; output tok/s; TTFT and ITL p50/p99
 
     python bench/packing.py [--configs decode_maximal@2,decode_maximal@8,prefill_priority@2]
         [--concurrency 4] [--lengths 512/64] [--requests 12] [--reps 2]
+
+A configuration may end in /CHUNK (--chunk-size; 0 by default). Issue 53, four 2,048-token
+prompts arriving together, served shortest remaining first (the default) against the 512-token
+round robin of before (ttft_mean_passes: passes from a request's arrival to its first token):
+
+    python bench/packing.py --configs decode_maximal/512,decode_maximal --lengths 2048/64 \
+        --requests 4 --jitter-ms 0 --reps 2 --name prompt_order
 """
 
 from __future__ import annotations
@@ -47,6 +54,10 @@ def cpu_s() -> float:
 
 
 def make(config: str, threads: int, n_parallel: int) -> EngineLoop:
+    """config: strategy[@prefill_stall][/chunk_size] (chunk_size 0, the default: prompts take
+    the pass shortest remaining first; 512: the round robin of 512 tokens a prompt before
+    issue 53)."""
+    config, _, chunk = config.partition("/")
     strategy, _, stall = config.partition("@")
     settings = Settings(
         model=ModelSettings(n_ctx=8192, n_threads=threads),
@@ -54,14 +65,20 @@ def make(config: str, threads: int, n_parallel: int) -> EngineLoop:
             n_parallel=n_parallel,
             batch_strategy=strategy,
             prefill_stall=float(stall or 0.0),
+            chunk_size=int(chunk or 0),
             prompt_cache_ram_mb=0,
         ),
     )
     return build_engine(settings)
 
 
-async def one(
-    engine: EngineLoop, tokens: list[int], answer: int, ttft: list[float], itl: list[float]
+async def one(  # noqa: PLR0917
+    engine: EngineLoop,
+    tokens: list[int],
+    answer: int,
+    ttft: list[float],
+    itl: list[float],
+    ttft_passes: list[int],
 ) -> int:
     request = GenerationRequest(
         request_id=f"p{random.getrandbits(64):x}",
@@ -71,12 +88,14 @@ async def one(
         cache_prompt=False,
     )
     start = last = time.perf_counter()
+    ticks = engine.stats().ticks  # the passes before it arrived
     generated = 0
     async for event in engine.submit(request):
         if isinstance(event, TokenDelta) and event.token_ids:
             now = time.perf_counter()
             if generated == 0:
                 ttft.append((now - start) * 1000)
+                ttft_passes.append(engine.stats().ticks - ticks)
             else:
                 itl.append((now - last) * 1000 / len(event.token_ids))
             last = now
@@ -93,13 +112,14 @@ async def episode(engine: EngineLoop, args: argparse.Namespace, rep: int) -> dic
                for _ in range(args.requests)]  # fmt: skip
     ttft: list[float] = []
     itl: list[float] = []
+    ttft_passes: list[int] = []  # passes from a request's arrival to its first token
     todo = iter(prompts)
 
     async def stream() -> int:
         total = 0
         for p in todo:  # a client's own time between requests (aiperf over HTTP and SMG)
             await asyncio.sleep(rng.uniform(0, args.jitter_ms) / 1000)
-            total += await one(engine, p, answer, ttft, itl)
+            total += await one(engine, p, answer, ttft, itl, ttft_passes)
         return total
 
     before, c0, t0 = engine.stats(), cpu_s(), time.perf_counter()
@@ -116,6 +136,8 @@ async def episode(engine: EngineLoop, args: argparse.Namespace, rep: int) -> dic
         "prompt_per_pass": prompt_done / passes,
         "decode_per_pass": generated / passes,
         "output_tok_s": generated / wall,
+        "ttft_mean_ms": statistics.fmean(ttft),
+        "ttft_mean_passes": statistics.fmean(ttft_passes),
         "ttft_p50_ms": percentile(ttft, 0.5),
         "ttft_p99_ms": percentile(ttft, 0.99),
         "itl_p50_ms": percentile(itl, 0.5),
@@ -152,7 +174,7 @@ def main() -> int:
     parser.add_argument(
         "--configs",
         default="decode_maximal,decode_maximal@2,decode_maximal@8,prefill_priority",
-        help="strategy[@prefill_stall],... (stall 0 where not given: the default)",
+        help="strategy[@prefill_stall][/chunk_size],... (0 where not given: the defaults)",
     )
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--lengths", default="512/64")
@@ -176,7 +198,9 @@ def main() -> int:
             f"{row['config']:24} cpu/tok {row['cpu_ms_per_token']:.2f} "
             f"cpu/out {row['cpu_ms_per_output_token']:.1f} passes {row['passes']:.0f} "
             f"pp {row['prompt_per_pass']:.1f} dp {row['decode_per_pass']:.2f} "
-            f"tok/s {row['output_tok_s']:.2f} ttft50 {row['ttft_p50_ms']:.0f} "
+            f"tok/s {row['output_tok_s']:.2f} ttft mean {row['ttft_mean_ms']:.0f} ms "
+            f"{row['ttft_mean_passes']:.2f} passes "
+            f"p50 {row['ttft_p50_ms']:.0f} p99 {row['ttft_p99_ms']:.0f} "
             f"itl50 {row['itl_p50_ms']:.0f} itl99 {row['itl_p99_ms']:.0f}"
         )
     print(path)

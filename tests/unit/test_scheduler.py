@@ -133,12 +133,12 @@ def test_prefill_is_chunked() -> None:
 RIDS = ("a", "bb", "ccc", "dddd")
 
 
-def _first_token_pass(chunk: int) -> tuple[dict[str, int], int]:
+def _first_token_pass(chunk: int, max_tokens: int = 1) -> tuple[dict[str, int], int]:
     """Four 64-token prompts arriving together in passes of 64 tokens: the pass (1-based) that
     gave each its first token, and the passes in all."""
     s, runner = make(n_parallel=4, n_batch=64, chunk=chunk), FakeRunner()
     for rid in RIDS:  # ids of different lengths: prompts with no common prefix (req)
-        s.add(req(rid, 64, 1))  # one token: no decode rows in later passes
+        s.add(req(rid, 64, max_tokens))
     first: dict[str, int] = {}
     passes = 0
     while s.has_work:
@@ -161,6 +161,18 @@ def test_prompts_sharing_passes_finish_one_after_another() -> None:
     assert whole == {"a": 1, "bb": 2, "ccc": 3, "dddd": 4}
     assert capped == dict.fromkeys(RIDS, 4)
     assert passes == capped_passes == 4
+
+
+def test_a_generating_slot_waits_a_pass_for_a_prompt_to_finish() -> None:
+    """With answers of 2 tokens the first prompt generates while the others prefill: its row
+    waits (at most MAX_DECODE_WAIT_TICKS passes) so that each pass-sized prompt finishes in
+    its pass instead of spilling one token into the next; the fourth finds the first's row
+    due (it waited three passes) and spills. Round robin: all four in the fourth pass."""
+    whole, passes = _first_token_pass(chunk=64, max_tokens=2)
+    capped, capped_passes = _first_token_pass(chunk=16, max_tokens=2)
+    assert whole == {"a": 1, "bb": 2, "ccc": 3, "dddd": 5}
+    assert capped == dict.fromkeys(RIDS, 4)
+    assert (passes, capped_passes) == (6, 5)
 
 
 def test_stop_token_and_eos_reasons() -> None:

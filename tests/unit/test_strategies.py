@@ -202,3 +202,33 @@ def test_the_default_stall_sets_no_allowance() -> None:
     assert costs.prefill_allowance(512) == 0
     assert costs.prefill_allowance(512, 0.0) == 0
     assert costs.prefill_allowance(512, INTERACTIVE_PREFILL_STALL) == 12
+
+
+def test_decode_maximal_lets_a_prompt_finish_in_its_pass() -> None:
+    """A prompt that fits the pass but for the decode rows takes the rows it lacks from the
+    decoders served most recently (they wait a tick); one that cannot fit takes none."""
+    fits = view(dec(0, last=9), dec(1, last=8), pre(2, 63), budget=64, chunk=64)
+    assert DecodeMaximal().allocate(fits) == {1: 1, 2: 63}
+    whole = view(dec(0, last=9), dec(1, last=8), pre(2, 64), budget=64, chunk=64)
+    assert DecodeMaximal().allocate(whole) == {2: 64}
+    too_long = view(dec(0, last=9), dec(1, last=8), pre(2, 65), budget=64, chunk=64)
+    assert DecodeMaximal().allocate(too_long) == {0: 1, 1: 1, 2: 62}
+    capped = view(dec(0, last=9), dec(1, last=8), pre(2, 63), budget=64, chunk=32)
+    assert DecodeMaximal().allocate(capped) == {0: 1, 1: 1, 2: 32}
+    starving = dec(0, last=10 - MAX_DECODE_WAIT_TICKS)
+    assert DecodeMaximal().allocate(view(starving, pre(1, 64), budget=64, chunk=64)) == {
+        0: 1,
+        1: 63,
+    }
+
+
+def test_decode_maximal_keeps_decode_rows_under_a_prefill_allowance() -> None:
+    v = BatchView(
+        tick=10,
+        budget=64,
+        chunk_size=64,
+        queue_depth=0,
+        slots=(dec(0), pre(1, 63)),
+        prefill_allowance=32,
+    )
+    assert DecodeMaximal().allocate(v) == {0: 1, 1: 32}
