@@ -136,6 +136,16 @@ def _engine_lora(v: Value) -> str | None:
     return None
 
 
+def _draft_model(v: Value) -> str | None:
+    """--draft-model: a file, or a name (resolved when the engine is built)."""
+    entry = str(v or "")
+    if not entry:
+        return None
+    if catalog.looks_like_path(entry):
+        return None if Path(entry).expanduser().is_file() else "no such file"
+    return _name_problem(entry)
+
+
 def _name_problem(name: str) -> str | None:
     try:
         catalog.check_name(name)
@@ -352,9 +362,16 @@ OPTIONS: tuple[Option, ...] = (
            "text forced before the end of a thinking section the budget cut short (e.g. "
            "\"Time is up: answering now.\")"),
     Option("speculative", str, "scheduler.speculative",
-           "prompt-lookup speculative decoding of requests that do not choose: off | auto (draft "
-           "when the measured tick costs and the request's acceptance say it pays) | on",
+           "speculative decoding of requests that do not choose: off | auto (draft when the "
+           "measured tick costs and the request's acceptance say it pays: by prompt lookup, or by "
+           "the --draft-model) | on (draft every tick: with the --draft-model, else by lookup)",
            one_of(*SPECULATIVE_MODES), "MODE"),
+    Option("draft_model", str, "model.draft_model",
+           "a draft model for speculative decoding of the default model (a GGUF file or a model "
+           "name: --models-dir's or a trained one): its own context beside the target's, its "
+           "vocabulary checked at start; with it --speculative on drafts with it, auto picks "
+           "per request between it, prompt lookup and nothing from measured acceptance and costs",
+           _draft_model, "PATH|NAME"),
     Option("draft_max", int, "scheduler.draft_max",
            "speculative decoding: draft tokens per step at most", between(1, MAX_DRAFT_TOKENS)),
     Option("ngram_min", int, "scheduler.ngram_min",

@@ -84,6 +84,9 @@ class ModelSettings:
     # NAME[:SCALE] (--engine-lora): the --lora adapter every vLLM engine-protocol request applies,
     # the replica then being model `<model_name>+NAME` to the gateway; "" = none
     engine_lora: str = ""
+    # A GGUF path or a model name (--draft-model): a draft model for speculative decoding,
+    # loaded beside the default model (engine/draft.py); "" = none
+    draft_model: str = ""
 
     def threads(self, cpus: int | None = None) -> tuple[int, int]:
         """(generation, prompt) threads with the 0 defaults resolved; cpus defaults to

@@ -38,6 +38,9 @@ class Counters:
     spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
     spec_accepted_tokens: int = 0  # ... the sampler agreed with (and the request took)
     spec_ticks: int = 0  # forward passes with at least one draft
+    # ... of them the draft model's (--draft-model), drafted and accepted
+    spec_model_draft_tokens: int = 0
+    spec_model_accepted_tokens: int = 0
     pad_rows: int = (
         0  # pad rows added to decode-only passes (core.speculation.drafts; not in GetStats)
     )

@@ -3,6 +3,7 @@ warm up with one real decode, start the engine thread."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,9 +21,11 @@ from llama_grpc_server.core.scheduling.strategies import load_strategy
 from llama_grpc_server.core.speculation.policy import PRIOR_AVX512, PRIOR_X86_64_V3, TickCostModel
 from llama_grpc_server.engine import logs, openmp
 from llama_grpc_server.engine.adapters import AdapterLoadError, LoraAdapters
+from llama_grpc_server.engine.draft import DraftModel
 from llama_grpc_server.engine.llama import LlamaModel, ModelLoadError, system_info
 from llama_grpc_server.engine.loop import DoneHook, EngineLoop, TickHook
 from llama_grpc_server.engine.runner import Runner
+from llama_grpc_server.models import catalog
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_path, file_sha256
 from llama_grpc_server.watchdog import tick_bounds
 
@@ -100,6 +103,7 @@ def build_engine(
     sched = settings.scheduler
     strategy = load_strategy(sched.batch_strategy)
     model = LlamaModel(settings.model, path, sched.n_parallel)
+    drafter = _load_draft(settings, model) if settings.model.draft_model else None
     lora = None if model.is_encoder else LoraAdapters(model.model, model.ctx, path)
     entries = _load_loras(lora, settings.model.loras, name, model)
     runner = Runner(model, lora)
@@ -150,6 +154,7 @@ def build_engine(
     # the cost of a pass of N rows has another shape with AVX-512 (core.speculation.policy)
     avx512 = "AVX512 = 1" in system_info()
     scheduler.spec.costs.prior = PRIOR_AVX512 if avx512 else PRIOR_X86_64_V3
+    scheduler.spec.drafter = drafter
 
     def close() -> None:
         if lora is not None:
@@ -157,9 +162,28 @@ def build_engine(
         if disk is not None:
             disk.close()  # the saves queued at shutdown reach the disk first
         runner.close()
+        if drafter is not None:
+            drafter.close()
         model.close()
 
     measured: list[float] = []  # the warm-up's ms per prompt token (on the engine thread)
+
+    def start() -> None:
+        measured.append(
+            warm_up(
+                model,
+                runner,
+                scheduler.spec.costs
+                if sched.speculative != "off" and not model.is_encoder
+                else None,
+                min(sched.draft_max + 2, model.n_batch),
+            )
+        )
+        if drafter is not None:  # a drafted token's first price, before any draft pass
+            text = model.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
+            token_ms = drafter.warm_up(text[: model.n_batch])
+            scheduler.spec.draft_costs.calibrate(token_ms)
+            log.info("draft_model_calibrated", token_ms=round(token_ms, 2))
 
     engine = EngineLoop(
         scheduler,
@@ -177,16 +201,7 @@ def build_engine(
         # A server that speculates by default calibrates its cost model for one stream's
         # longest draft and one row more (~2.5 s for 18 rows); otherwise a request asking for
         # AUTO starts from the prior shape scaled by the measured ticks.
-        on_start=lambda: measured.append(
-            warm_up(
-                model,
-                runner,
-                scheduler.spec.costs
-                if sched.speculative != "off" and not model.is_encoder
-                else None,
-                min(sched.draft_max + 2, model.n_batch),
-            )
-        ),
+        on_start=start,
         # asked for after on_start, on the engine thread: the warm-up has measured by then
         watchdog_s=lambda: tick_bounds(sched.watchdog_s, model.n_batch, measured[-1]),
         # An idle engine's docked OpenMP helpers throttle a busy engine's barriers the same way
@@ -199,6 +214,26 @@ def build_engine(
     for entry in entries:
         engine.adapters.add(entry)
     return engine
+
+
+def _load_draft(settings: Settings, model: LlamaModel) -> DraftModel:
+    """--draft-model, resolved (a path, or a name of --models-dir or the trained models) and
+    loaded with the target's context settings; ModelLoadError (the target freed) when it cannot
+    be found or loaded, or its vocabulary is not the target's."""
+    entry = settings.model.draft_model
+    models_dir = Path(settings.pool.models_dir) if settings.pool.models_dir else None
+    try:
+        draft_path = str(catalog.resolve(entry, models_dir))
+        draft_settings = dataclasses.replace(settings.model, model_path=draft_path, loras=())
+        drafter = DraftModel.load(draft_settings, draft_path, model.n_seq_max, model)
+    except catalog.CatalogError as exc:
+        model.close()
+        raise ModelLoadError(f"--draft-model {entry}: {exc}") from None
+    except ModelLoadError:
+        model.close()
+        raise
+    log.info("draft_model_loaded", path=draft_path, n_vocab=drafter.model.n_vocab)
+    return drafter
 
 
 def _load_loras(

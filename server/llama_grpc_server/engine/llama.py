@@ -16,6 +16,7 @@ import structlog
 from llama_grpc_server.config import ModelSettings
 from llama_grpc_server.core.api import ModelInfo
 from llama_grpc_server.core.requests.chat import ChatMessage, template_in_use, template_origin
+from llama_grpc_server.core.speculation.draft_model import VocabView
 from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.engine import cpu_share, grammar
 from llama_grpc_server.engine.chat import ChatRenderer
@@ -296,6 +297,15 @@ class LlamaModel:
             ),
         )
 
+    def vocab_view(self) -> VocabView:
+        """The vocabulary as a draft model's must match it (core.speculation.draft_model):
+        the token count, every token's text and the special ids."""
+        v = self.vocab
+        special = {name: int(getattr(llama_cpp, f"llama_vocab_{name}")(v)) for name in _SPECIAL_IDS}
+        special["add_bos"] = int(bool(llama_cpp.llama_vocab_get_add_bos(v)))
+        texts = [bytes(llama_cpp.llama_vocab_get_text(v, t) or b"") for t in range(self.n_vocab)]
+        return VocabView(self.n_vocab, texts, special)
+
     def kv_fingerprint(self, model_sha256: str) -> dict[str, object]:
         """Everything that decides what a saved sequence state means: a disk-tier file made under
         any other value is never restored here (kv_disk.py)."""
@@ -368,6 +378,10 @@ def _batch_invariant_kernels(n_gpu_layers: int) -> None:
             n_gpu_layers=n_gpu_layers,
             reason="the mode sets llama.cpp's CPU kernels; offloaded layers keep the GPU's",
         )
+
+
+# the special ids a draft model must share with its target (llama_vocab_<name>)
+_SPECIAL_IDS = ("bos", "eos", "eot", "sep", "nl", "pad", "fim_pre", "fim_suf", "fim_mid")
 
 
 # llama.cpp's enum llama_pooling_type by value, as core.requests.embedding names them

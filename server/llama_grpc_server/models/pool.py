@@ -126,15 +126,17 @@ def directory_models(models_dir: str) -> Discover:
 
 def settings_for(settings: Settings, spec: ModelSpec) -> Settings:
     """The settings one model's engine is built with: the server's, naming that model, with
-    the --lora adapters of that model ("" stands for the default model: model_specs' first)."""
+    the --lora adapters of that model ("" stands for the default model: model_specs' first)
+    and, for the default model alone, the --draft-model."""
     default = model_specs(settings)[0].name
     loras = tuple(
         dataclasses.replace(lora, model=spec.name)
         for lora in settings.model.loras
         if (lora.model or default) == spec.name
     )
+    draft = settings.model.draft_model if spec.name == default else ""  # the default's alone
     model = dataclasses.replace(
-        settings.model, model_path=spec.path, model_name=spec.name, loras=loras
+        settings.model, model_path=spec.path, model_name=spec.name, loras=loras, draft_model=draft
     )
     return dataclasses.replace(settings, model=model)
 

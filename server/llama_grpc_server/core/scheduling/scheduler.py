@@ -526,7 +526,9 @@ class Scheduler:
         logprobs = result.logprobs_of(chunk.slot_id)
         num_accepted = chunk.num_accepted(tokens)
         if not chunk.is_pad:
-            self.spec.verified(request, chunk.num_draft, num_accepted)
+            if self.spec.verified(request, chunk.num_draft, num_accepted):
+                self.counters.spec_model_draft_tokens += chunk.num_draft
+                self.counters.spec_model_accepted_tokens += num_accepted
             request.num_draft_tokens += chunk.num_draft
         request.num_computed = chunk.start_pos + 1
         out: Emitted = []

@@ -4,7 +4,9 @@ each decoding slot's draft length for one tick. Pure functions and values: no cl
 
 A tick of B decode rows and k draft rows costs T(B + k) = D(B) + H(k), where D(B) = T(B) and
 H(k) = T(B + k) - T(B). It yields B tokens plus the accepted draft tokens. AUTO drafts only when
-(B + expected accepted) / T(B + k) beats B / T(B) by MIN_GAIN, and picks k by that rate too."""
+(B + expected accepted) / T(B + k) beats B / T(B) by MIN_GAIN, and picks k by that rate too.
+A draft model's tokens cost their drafting too: T(B + k) + k c, c its measured milliseconds per
+drafted token (DraftOption.token_ms)."""
 
 from __future__ import annotations
 
@@ -236,6 +238,9 @@ class DraftOption:
     p: float  # Acceptance.p: chance of the first draft token
     is_forced: bool = False  # mode ON: the whole draft, whatever it costs
     p_next: float | None = None  # Acceptance.p_next (None: p)
+    # What each draft token costs before the tick: 0 for a lookup, a draft model's measured
+    # milliseconds per drafted token (core.speculation.draft_model.DraftCosts)
+    token_ms: float = 0.0
 
     def gain(self, j: int) -> float:
         """Chance that the j-th draft token (from 1) is accepted."""
@@ -275,6 +280,8 @@ def choose_drafts(
     room = max_extra - sum(out.values())
     base_rows = num_rows + sum(out.values())
     base_ms = tick_ms(base_rows)
+    if base_ms is not None:  # forced draft-model tokens are paid for before the tick
+        base_ms += sum(o.token_ms * out.get(o.slot_id, 0) for o in options if o.is_forced)
     free = [o for o in options if not o.is_forced and o.max_len > 0]
     if not free or room <= 0 or base_ms is None or base_ms <= 0:
         return out
@@ -296,6 +303,7 @@ def choose_drafts(
     best_k, best_rate = 0, min(stuck, heap[0][0]) / base_ms
     threshold = best_rate * MIN_GAIN
     padding = 0
+    drafting_ms = 0.0  # what the picked draft-model tokens cost to draft
     while heap and len(picks) < room:
         v, _, i = heapq.heappop(heap)
         if v > stuck:  # the slowest cannot be helped: a few rows more may still be cheaper
@@ -305,11 +313,14 @@ def choose_drafts(
         taken[i] += 1
         value[i] += free[i].gain(taken[i])
         picks.append(i)
+        drafting_ms += free[i].token_ms
         if taken[i] < free[i].max_len:
             heapq.heappush(heap, (value[i], -free[i].gain(taken[i] + 1), i))
         else:
             stuck = min(stuck, value[i])
         ms = tick_ms(base_rows + len(picks))
+        if ms is not None:
+            ms += drafting_ms
         slowest = min(stuck, heap[0][0]) if heap else stuck
         if ms is not None and ms > 0 and slowest / ms > best_rate:
             best_k, best_rate = len(picks), slowest / ms

@@ -1,8 +1,12 @@
-"""Speculator: prompt-lookup (n-gram) speculative decoding for the scheduler. Per request it keeps
-an n-gram index over the request's own tokens (core.speculation.ngram) and an acceptance estimate;
-per tick it proposes drafts for the decoding slots (mode ON: whatever the lookup finds; AUTO: what
-core.speculation.policy says pays at the measured tick costs) and learns from what the runner
-verified.
+"""Speculator: speculative decoding for the scheduler, by prompt lookup (n-gram) and, with
+--draft-model, by a draft model. Per request it keeps an n-gram index over the request's own
+tokens (core.speculation.ngram) and acceptance estimates; per tick it proposes drafts for the
+decoding slots (mode ON: the draft model's when there is one, else whatever the lookup finds;
+AUTO: per request the lookup, the draft model or nothing, whichever core.speculation.policy says
+pays at the measured tick costs, the draft model's drafting cost counted against it) and learns
+from what the runner verified. The draft model drafts for all its slots in one batched pass
+(DraftSource: engine/draft.py), inside the tick, before the target's pass verifies the drafts
+beside the other streams' rows exactly as it verifies lookups.
 
 AUTO also drafts in the shadow: a draft it did not send is compared with the tokens generated
 next, so a request's acceptance stays measured while it does not speculate (a request that starts
@@ -11,6 +15,7 @@ on probes. Pure Python; used by the Scheduler on the engine thread only."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +25,7 @@ from llama_grpc_server.core.requests.request import (
     SpeculativeConfig,
     SpeculativeMode,
 )
+from llama_grpc_server.core.speculation.draft_model import DraftCosts, DraftSource, DraftWant
 from llama_grpc_server.core.speculation.ngram import NgramIndex
 from llama_grpc_server.core.speculation.policy import (
     ACCEPT_PRIOR,
@@ -42,7 +48,14 @@ LONG_MATCH = 3
 LONG_PRIOR = 0.8  # a long draft's first-token acceptance before any evidence
 LONG_PRIOR_NEXT = 0.9  # and its further tokens'
 AMBIGUOUS_PRIOR = 0.3  # an ambiguous draft's first-token acceptance before any evidence
-SHORT, LONG, AMBIGUOUS = range(3)  # a lookup's kind, each with its own acceptance estimate
+# A draft model's drafts: no shadow can measure them for free, so a request starts from the
+# server's estimate for the draft model (every request's verified model drafts), itself starting
+# from this prior: a draft model made for its target is accepted 0.6-0.8 of the time on code
+# (llama-server's reports for Qwen 2.5 Coder 0.5B -> 1.5B), and AUTO tries it where it would pay
+# at that rate.
+MODEL_PRIOR = 0.7
+# a draft's kind, each with its own acceptance estimate: lookups', and the draft model's
+SHORT, LONG, AMBIGUOUS, MODEL = range(4)
 
 
 @dataclass(slots=True)
@@ -52,18 +65,19 @@ class _State:
     config: SpeculativeConfig
     index: NgramIndex
     # one acceptance estimate per kind of lookup, indexed by SHORT, LONG, AMBIGUOUS
-    estimates: tuple[Acceptance, Acceptance, Acceptance] = field(
+    estimates: tuple[Acceptance, Acceptance, Acceptance, Acceptance] = field(
         default_factory=lambda: (
             Acceptance(),
             Acceptance(LONG_PRIOR, LONG_PRIOR_NEXT),
             Acceptance(AMBIGUOUS_PRIOR),
+            Acceptance(MODEL_PRIOR, MODEL_PRIOR),
         )
     )
     # Drafts not sent, waiting for the tokens they predicted: (draft, where in the request's
     # tokens its first token would be, its kind, whether its first token was learned from).
     shadows: list[tuple[tuple[int, ...], int, int, bool]] = field(default_factory=list)
-    # What this tick's draft is: NgramIndex.filler's padding (learned from by nobody), or a
-    # lookup of a kind (SHORT, LONG, AMBIGUOUS).
+    # What this tick's draft is: NgramIndex.filler's padding (learned from by nobody), a
+    # lookup of a kind (SHORT, LONG, AMBIGUOUS) or the draft model's (MODEL).
     is_filler: bool = False
     kind: int = SHORT
 
@@ -86,7 +100,7 @@ class _State:
         own = self.estimates[self.kind]
         p, p_next = own.p, own.p_next
         short = self.estimates[SHORT]
-        if self.kind != SHORT and short.n > 0:
+        if self.kind in (LONG, AMBIGUOUS) and short.n > 0:
             factor = min(1.0, short.p / ACCEPT_PRIOR)
             if own.n == 0:
                 p *= factor
@@ -98,10 +112,17 @@ class _State:
 class Speculator:
     """The scheduler's speculation: drafts per tick, per-request state, the tick cost model."""
 
-    def __init__(self, defaults: SpeculativeConfig | None = None) -> None:
+    def __init__(
+        self, defaults: SpeculativeConfig | None = None, drafter: DraftSource | None = None
+    ) -> None:
         self.defaults = defaults if defaults is not None else SpeculativeConfig()
         self.costs = TickCostModel()
         self._states: dict[str, _State] = {}
+        self.drafter = drafter  # the draft model (--draft-model), None without one
+        self.draft_costs = DraftCosts()  # its measured cost per drafted token
+        self.model_acceptance = Acceptance(MODEL_PRIOR, MODEL_PRIOR)  # every request's
+        self.model_ms = 0.0  # milliseconds spent in draft passes (GetStats' decode time)
+        self.model_cpu_ms = 0.0
 
     def mode(self, request: Request) -> SpeculativeMode:
         asked = request.spec.speculative.mode
@@ -119,40 +140,85 @@ class Speculator:
         """slot_id -> draft tokens for this tick's decoding requests that speculate. num_rows:
         the tick's decode rows (theirs and the others'); room: draft tokens the batch and the
         KV cache can take. AUTO drafts only in a tick without prompt chunks (its cost model is
-        of decode-only ticks); ON drafts in any."""
+        of decode-only ticks); ON drafts in any. The draft model's drafts are made here, in one
+        batched draft pass for every request that takes one."""
         found: dict[int, tuple[int, ...]] = {}
         fillers: dict[int, tuple[int, ...]] = {}
+        by_model: dict[int, Request] = {}
         options: list[DraftOption] = []
-        states: list[tuple[Request, _State]] = []
+        states: list[tuple[Request, _State, tuple[int, ...], int]] = []
+        token_ms = self.draft_costs.token_ms if self.drafter is not None else None
         for request in requests:
             state = self._state(request)
             if state is None:
                 continue
-            states.append((request, state))
             cap = min(
                 state.config.draft_max,
                 request.spec.stopping.max_tokens - request.num_output - 1,
                 n_ctx - len(request.tokens),
             )
             draft, matched, is_ambiguous = state.index.lookup(request.tokens, cap)
-            state.kind = AMBIGUOUS if is_ambiguous else LONG if matched >= LONG_MATCH else SHORT
+            kind = AMBIGUOUS if is_ambiguous else LONG if matched >= LONG_MATCH else SHORT
+            states.append((request, state, draft, kind))
+            state.kind = kind
             is_forced = state.config.mode is SpeculativeMode.ON
+            lookup = state.option(request.slot_id, len(draft), is_forced) if draft else None
+            if token_ms is not None and cap > 0 and (is_forced or not has_prefill):
+                state.kind = MODEL
+                model = state.option(request.slot_id, cap, is_forced)
+                model = dataclasses.replace(model, token_ms=token_ms)
+                if (
+                    is_forced
+                    or lookup is None
+                    or self._rate(model, num_rows) > self._rate(lookup, num_rows)
+                ):
+                    by_model[request.slot_id] = request
+                    options.append(model)
+                    continue
+                state.kind = kind
             if draft:
                 found[request.slot_id] = draft
                 if is_forced or not has_prefill:
-                    options.append(state.option(request.slot_id, len(draft), is_forced))
+                    options.append(lookup)  # type: ignore[arg-type]  # set with draft
             elif cap > 0 and not is_forced and not has_prefill:
                 # nothing to look up: a guess, sent only where one row more makes the tick cheaper
                 fillers[request.slot_id] = (state.index.filler(request.tokens),)
                 options.append(DraftOption(request.slot_id, 1, 0.0))
         chosen = choose_drafts(num_rows, options, self.costs.tick_ms, room) if options else {}
-        for request, state in states:
-            draft = found.get(request.slot_id, ())
+        for request, state, draft, kind in states:
             state.is_filler = request.slot_id in fillers and request.slot_id in chosen
-            if draft and not chosen.get(request.slot_id) and len(state.shadows) < MAX_SHADOWS:
-                state.shadows.append((draft, len(request.tokens), state.kind, False))
+            is_sent = request.slot_id in found and chosen.get(request.slot_id)
+            if draft and not is_sent and len(state.shadows) < MAX_SHADOWS:
+                state.shadows.append((draft, len(request.tokens), kind, False))
         found.update(fillers)
-        return {slot_id: found[slot_id][:k] for slot_id, k in chosen.items() if k > 0}
+        wants = [
+            DraftWant(slot_id, request.tokens, chosen[slot_id])
+            for slot_id, request in by_model.items()
+            if chosen.get(slot_id, 0) > 0
+        ]
+        if wants and self.drafter is not None:
+            made = self.drafter.draft(wants)
+            self.draft_costs.observe(made.num_drafted, made.ms)
+            self.model_ms += made.ms
+            self.model_cpu_ms += made.cpu_ms
+            found.update(made.drafts)
+        return {
+            slot_id: found[slot_id][:k]
+            for slot_id, k in chosen.items()
+            if k > 0 and found.get(slot_id)
+        }
+
+    def _rate(self, option: DraftOption, num_rows: int) -> float:
+        """The best expected tokens per millisecond of one request's option, alone: how AUTO
+        picks between a request's lookup and the draft model."""
+        best = 0.0
+        value = 1.0
+        for j in range(1, option.max_len + 1):
+            value += option.gain(j)
+            ms = self.costs.tick_ms(num_rows + j)
+            if ms is not None and ms > 0:
+                best = max(best, value / (ms + j * option.token_ms))
+        return best
 
     def _state(self, request: Request) -> _State | None:
         state = self._states.get(request.key)
@@ -166,15 +232,22 @@ class Speculator:
         draft_max = max(0, min(MAX_DRAFT_TOKENS, asked.draft_max))
         config = SpeculativeConfig(asked.mode, draft_max, ngram_min, ngram_max)
         state = _State(config, NgramIndex(ngram_min, ngram_max))
+        shared = self.model_acceptance
+        state.estimates[MODEL].p, state.estimates[MODEL].p_next = shared.p, shared.p_next
         self._states[request.key] = state
         return state
 
-    def verified(self, request: Request, num_draft: int, num_accepted: int) -> None:
+    def verified(self, request: Request, num_draft: int, num_accepted: int) -> bool:
         """The runner verified a draft of the request's: num_accepted of num_draft agreed. A
-        filler's outcome says nothing about the request's lookups and is not learned from."""
+        filler's outcome says nothing about the request's lookups and is not learned from.
+        True when it was the draft model's (also learned by the server's estimate)."""
         state = self._states.get(request.key)
-        if state is not None and not state.is_filler:
-            state.of(state.kind).record(num_accepted, num_draft)
+        if state is None or state.is_filler:
+            return False
+        state.of(state.kind).record(num_accepted, num_draft)
+        if state.kind == MODEL:
+            self.model_acceptance.record(num_accepted, num_draft)
+        return state.kind == MODEL
 
     def observe_tokens(self, request: Request) -> None:
         """The request took new tokens: settle what they decide of the shadow drafts. A
