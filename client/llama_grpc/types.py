@@ -465,6 +465,9 @@ class Stats:
     spec_accepted_tokens: int = 0
     spec_acceptance_rate: float = 0.0
     spec_ticks: int = 0
+    # ... of them the draft model's (--draft-model): draft tokens verified, those accepted
+    spec_model_draft_tokens: int = 0
+    spec_model_accepted_tokens: int = 0
     model_name: str = ""  # the model these figures are of
     # Requests whose deadline passed (not counted as failed or cancelled).
     requests_deadline_exceeded: int = 0

@@ -47,11 +47,17 @@ class Outcome:
 
 
 def make_engine(
-    model_path: str = "", n_threads: int = TEST_THREADS, **scheduler: object
+    model_path: str = "",
+    n_threads: int = TEST_THREADS,
+    *,
+    draft_model: str = "",
+    batch_invariant: bool = False,
+    **scheduler: object,
 ) -> EngineLoop:
     """An engine on the embedded model (or model_path), llama.cpp on TEST_THREADS threads (0: the
-    default, one per CPU). The RAM tier is 512 MiB unless given (tests/e2e/conftest.settings:
-    the automatic size is per engine, and a worker holds several engines)."""
+    default, one per CPU), with a draft model if given. The RAM tier is 512 MiB unless given
+    (tests/e2e/conftest.settings: the automatic size is per engine, and a worker holds several
+    engines)."""
     scheduler.setdefault("prompt_cache_ram_mb", 512)
     settings = Settings(
         model=ModelSettings(
@@ -60,6 +66,8 @@ def make_engine(
             n_batch=512,
             n_threads=n_threads,
             n_gpu_layers=N_GPU_LAYERS,
+            draft_model=draft_model,
+            batch_invariant=batch_invariant,
         ),
         scheduler=SchedulerSettings(**scheduler),  # type: ignore[arg-type]
     )
@@ -73,10 +81,10 @@ def engine() -> Iterator[EngineLoop]:
     eng.close()
 
 
-def make_tiny_engine(**scheduler: object) -> EngineLoop:
+def make_tiny_engine(*, draft_model: str = "", **scheduler: object) -> EngineLoop:
     """An engine on the tiny synthetic model (tests/conftest.py's tiny_model_file): for the
     tests of token flow, limits and cancellation, which do not read the words."""
-    return make_engine(str(tiny_model_file()), **scheduler)
+    return make_engine(str(tiny_model_file()), draft_model=draft_model, **scheduler)
 
 
 @pytest.fixture(scope="session")

@@ -2245,6 +2245,8 @@ class GetStatsResponse(_message.Message):
     WATCHDOG_TRIPS_FIELD_NUMBER: _builtins.int
     ADAPTERS_FIELD_NUMBER: _builtins.int
     ADAPTER_SWITCHES_FIELD_NUMBER: _builtins.int
+    SPEC_MODEL_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_MODEL_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     n_parallel: _builtins.int
     active_slots: _builtins.int
     idle_slots: _builtins.int
@@ -2348,6 +2350,11 @@ class GetStatsResponse(_message.Message):
     hung (every request then ended UNAVAILABLE, reason ENGINE_HUNG, and the server exits).
     """
     adapter_switches: _builtins.int
+    spec_model_draft_tokens: _builtins.int
+    """Of the speculative decoding figures above, the draft model's (--draft-model): its draft
+    tokens verified and those accepted since start (the rest are prompt lookup's).
+    """
+    spec_model_accepted_tokens: _builtins.int
     @_builtins.property
     def slots(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotStats]: ...
     @_builtins.property
@@ -2418,10 +2425,12 @@ class GetStatsResponse(_message.Message):
         watchdog_trips: _builtins.int = ...,
         adapters: _abc.Iterable[Global___Adapter] | None = ...,
         adapter_switches: _builtins.int = ...,
+        spec_model_draft_tokens: _builtins.int = ...,
+        spec_model_accepted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "adapter_switches", b"adapter_switches", "adapters", b"adapters", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "decode_cpu_seconds", b"decode_cpu_seconds", "decode_seconds", b"decode_seconds", "disk_cache_bytes", b"disk_cache_bytes", "disk_cache_entries", b"disk_cache_entries", "disk_cache_evictions", b"disk_cache_evictions", "disk_cache_hits", b"disk_cache_hits", "disk_cache_misses", b"disk_cache_misses", "disk_cache_read_failures", b"disk_cache_read_failures", "disk_cache_read_seconds", b"disk_cache_read_seconds", "disk_cache_verify_failures", b"disk_cache_verify_failures", "disk_cache_write_failures", b"disk_cache_write_failures", "disk_cache_writes", b"disk_cache_writes", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "model_name", b"model_name", "n_parallel", b"n_parallel", "paused_streams", b"paused_streams", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_deadline_exceeded", b"requests_deadline_exceeded", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "response_cache_bytes", b"response_cache_bytes", "response_cache_entries", b"response_cache_entries", "response_cache_evictions", b"response_cache_evictions", "response_cache_hits", b"response_cache_hits", "response_cache_misses", b"response_cache_misses", "slots", b"slots", "spec_acceptance_rate", b"spec_acceptance_rate", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_ticks", b"spec_ticks", "stalled_readers", b"stalled_readers", "stream_pauses", b"stream_pauses", "ticks", b"ticks", "uptime_s", b"uptime_s", "watchdog_trips", b"watchdog_trips"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_slots", b"active_slots", "adapter_switches", b"adapter_switches", "adapters", b"adapters", "avg_batch_size", b"avg_batch_size", "batch_strategy", b"batch_strategy", "cached_prompt_tokens", b"cached_prompt_tokens", "decode_cpu_seconds", b"decode_cpu_seconds", "decode_seconds", b"decode_seconds", "disk_cache_bytes", b"disk_cache_bytes", "disk_cache_entries", b"disk_cache_entries", "disk_cache_evictions", b"disk_cache_evictions", "disk_cache_hits", b"disk_cache_hits", "disk_cache_misses", b"disk_cache_misses", "disk_cache_read_failures", b"disk_cache_read_failures", "disk_cache_read_seconds", b"disk_cache_read_seconds", "disk_cache_verify_failures", b"disk_cache_verify_failures", "disk_cache_write_failures", b"disk_cache_write_failures", "disk_cache_writes", b"disk_cache_writes", "engine_error", b"engine_error", "engine_state", b"engine_state", "generated_tokens", b"generated_tokens", "generating_slots", b"generating_slots", "idle_slots", b"idle_slots", "kv_cells_total", b"kv_cells_total", "kv_cells_used", b"kv_cells_used", "model_name", b"model_name", "n_parallel", b"n_parallel", "paused_streams", b"paused_streams", "preemptions", b"preemptions", "prefilling_slots", b"prefilling_slots", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prompt_tokens", b"prompt_tokens", "queue_depth", b"queue_depth", "ram_cache_bytes", b"ram_cache_bytes", "ram_cache_entries", b"ram_cache_entries", "ram_cache_evictions", b"ram_cache_evictions", "ram_cache_hits", b"ram_cache_hits", "ram_cache_misses", b"ram_cache_misses", "requests_cancelled", b"requests_cancelled", "requests_deadline_exceeded", b"requests_deadline_exceeded", "requests_failed", b"requests_failed", "requests_finished", b"requests_finished", "requests_rejected", b"requests_rejected", "requests_started", b"requests_started", "response_cache_bytes", b"response_cache_bytes", "response_cache_entries", b"response_cache_entries", "response_cache_evictions", b"response_cache_evictions", "response_cache_hits", b"response_cache_hits", "response_cache_misses", b"response_cache_misses", "slots", b"slots", "spec_acceptance_rate", b"spec_acceptance_rate", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_model_accepted_tokens", b"spec_model_accepted_tokens", "spec_model_draft_tokens", b"spec_model_draft_tokens", "spec_ticks", b"spec_ticks", "stalled_readers", b"stalled_readers", "stream_pauses", b"stream_pauses", "ticks", b"ticks", "uptime_s", b"uptime_s", "watchdog_trips", b"watchdog_trips"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

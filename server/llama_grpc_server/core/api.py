@@ -104,6 +104,9 @@ class StatsSnapshot:
     spec_accepted_tokens: int = 0
     spec_acceptance_rate: float = 0.0
     spec_ticks: int = 0
+    # ... of them the draft model's (--draft-model): draft tokens verified, those accepted
+    spec_model_draft_tokens: int = 0
+    spec_model_accepted_tokens: int = 0
     # Requests whose caller's deadline passed (in the queue, in a slot, or the RPC ended by it):
     # neither failed nor cancelled.
     requests_deadline_exceeded: int = 0

@@ -178,6 +178,8 @@ def _counted(c: Counters) -> dict[str, Any]:
             c.spec_accepted_tokens / c.spec_draft_tokens if c.spec_draft_tokens else 0.0
         ),
         "spec_ticks": c.spec_ticks,
+        "spec_model_draft_tokens": c.spec_model_draft_tokens,
+        "spec_model_accepted_tokens": c.spec_model_accepted_tokens,
         "stalled_readers": c.reader_stalls,
         "stream_pauses": c.reader_pauses,
         "adapters": tuple(

@@ -1,0 +1,164 @@
+"""Draft-model speculation on the real model: the embedded Gemma 3 270M drafting for itself
+(--draft-model pointing at the same file), in batch-invariant mode so that a position's logits
+do not depend on the pass it is computed in (the draft's one-row steps, the target's verifying
+rows): greedy output identical to the target alone, alone and in a batch of three streams, and
+every draft token accepted (a model drafting for itself greedily agrees with itself), counted
+exactly; a draft model whose vocabulary is not the target's stops the start, naming the
+difference; the tiny counting model drafting for itself through preemptions, prefix reuse and a
+cancel, every draft accepted (a draft KV out of step would show as a rejection)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import llama_cpp
+import pytest
+
+from llama_grpc_server.core.requests.request import (
+    GenerationRequest,
+    SpeculativeMode,
+    SpeculativeParams,
+    TokenDelta,
+)
+from llama_grpc_server.engine.draft import DraftModel
+from llama_grpc_server.engine.llama import ModelLoadError
+from llama_grpc_server.engine.loop import EngineLoop
+from llama_grpc_server.models.files import default_model_path
+
+from ..conftest import TINY_BOS, counting, tiny_model_file
+from .conftest import make_engine, make_tiny_engine, request, run, run_all, wait_idle
+
+DRAFT_MAX = 4
+MAX_TOKENS = 24
+# Tokens drafted (and accepted) for one request: after the prompt's pass gives the first token,
+# each tick drafts min(DRAFT_MAX, max_tokens - generated - 1) and all are accepted, so the
+# answer grows 1 -> 6 -> 11 -> 16 -> 21 (4 each), -> 23 (2), -> 24 (none): 18.
+EXPECTED_ACCEPTED = 4 * 4 + 2
+PROMPTS = [
+    "Once upon a time, in a land far away,",
+    "def fibonacci(n):",
+    "The history of the printing press begins",
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[EngineLoop]:
+    eng = make_engine(
+        draft_model=str(default_model_path()),
+        batch_invariant=True,
+        n_parallel=3,
+        n_ctx=1024,
+        draft_max=DRAFT_MAX,
+    )
+    yield eng
+    eng.close()
+
+
+def spec(engine: EngineLoop, prompt: str, mode: SpeculativeMode) -> GenerationRequest:
+    req = request(engine, prompt, max_tokens=MAX_TOKENS, cache_prompt=False)
+    return dataclasses.replace(req, speculative=SpeculativeParams(mode))
+
+
+async def test_a_model_drafting_for_itself_gives_the_same_greedy_answer_all_accepted(
+    engine: EngineLoop,
+) -> None:
+    before = engine.stats()
+    plain = await run(engine, spec(engine, PROMPTS[0], SpeculativeMode.OFF))
+    drafted = await run(engine, spec(engine, PROMPTS[0], SpeculativeMode.ON))
+    assert drafted.token_ids == plain.token_ids
+    usage = drafted.finished.usage
+    assert (usage.draft_tokens, usage.accepted_draft_tokens) == (
+        EXPECTED_ACCEPTED,
+        EXPECTED_ACCEPTED,
+    )
+    after = engine.stats()
+    assert after.spec_model_draft_tokens - before.spec_model_draft_tokens == EXPECTED_ACCEPTED
+    assert after.spec_model_accepted_tokens - before.spec_model_accepted_tokens == (
+        EXPECTED_ACCEPTED
+    )
+
+
+async def test_three_streams_draft_in_one_pass_with_the_same_answers(engine: EngineLoop) -> None:
+    plain = await run_all(engine, [spec(engine, p, SpeculativeMode.OFF) for p in PROMPTS])
+    drafted = await run_all(engine, [spec(engine, p, SpeculativeMode.ON) for p in PROMPTS])
+    for p, d in zip(plain, drafted, strict=True):
+        assert d.token_ids == p.token_ids
+        usage = d.finished.usage
+        assert (usage.draft_tokens, usage.accepted_draft_tokens) == (
+            EXPECTED_ACCEPTED,
+            EXPECTED_ACCEPTED,
+        )
+
+
+async def test_auto_does_not_draft_with_a_model_as_dear_as_the_target(engine: EngineLoop) -> None:
+    """A model drafting for itself costs a target's decode per drafted token: it never pays, and
+    AUTO drafts none with it (prompt lookup it may still use)."""
+    before = engine.stats().spec_model_draft_tokens
+    plain = await run(engine, spec(engine, PROMPTS[1], SpeculativeMode.OFF))
+    auto = await run(engine, spec(engine, PROMPTS[1], SpeculativeMode.AUTO))
+    assert auto.token_ids == plain.token_ids
+    assert engine.stats().spec_model_draft_tokens == before
+
+
+def test_a_draft_model_of_another_vocabulary_stops_the_start() -> None:
+    with pytest.raises(ModelLoadError, match="n_vocab differs: target 262144, draft 1024"):
+        make_engine(draft_model=str(tiny_model_file()), n_ctx=256)
+
+
+async def test_kept_in_step_through_preemption_prefix_reuse_and_cancel() -> None:
+    """The tiny counting model drafting for itself, on a KV cache too small for its four
+    streams (preemptions; the draft context, as small, drops slots that are not drafting), then
+    the same prompts again (their prefixes restored into the target's KV only), then a stream
+    cancelled mid-answer and its slot reused: every answer is the model's own, every draft token
+    is accepted (the counting model's greedy token wins by several nats in any batch), and the
+    draft context's KV holds, for every slot, exactly the positions the drafter says it holds.
+    (The counting model's next token depends on the last token alone, so the Gemma tests above
+    are the ones where a draft KV out of step would show as rejections.)"""
+    eng = make_tiny_engine(
+        n_parallel=4, n_ctx=512, cache_prompt=True, draft_model=str(tiny_model_file())
+    )
+    try:
+        runs = [[TINY_BOS, *counting(300 + 150 * i, 120)] for i in range(4)]
+        for _ in range(2):
+            reqs = [tiny_spec(eng, run, max_tokens=100) for run in runs]
+            outs = await run_all(eng, reqs)
+            assert [list(o.token_ids) for o in outs] == [counting(run[-1], 100) for run in runs]
+            for out in outs:
+                usage = out.finished.usage
+                assert usage.draft_tokens > 0
+                assert usage.accepted_draft_tokens == usage.draft_tokens
+            assert_draft_kv_as_held(eng)
+        assert eng.stats().preemptions >= 1
+        stream = eng.submit(tiny_spec(eng, runs[0][:50], max_tokens=200))
+        async for event in stream:
+            if isinstance(event, TokenDelta):
+                stream.cancel()
+                break
+        await wait_idle(eng)
+        outs = await run_all(eng, [tiny_spec(eng, runs[0][:40], max_tokens=60)])
+        assert list(outs[0].token_ids) == counting(runs[0][39], 60)
+        usage = outs[0].finished.usage
+        assert usage.accepted_draft_tokens == usage.draft_tokens > 0
+        stats = eng.stats()
+        assert stats.spec_model_accepted_tokens == stats.spec_model_draft_tokens > 0
+        assert_draft_kv_as_held(eng)
+    finally:
+        eng.close()
+
+
+def assert_draft_kv_as_held(engine: EngineLoop) -> None:
+    """Each slot's draft KV ends at position len(held) - 1, as the drafter says (its start is
+    not asked: a sliding-window cache reports the window's)."""
+    drafter = engine._scheduler.spec.drafter
+    assert isinstance(drafter, DraftModel)
+    memory = drafter.model.memory
+    for slot_id in range(drafter.model.n_seq_max):
+        held = drafter.held.get(slot_id, [])
+        pos_max = int(llama_cpp.llama_memory_seq_pos_max(memory, slot_id))
+        assert pos_max == len(held) - 1, (slot_id, pos_max, len(held))
+
+
+def tiny_spec(engine: EngineLoop, prompt: list[int], *, max_tokens: int) -> GenerationRequest:
+    req = request(engine, prompt, max_tokens=max_tokens)
+    return dataclasses.replace(req, speculative=SpeculativeParams(SpeculativeMode.ON))
