@@ -209,6 +209,14 @@ class TickWatchdog:
         if tick is not None:
             self._tick = (tick[0], bound_s, basis)
 
+    def expect_more(self, bound_s: float, basis: Basis | None) -> None:
+        """The running tick goes on with a pass bounded by `bound_s` from now (a draft model's
+        pass inside the tick, before its own forward pass): its bound is the time it has run so
+        far plus that."""
+        tick = self._tick
+        if tick is not None:
+            self._tick = (tick[0], time.monotonic() - tick[0] + bound_s, basis)
+
     def tick_ended(self) -> None:
         self._tick = None
 

@@ -190,6 +190,26 @@ def test_watchdog_trips_at_the_bound_the_running_tick_expects() -> None:
     assert (bound, got) == (0.4, basis) and seconds >= 0.4
 
 
+def test_a_pass_inside_the_tick_adds_its_bound_to_the_time_run_so_far() -> None:
+    """expect_more (a draft model's pass before the tick's own): the bound is the tick's time so
+    far plus the pass's, so a tick that spent its floor drafting is not taken for a hang."""
+    trips: list[tuple[float, float, Basis | None]] = []
+    tripped = threading.Event()
+
+    def on_trip(seconds: float, bound: float, basis: Basis | None) -> None:
+        trips.append((seconds, bound, basis))
+        tripped.set()
+
+    watchdog = TickWatchdog(0.3, on_trip)
+    basis = Basis(DECODE_2, "measured", 1.0)
+    watchdog.tick_started(Basis(None, "floor"))
+    time.sleep(0.2)
+    watchdog.expect_more(0.3, basis)
+    assert tripped.wait(5)
+    seconds, bound, got = trips[0]
+    assert got == basis and bound >= 0.5 and seconds >= bound
+
+
 def test_watchdog_stops_at_once_and_rejects_a_bound_of_zero() -> None:
     watchdog = TickWatchdog(60.0, lambda s, b, w: None)
     watchdog.stop()

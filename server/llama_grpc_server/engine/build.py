@@ -211,6 +211,8 @@ def build_engine(
         overlap_decode=overlap_decode(sched.overlap_decode, model),
         lora=lora,
     )
+    if drafter is not None:
+        drafter.before_pass = engine.expect_inner_pass
     for entry in entries:
         engine.adapters.add(entry)
     return engine

@@ -9,7 +9,7 @@ drafting. Engine thread only."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import llama_cpp
@@ -39,6 +39,9 @@ class DraftModel:
         self.batch = Batch(model.n_batch)
         self.held: dict[int, list[int]] = {}  # slot id -> tokens whose draft KV is held
         self._threads = model.threads
+        # Told of each draft llama_decode before it runs (is_prefill, tokens): the engine's
+        # watchdog extends the tick's bound by it (EngineLoop.expect_inner_pass)
+        self.before_pass: Callable[[bool, int], None] | None = None
 
     @classmethod
     def load(
@@ -106,6 +109,9 @@ class DraftModel:
         slot's draft. A full draft KV drops the slots not in `keep` and tries once more; a pass
         that fails forgets the chunks' slots (their KV is emptied) and returns False."""
         outputs = self.batch.fill(chunks)
+        if self.before_pass is not None:
+            tokens = sum(len(c.tokens) for c in chunks)
+            self.before_pass(tokens > len(chunks), tokens)
         status = self._run()
         if status == DECODE_KV_FULL:
             for slot_id in [s for s in self.held if s not in keep]:

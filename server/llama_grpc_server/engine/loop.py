@@ -220,6 +220,10 @@ class EngineLoop:
         self._bounds: PassBounds | None = None
         self._floor_basis: Basis | None = None  # a tick's basis until its pass is known
         self._shape: PassShape | None = None  # the running tick's forward pass (engine thread)
+        # When the running tick's first draft pass began (expect_inner_pass), and the seconds
+        # its draft passes took (until its plan was known): not its forward pass's time
+        self._inner_passes: float | None = None
+        self._inner_s = 0.0
         self._is_hung = False  # the watchdog tripped: the engine thread is stuck in a tick
         self._wake = threading.Condition()  # guards inbox, streams, state, error, listeners
         self._streams: dict[str, EngineStream] = {}  # by request key: (tenant, request id)
@@ -466,6 +470,7 @@ class EngineLoop:
             self._tick_once()
             return
         self._shape = None
+        self._inner_passes, self._inner_s = None, 0.0
         started = time.monotonic()
         watchdog.tick_started(self._floor_basis)
         try:
@@ -474,7 +479,7 @@ class EngineLoop:
             watchdog.tick_ended()
         if not bounds.fixed:
             now = time.monotonic()
-            bounds.observe(self._shape, now - started, now)
+            bounds.observe(self._shape, now - started - self._inner_s, now)
 
     def _tick_once(self) -> None:
         if self._released:
@@ -488,8 +493,25 @@ class EngineLoop:
         if bounds is None or bounds.fixed or watchdog is None:
             return
         self._shape = shape = pass_shape(plan)
-        if shape is not None:
+        if shape is not None and self._inner_passes is not None:  # after a draft pass: from now
+            now = time.monotonic()
+            self._inner_s = now - self._inner_passes
+            watchdog.expect_more(*bounds.for_pass(shape, now))
+        elif shape is not None:
             watchdog.expect(*bounds.for_pass(shape, time.monotonic()))
+
+    def expect_inner_pass(self, is_prefill: bool, tokens: int) -> None:
+        """A forward pass inside the tick that is not its plan's (engine/draft.py's draft pass,
+        during schedule()): the tick's bound grows by what such a pass of the target is given
+        (the draft model is smaller: generous), so a slow draft pass is not taken for a hang;
+        the plan's own pass, once known, is bounded from then on (_expect)."""
+        bounds, watchdog = self._bounds, self._watchdog
+        if bounds is None or bounds.fixed or watchdog is None:
+            return
+        now = time.monotonic()
+        if self._inner_passes is None:
+            self._inner_passes = now
+        watchdog.expect_more(*bounds.for_pass(PassShape(is_prefill, tokens), now))
 
     def _on_hung(self, seconds: float, bound_s: float, basis: Basis | None) -> None:
         """On the watchdog's thread: the running tick has passed its bound. Log where the
