@@ -30,11 +30,12 @@ from ..conftest import TINY_BOS, counting, tiny_model_file
 from .conftest import make_engine, make_tiny_engine, request, run, run_all, wait_idle
 
 DRAFT_MAX = 4
-MAX_TOKENS = 24
+ON_MODE = SpeculativeMode.ON
+MAX_TOKENS = 16
 # Tokens drafted (and accepted) for one request: after the prompt's pass gives the first token,
 # each tick drafts min(DRAFT_MAX, max_tokens - generated - 1) and all are accepted, so the
-# answer grows 1 -> 6 -> 11 -> 16 -> 21 (4 each), -> 23 (2), -> 24 (none): 18.
-EXPECTED_ACCEPTED = 4 * 4 + 2
+# answer grows 1 -> 6 -> 11 -> 16, 4 each: 12.
+EXPECTED_ACCEPTED = 3 * 4
 PROMPTS = [
     "Once upon a time, in a land far away,",
     "def fibonacci(n):",
@@ -89,6 +90,28 @@ async def test_three_streams_draft_in_one_pass_with_the_same_answers(engine: Eng
             EXPECTED_ACCEPTED,
             EXPECTED_ACCEPTED,
         )
+
+
+async def test_a_seeded_sampled_answer_is_the_same_with_the_draft_model(
+    engine: EngineLoop,
+) -> None:
+    """Sampled: the draft token is kept only where the target's own draw at that position
+    (seeded: a function of the seed and the position) gives it, so the answer is the target's,
+    drafts or not."""
+    prompt = PROMPTS[2]
+    sampled = [
+        dataclasses.replace(
+            req,
+            sampling=dataclasses.replace(req.sampling, temperature=0.9, seed=7),
+        )
+        for req in (spec(engine, prompt, SpeculativeMode.OFF), spec(engine, prompt, ON_MODE))
+    ]
+    plain = await run(engine, sampled[0])
+    drafted = await run(engine, sampled[1])
+    assert drafted.token_ids == plain.token_ids
+    usage = drafted.finished.usage
+    assert usage.draft_tokens > 0
+    assert usage.accepted_draft_tokens <= usage.draft_tokens
 
 
 async def test_auto_does_not_draft_with_a_model_as_dear_as_the_target(engine: EngineLoop) -> None:

@@ -2285,7 +2285,8 @@ class GetStatsResponse(_message.Message):
     decode_seconds: _builtins.float
     """Wall time inside llama_decode since start, and the engine thread's own CPU time in it (its
     helper threads not included): with the process CPU time they split the server's work into
-    the forward passes and everything else (bench/overhead.py).
+    the forward passes and everything else (bench/overhead.py). A draft model's passes
+    (--draft-model) are counted in both.
     """
     decode_cpu_seconds: _builtins.float
     disk_cache_entries: _builtins.int

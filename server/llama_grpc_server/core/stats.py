@@ -32,7 +32,8 @@ class Counters:
     ticks: int = 0
     batch_tokens: int = 0
     preemptions: int = 0
-    decode_ms: float = 0.0  # wall time inside llama_decode
+    # wall time inside llama_decode (a draft model's passes included)
+    decode_ms: float = 0.0
     decode_cpu_ms: float = 0.0  # the engine thread's CPU time inside llama_decode
     finish_reasons: dict[str, int] = field(default_factory=dict)
     spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified

@@ -81,6 +81,7 @@ class Drafts:
         if room <= 0:
             return chunks
         num_decode = sum(1 for c in chunks if c.is_decode)
+        model_ms, model_cpu_ms = self.spec.model_ms, self.spec.model_cpu_ms
         drafts = self.spec.propose(
             requests,
             num_rows=num_decode,
@@ -88,6 +89,9 @@ class Drafts:
             n_ctx=self.limits.n_ctx,
             has_prefill=num_decode < len(chunks),
         )
+        # a draft model's pass is llama_decode time too (GetStats' decode seconds)
+        self.counters.decode_ms += self.spec.model_ms - model_ms
+        self.counters.decode_cpu_ms += self.spec.model_cpu_ms - model_cpu_ms
         drafts = self._within_buffers(drafts)
         return [
             dataclasses.replace(
