@@ -462,6 +462,18 @@ def test_model_specs_default_first() -> None:
     )
 
 
+def test_the_draft_model_is_the_default_models_alone() -> None:
+    """--draft-model drafts for the default model; the other models load without it (its
+    vocabulary would not be theirs)."""
+    settings = Settings(
+        model=ModelSettings(draft_model="/m/draft.gguf"),
+        pool=PoolSettings(models=(("b", "/m/b.gguf"),)),
+    )
+    default, other = model_specs(settings)
+    assert settings_for(settings, default).model.draft_model == "/m/draft.gguf"
+    assert settings_for(settings, other).model.draft_model == ""
+
+
 def test_combined_load_sums_the_engines() -> None:
     """WatchLoad's figures over several engines; one engine's snapshot comes back as is."""
     engine = FakeEngine()

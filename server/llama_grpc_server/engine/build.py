@@ -235,6 +235,12 @@ def _load_draft(settings: Settings, model: LlamaModel) -> DraftModel:
         model.close()
         raise
     log.info("draft_model_loaded", path=draft_path, n_vocab=drafter.model.n_vocab)
+    if settings.scheduler.speculative == "off":
+        log.warning(
+            "draft_model_idle",
+            reason="--speculative off: only requests asking for speculation (params.speculative) "
+            "draft; --speculative on or auto drafts for the others",
+        )
     return drafter
 
 
