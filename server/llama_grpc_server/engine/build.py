@@ -105,7 +105,12 @@ def build_engine(
     model = LlamaModel(settings.model, path, sched.n_parallel)
     drafter = _load_draft(settings, model) if settings.model.draft_model else None
     lora = None if model.is_encoder else LoraAdapters(model.model, model.ctx, path)
-    entries = _load_loras(lora, settings.model.loras, name, model)
+    try:
+        entries = _load_loras(lora, settings.model.loras, name, model)
+    except ModelLoadError:
+        if drafter is not None:  # the target is freed already
+            drafter.close()
+        raise
     runner = Runner(model, lora)
     disk = None
     if sched.kv_cache_dir:
