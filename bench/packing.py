@@ -53,14 +53,14 @@ def cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def make(config: str, threads: int, n_parallel: int) -> EngineLoop:
+def make(config: str, threads: int, n_parallel: int, n_ctx: int = 8192) -> EngineLoop:
     """config: strategy[@prefill_stall][/chunk_size] (chunk_size 0, the default: prompts take
     the pass shortest remaining first; 512: the round robin of 512 tokens a prompt before
     issue 53)."""
     config, _, chunk = config.partition("/")
     strategy, _, stall = config.partition("@")
     settings = Settings(
-        model=ModelSettings(n_ctx=8192, n_threads=threads),
+        model=ModelSettings(n_ctx=n_ctx, n_threads=threads),
         scheduler=SchedulerSettings(
             n_parallel=n_parallel,
             batch_strategy=strategy,
@@ -151,7 +151,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
     for rep in range(args.reps):
         for config in configs if rep % 2 == 0 else configs[::-1]:
-            engine = make(config, args.threads, args.concurrency)
+            # every stream's prompt and answer in the KV at once (2,048/64 at 4 did not fit
+            # 8,192 cells: the last prompt was preempted and waited for the first answer)
+            prompt, answer = (int(x) for x in args.lengths.split("/"))
+            n_ctx = max(8192, args.concurrency * (prompt + answer + 64))
+            engine = make(config, args.threads, args.concurrency, n_ctx)
             try:
                 result = await episode(engine, args, rep)
             finally:
