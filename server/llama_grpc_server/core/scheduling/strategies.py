@@ -128,11 +128,13 @@ def _prefill_order(view: BatchView, slots: list[SlotView]) -> list[SlotView]:
     leaves, and one that got nothing for MAX_PREFILL_WAIT_TICKS (short prompts filling every
     pass) goes first: none starves."""
 
-    def key(slot: SlotView) -> tuple[bool, int, int, int]:
-        starving = view.waited(slot) >= MAX_PREFILL_WAIT_TICKS
-        return (not starving, slot.num_pending, slot.arrival_ns, slot.slot_id)
+    return sorted(slots, key=lambda slot: _prefill_rank(view, slot))
 
-    return sorted(slots, key=key)
+
+def _prefill_rank(view: BatchView, slot: SlotView) -> tuple[bool, int, int, int]:
+    """A prompt's place in _prefill_order: the smallest goes first."""
+    starving = view.waited(slot) >= MAX_PREFILL_WAIT_TICKS
+    return (not starving, slot.num_pending, slot.arrival_ns, slot.slot_id)
 
 
 def _give_prefills(view: BatchView, slots: list[SlotView], budget: int, out: dict[int, int]) -> int:
@@ -186,7 +188,7 @@ def _rows_to_finish(view: BatchView, prefills: list[SlotView], budget: int, deco
     waits at most MAX_DECODE_WAIT_TICKS all the same (the starving ones are served before)."""
     if not prefills:
         return 0
-    head = _prefill_order(view, prefills)[0]
+    head = min(prefills, key=lambda slot: _prefill_rank(view, slot))  # no second sort
     if head.num_pending > min(view.chunk_size, budget):
         return 0
     return min(decoders, max(0, head.num_pending - max(0, budget - decoders)))
