@@ -24,7 +24,7 @@ log = structlog.get_logger("llama_grpc.engine")
 # context costs more per token than the shallow passes that set the estimate: the margin.
 MARGIN = 10.0
 # The least a tick is given. The longest legitimate short passes measured on the shared 2-core
-# box were 2.2-2.8 s (ARCHITECTURE.md, "Loads and decoding share the cores": a ~20 ms pass held
+# box were 2.2-2.8 s (docs/performance.md, "Several models on shared cores": a ~20 ms pass held
 # by OpenMP barrier spinning while another engine loaded; since bounded to ~2 s); a full
 # collection of Python's oldest generation or the scheduler's own work in a tick come on top.
 # Twice the worst seen, rounded: a hang in a short decode pass is declared within seconds.

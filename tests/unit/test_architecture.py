@@ -1,5 +1,7 @@
-"""docs/ARCHITECTURE.md's module table names every module of the server package, and only
-modules that exist: a module added, moved or removed without the page changing fails here."""
+"""docs/ARCHITECTURE.md is a map a newcomer reads in one sitting (at most MAX_LINES lines; how
+each part works belongs to the topic pages), and its module table names every module of the
+server package, and only modules that exist: a module added, moved or removed without the page
+changing fails here."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVER = ROOT / "server" / "llama_grpc_server"
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
 TABLE_HEADER = "| module | concept |"
+MAX_LINES = 250
 
 
 def server_modules() -> set[str]:
@@ -47,6 +50,11 @@ def table_names(text: str) -> list[str]:
             break
         names += [as_path(name) for name in re.findall(r"`([^`]+)`", line.split(" | ")[0])]
     return names
+
+
+def test_the_map_is_short() -> None:
+    lines = len(ARCHITECTURE.read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_LINES, f"{lines} lines: move how things work to the topic pages"
 
 
 def test_the_module_table_names_every_server_module() -> None:
