@@ -5,6 +5,7 @@ changing fails here."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -57,9 +58,18 @@ def test_the_map_is_short() -> None:
     assert lines <= MAX_LINES, f"{lines} lines: move how things work to the topic pages"
 
 
+def suggested_row(module: str) -> str:
+    """A table row for a module the table lacks, its concept the docstring's first sentence, so
+    the failure message can be pasted into the table (and the concept then shortened)."""
+    doc = ast.get_docstring(ast.parse((SERVER / module).read_text(encoding="utf-8"))) or ""
+    first = " ".join(doc.split("\n\n")[0].split()).partition(". ")[0].removesuffix(".")
+    return f"| `{module}` | {first} |"
+
+
 def test_the_module_table_names_every_server_module() -> None:
     named = set(table_names(ARCHITECTURE.read_text(encoding="utf-8")))
-    assert sorted(server_modules() - named) == []
+    missing = sorted(server_modules() - named)
+    assert missing == [], "rows to add:\n" + "\n".join(suggested_row(m) for m in missing)
 
 
 def test_the_module_table_names_no_module_that_does_not_exist() -> None:
@@ -88,6 +98,11 @@ def listed_packages(tree: str) -> set[str]:
 def test_the_tree_reader_nests_packages_by_indentation() -> None:
     tree = "    core/    x\n        kv/    y\n    engine/    z\n        loop.py  w\n"
     assert listed_packages(tree) == {"core/", "core/kv/", "engine/"}
+
+
+def test_a_suggested_row_is_a_table_row_of_the_module() -> None:
+    row = suggested_row("watchdog.py")
+    assert row.startswith("| `watchdog.py` | ") and table_names(f"{TABLE_HEADER}\n|-|\n{row}")
 
 
 def test_the_table_reader_sees_dotted_names_and_stops_at_the_table_end() -> None:
