@@ -9,7 +9,7 @@ from typing import Any
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server.config import SchedulerSettings
 from llama_grpc_server.core.requests.request import GenerationRequest, SamplingParams
-from llama_grpc_server.rpc import validation
+from llama_grpc_server.rpc.v1 import validation
 from llama_grpc_server.testing import fake_model_info
 
 N_CTX = 64

@@ -13,7 +13,7 @@ TABLE_HEADER = "| module | concept |"
 
 
 def server_modules() -> set[str]:
-    """Each module as its path relative to the package (`rpc/server.py`); a package's
+    """Each module as its path relative to the package (`rpc/v1/convert.py`); a package's
     __init__.py is described by the package tree instead."""
     return {
         path.relative_to(SERVER).as_posix()
@@ -31,7 +31,8 @@ def server_packages() -> set[str]:
 
 
 def as_path(name: str) -> str:
-    """`rpc/server.py`, `rpc.server` or `llama_grpc_server.rpc.server` -> `rpc/server.py`."""
+    """`rpc/v1/convert.py`, `rpc.v1.convert` or `llama_grpc_server.rpc.v1.convert` ->
+    `rpc/v1/convert.py`."""
     if name.endswith(".py"):
         return name
     return name.removeprefix("llama_grpc_server.").replace(".", "/") + ".py"

@@ -1,4 +1,4 @@
-"""rpc.convert: core events and snapshots -> proto messages."""
+"""rpc.v1.convert: core events and snapshots -> proto messages."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server.core.api import DiskTierStats, StatsSnapshot
 from llama_grpc_server.core.requests.request import FinishReason, TokenDelta
-from llama_grpc_server.rpc import convert
+from llama_grpc_server.rpc.v1 import convert
 from llama_grpc_server.testing import fake_model_info
 from tests.support.convert import finished, make_snapshot
 

@@ -31,7 +31,7 @@ from llama_grpc_server.core.requests.request import (
 )
 from llama_grpc_server.core.scheduling.plan import SampledLogprob, StepPlan, StepResult
 from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
-from llama_grpc_server.rpc import convert, validation
+from llama_grpc_server.rpc.v1 import convert, validation
 from llama_grpc_server.testing import N_VOCAB, FakeEngine, FakeRunner, fake_model_info
 
 INFO = fake_model_info(n_ctx=64)

@@ -1,6 +1,6 @@
 """Thinking split from the answer as it streams (core.reasoning.split), which templates think
 (core.reasoning.formats), the budget that forces the end of thinking (core.reasoning.budget),
-and v1's checks of the chat options (rpc.reasoning)."""
+and v1's checks of the chat options (rpc.v1.reasoning)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from llama_grpc_server.core.reasoning.budget import ReasoningParams, ThinkingBud
 from llama_grpc_server.core.reasoning.formats import CHANNEL, THINK, reasoning_format_for
 from llama_grpc_server.core.reasoning.split import ReasoningSplitter
 from llama_grpc_server.core.requests.request import Constraint
-from llama_grpc_server.rpc import reasoning as rpc_reasoning
+from llama_grpc_server.rpc.v1 import reasoning as rpc_reasoning
 
 
 def split(

@@ -1,4 +1,4 @@
-"""rpc.validation: proto requests -> GenerationRequest, or an error naming the field."""
+"""rpc.v1.validation: proto requests -> GenerationRequest, or an error naming the field."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
 from llama_grpc_server.core.requests.request import GenerationRequest
-from llama_grpc_server.rpc import validation
+from llama_grpc_server.rpc.v1 import validation
 from llama_grpc_server.testing import N_VOCAB
 from tests.support.validation import INFO, LIMITS, N_CTX, text_request
 

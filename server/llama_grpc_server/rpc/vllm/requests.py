@@ -1,7 +1,7 @@
 """vLLM engine protocol requests (`vllm.grpc.engine.GenerateRequest`) -> the same core
 GenerationRequests that llama_grpc.v1 builds, or a ServiceError naming the field.
 
-Pure like rpc.validation, whose checks it reuses: parse_generate checks every field before the
+Pure like rpc.v1.validation, whose checks it reuses: parse_generate checks every field before the
 prompt is tokenized, generation_requests applies the context rules and makes the n samples.
 Each SamplingParams field is honoured or refused (INVALID_ARGUMENT naming it):
 
@@ -22,7 +22,7 @@ Each SamplingParams field is honoured or refused (INVALID_ARGUMENT naming it):
 
 The protocol has no LoRA field (nor a model name): a replica started with --engine-lora applies
 that adapter to every request (generation_requests' `adapters`) and is its own model to the
-gateway (rpc.vllm_engine).
+gateway (rpc.vllm.engine).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from llama_grpc_server.core.requests.request import (
     SamplingParams,
     StoppingParams,
 )
-from llama_grpc_server.rpc import validation
-from llama_grpc_server.rpc.validation import SAMPLING_RANGES, Draft, SamplingField
+from llama_grpc_server.rpc.v1 import validation
+from llama_grpc_server.rpc.v1.validation import SAMPLING_RANGES, Draft, SamplingField
 
 PARAMS = "sampling_params"
 MAX_SAMPLES = 16  # n at most

@@ -1,6 +1,6 @@
 """`vllm.grpc.engine.VllmEngine` handlers, for the SMG gateway and other callers of the vLLM
-engine protocol: validate (rpc.vllm_requests) -> submit the same GenerationRequests v1 builds
-to the same engine -> convert (rpc.vllm_convert). Served beside LlmService on the same port,
+engine protocol: validate (rpc.vllm.requests) -> submit the same GenerationRequests v1 builds
+to the same engine -> convert (rpc.vllm.convert). Served beside LlmService on the same port,
 behind the same interceptors, access rules and health; the default model answers.
 
 The protocol names no model and has no LoRA field: a replica started with --engine-lora NAME
@@ -49,16 +49,18 @@ from llama_grpc_server.core.requests.request import (
 )
 from llama_grpc_server.models import tokenizer_export
 from llama_grpc_server.models.pool import ModelPool
-from llama_grpc_server.rpc import convert, embeddings, reasoning, vllm_convert, vllm_requests
-from llama_grpc_server.rpc.interceptors import current_principal, current_request_id
-from llama_grpc_server.rpc.servicer import (
+from llama_grpc_server.rpc.plumbing.interceptors import current_principal, current_request_id
+from llama_grpc_server.rpc.plumbing.status import ErrorsToStatus
+from llama_grpc_server.rpc.v1 import convert, embeddings, reasoning
+from llama_grpc_server.rpc.v1.servicer import (
     NO_RESULT,
     PoolServicer,
     deadline_of,
     run_request,
     tokenize_text,
 )
-from llama_grpc_server.rpc.status import ErrorsToStatus
+from llama_grpc_server.rpc.vllm import convert as vllm_convert
+from llama_grpc_server.rpc.vllm import requests as vllm_requests
 
 VLLM_SERVICE_NAME: str = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 TOKENIZER_CHUNK_BYTES = 1 << 20  # GetTokenizer's zip, sent in pieces of at most this

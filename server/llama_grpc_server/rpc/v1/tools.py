@@ -17,7 +17,7 @@ from llama_grpc_server.core.tools import formats
 from llama_grpc_server.core.tools.constraint import tool_structural_tag
 from llama_grpc_server.core.tools.stream import ToolSession
 from llama_grpc_server.core.tools.types import ChoiceMode, ToolChoice, ToolFormat, ToolSpec
-from llama_grpc_server.rpc import validation
+from llama_grpc_server.rpc.v1 import validation
 
 MAX_TOOLS = 128
 TOOL_FIELD = "tool_choice"

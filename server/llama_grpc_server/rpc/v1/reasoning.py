@@ -21,7 +21,7 @@ from llama_grpc_server.core.reasoning.budget import ReasoningParams
 from llama_grpc_server.core.reasoning.formats import ReasoningFormat, reasoning_format_named
 from llama_grpc_server.core.reasoning.split import ReasoningSplitter
 from llama_grpc_server.core.requests.request import Constraint
-from llama_grpc_server.rpc import validation
+from llama_grpc_server.rpc.v1 import validation
 
 TextRequest = pb.GenerateRequest | pb.StreamGenerateRequest
 

@@ -17,7 +17,7 @@ from llama_grpc_server.core.api import ModelInfo
 from llama_grpc_server.core.requests import context_fit, embedding
 from llama_grpc_server.core.requests.embedding import EmbeddingParams, Pooling
 from llama_grpc_server.core.requests.request import Finished, GenerationRequest, Priority
-from llama_grpc_server.rpc import validation
+from llama_grpc_server.rpc.v1 import validation
 
 MAX_INPUTS = 2048  # inputs of one Embed call (OpenAI's /v1/embeddings bound)
 

@@ -38,14 +38,14 @@ from llama_grpc_server.core.tools.stream import ToolSession, with_tool_calls
 from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.models.pool import ModelPool
 from llama_grpc_server.observability import tracing
-from llama_grpc_server.rpc import convert, embeddings, reasoning, tools, validation
-from llama_grpc_server.rpc.interceptors import (
+from llama_grpc_server.rpc.plumbing.interceptors import (
     current_principal,
     current_request_id,
     deadline_expired,
     new_request_id,
 )
-from llama_grpc_server.rpc.status import ErrorsToStatus
+from llama_grpc_server.rpc.plumbing.status import ErrorsToStatus
+from llama_grpc_server.rpc.v1 import convert, embeddings, reasoning, tools, validation
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["LlmService"].full_name
 # Short texts tokenize inline; only long ones are worth a thread hop.
@@ -263,7 +263,7 @@ def _unix_ms() -> int:
 
 class PoolServicer:
     """A servicer of the model pool, which is attached once the default model has loaded (see
-    rpc.wiring); until then calls answer NOT_READY."""
+    rpc.plumbing.wiring); until then calls answer NOT_READY."""
 
     _pool: ModelPool | None = None
 
