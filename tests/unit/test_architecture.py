@@ -71,7 +71,7 @@ def listed_packages(tree: str) -> set[str]:
     """The packages of the tree, nested by four spaces a level (`core/kv/`)."""
     listed: set[str] = set()
     parents: list[str] = []
-    for indent, name in re.findall(r"^((?:    )+)([a-z_]+/)", tree, re.MULTILINE):
+    for indent, name in re.findall(r"^((?:    )+)([a-z_][a-z0-9_]*/)", tree, re.MULTILINE):
         depth = len(indent) // 4 - 1
         parents[depth:] = [name]
         listed.add("".join(parents))
@@ -79,8 +79,8 @@ def listed_packages(tree: str) -> set[str]:
 
 
 def test_the_tree_reader_nests_packages_by_indentation() -> None:
-    tree = "    core/    x\n        kv/    y\n    engine/    z\n        loop.py  w\n"
-    assert listed_packages(tree) == {"core/", "core/kv/", "engine/"}
+    tree = "    core/    x\n        kv/    y\n    rpc/    z\n        v1/    v\n        a.py  w\n"
+    assert listed_packages(tree) == {"core/", "core/kv/", "rpc/", "rpc/v1/"}
 
 
 def test_the_table_reader_sees_dotted_names_and_stops_at_the_table_end() -> None:

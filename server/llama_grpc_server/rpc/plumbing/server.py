@@ -26,7 +26,7 @@ from llama_grpc_server.rpc.plumbing.lifecycle import (
     loaded_unless_stopped,
     until_stopped,
 )
-from llama_grpc_server.rpc.plumbing.wiring import EngineFactory, ServerStartError, started
+from llama_grpc_server.rpc.plumbing.wiring import EngineFactory, ServerStartError, start_listening
 from llama_grpc_server.rpc.vllm.engine import TokenizerZip
 
 log = structlog.get_logger("llama_grpc.server")
@@ -47,7 +47,7 @@ async def start_server(
     `model_factory` when a request needs them. With `metrics`, RPCs are recorded there (unless
     `recorder` is given), it watches the engines' stats once the default is loaded, and
     /metrics is served when --metrics-port is set."""
-    running = await started(
+    running = await start_listening(
         settings, engine_factory, model_factory, recorder, metrics, tokenizer_zip=tokenizer_zip
     )
     try:

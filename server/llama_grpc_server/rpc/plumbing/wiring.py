@@ -233,7 +233,7 @@ def _listen(
         raise ServerStartError(f"cannot listen on {address}") from exc
 
 
-async def started(
+async def start_listening(
     settings: Settings,
     engine_factory: EngineFactory,
     model_factory: ModelFactory | None,
@@ -242,6 +242,11 @@ async def started(
     *,
     tokenizer_zip: TokenizerZip | None = None,
 ) -> RunningServer:
+    """Put the server together (services, interceptor, health, reflection, TLS, /metrics),
+    open its port and begin loading the default model in the background: the RunningServer
+    that start_server hands out. ServerStartError when a port, the TLS files or the tokens
+    file fail; ValueError when the settings would send bearer tokens in plaintext over the
+    network."""
     problem = plaintext_tokens_problem(
         settings.server.host,
         has_tls=bool(settings.server.tls_cert),
