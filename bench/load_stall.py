@@ -158,7 +158,7 @@ async def child(variant: str, loads: int, lead_s: float) -> dict[str, Any]:
     from llama_grpc_server.engine.build import build_engine
     from llama_grpc_server.engine.llama import LlamaModel
     from llama_grpc_server.models.pool import ModelSpec, model_specs, settings_for
-    from llama_grpc_server.rpc.server import start_server
+    from llama_grpc_server.rpc.plumbing.server import start_server
 
     cpu_share.SHARE.enabled = variant == "fix"
     marks = Marks()

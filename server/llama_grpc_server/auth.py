@@ -1,6 +1,7 @@
 """Who is calling: the --auth-tokens-file (bearer tokens and mTLS subjects, each bound to a tenant
 and a role, plus per-tenant limits), token lookup in constant time, and the tenant's cache scope.
-Pure Python: no grpc (rpc.interceptors asks, rpc.tls supplies certificate subjects).
+Pure Python: no grpc (rpc.plumbing.interceptors asks, rpc.plumbing.tls supplies certificate
+subjects).
 
 The file is TOML:
 

@@ -27,7 +27,7 @@ def run(settings: Settings) -> int:
     from llama_grpc_server.engine.build import build_engine
     from llama_grpc_server.models.pool import ModelSpec, model_specs, settings_for
     from llama_grpc_server.observability.metrics import Metrics
-    from llama_grpc_server.rpc.server import serve
+    from llama_grpc_server.rpc.plumbing.server import serve
     from llama_grpc_server.watchdog import EXIT_ENGINE_HUNG
 
     debug_logs = settings.server.log_level == "debug"

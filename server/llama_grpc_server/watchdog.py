@@ -44,7 +44,8 @@ DECAY = 0.1
 # While no tick runs, and while one runs, the watchdog looks at least every shortest bound /
 # IDLE_CHECKS: a tick that ends and the next one, with a shorter bound, are noticed that late.
 IDLE_CHECKS = 4
-EXIT_ENGINE_HUNG = 71  # the process's exit code once an engine's watchdog tripped (rpc.lifecycle)
+# the process's exit code once an engine's watchdog tripped (rpc.plumbing.lifecycle)
+EXIT_ENGINE_HUNG = 71
 
 # (the tick's seconds so far, its bound, why that bound: a Basis or None for a fixed bound)
 TripHandler = Callable[[float, float, "Basis | None"], None]

@@ -18,8 +18,8 @@ from llama_grpc import AsyncClient
 from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSettings, Settings
 from llama_grpc_server.core.requests.request import SamplingParams
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
 
 from ..conftest import TEST_THREADS
 

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from llama_grpc import AsyncClient, Delta
 from llama_grpc.errors import LlamaGrpcError
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.server import start_server
 from tests.support.fault_support import Outcome, collect, poll, reference
 
 from ..conftest import tiny_model_file

@@ -22,7 +22,7 @@ from llama_grpc import AsyncClient
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.observability.metrics import Metrics
 from llama_grpc_server.observability.telemetry import Bus, Telemetry
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.server import start_server
 from tests.support.dashboard import DASHBOARD, load_dashboard, panels
 
 from ..conftest import free_port, scrape

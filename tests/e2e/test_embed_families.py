@@ -15,7 +15,7 @@ import pytest
 from llama_grpc import AsyncClient
 from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSettings, Settings
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.server import start_server
 from tests.support.families import FAMILIES, family_model
 
 N_CTX = 256

@@ -27,7 +27,7 @@ from llama_grpc import AsyncClient, ContextLengthExceededError, FailedPreconditi
 from llama_grpc_server.config import PoolSettings
 from llama_grpc_server.models import cli as models_cli
 from llama_grpc_server.models.files import default_model_path
-from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
 from tests.support.families import synth_gguf
 from tests.support.pool_server import pool_server
 from tests.support.servicer_fake import details

@@ -29,7 +29,7 @@ from llama_grpc_server.core.tools import prompt as tool_prompt
 from llama_grpc_server.core.tools.types import ToolCall, ToolSpec
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.engine.chat import _Template
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.server import start_server
 from tests.support.families import (
     CONVERSATION,
     CORPUS,

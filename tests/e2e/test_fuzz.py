@@ -47,7 +47,7 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSettings, Settings
 from llama_grpc_server.core.requests.request import SamplingParams
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.server import start_server
 from tests.support.pb_strategies import messages, wire_string
 
 from ..conftest import TEST_THREADS, TINY_N_VOCAB, tiny_model_file

@@ -59,7 +59,7 @@ NATIVE_CALL = {
 }
 FAMILY_NAMES = sorted(synth_gguf.FAMILIES)
 # SMG's qwen3 and deepseek_r1 reasoning parsers read an answer as thinking until "</think>". A
-# replica applies a constraint from the end of thinking on (rpc/reasoning.py), and its reasoning
+# replica applies a constraint from the end of thinking on (rpc/v1/reasoning.py), and its reasoning
 # budget ends the thinking of these random models: a constrained answer of a thinking family
 # thinks REASONING_BUDGET tokens first (noise), then the forced end, then what was forced, as
 # the trained models think first; the others answer at once.

@@ -22,7 +22,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc import AsyncClient, Delta
-from llama_grpc_server.rpc.vllm_convert import BASE_MODEL_SALT
+from llama_grpc_server.rpc.vllm.convert import BASE_MODEL_SALT
 from tests.support.vllm_engine_fake import announces, kv_until, stored_blocks
 
 from ..conftest import TEST_THREADS

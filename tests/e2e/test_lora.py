@@ -20,7 +20,7 @@ import pytest_asyncio
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.config.settings import LoraSpec
-from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
 
 from .conftest import loaded_server, settings
 

@@ -33,8 +33,8 @@ from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_path
 from llama_grpc_server.models.pool import ModelSpec, model_specs, settings_for
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
 from tests.support.fault_support import collect, reference, server_process, start
 from tests.support.pool_server import pool_server
 

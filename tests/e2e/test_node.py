@@ -30,7 +30,7 @@ import pytest
 from llama_grpc import AsyncClient, InvalidArgumentError
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
-from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
 from tests.support.greedy import assert_text_greedy_equal
 
 NODE_DIR = Path(__file__).resolve().parents[2] / "examples" / "node"

@@ -10,8 +10,8 @@ import pytest
 
 from llama_grpc import AsyncClient, Delta, QueueFullError
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
 from tests.support.grpcurl import grpcurl_run
 
 from .conftest import settings

@@ -33,8 +33,8 @@ from llama_grpc import (
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.observability.metrics import Metrics
 from llama_grpc_server.observability.telemetry import Bus, Telemetry
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
 from tests.support.crashing_strategy import CRASH_NOW
 from tests.support.dashboard import load_dashboard, panels
 

@@ -18,8 +18,8 @@ from llama_grpc import AsyncClient, Delta, Done
 from llama_grpc_server.auth import token_digest
 from llama_grpc_server.config import ServerSettings
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
 from tests.e2e.conftest import settings
 
 USER_A = "token-of-tenant-a-0123456789"

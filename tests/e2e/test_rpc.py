@@ -20,7 +20,7 @@ from llama_grpc import (
     ModelNotFoundError,
     RequestIdInFlightError,
 )
-from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
 
 PROMPT = "The three primary colors are"
 

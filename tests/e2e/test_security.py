@@ -25,9 +25,9 @@ from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.auth import load_auth_file, token_digest
 from llama_grpc_server.config import ServerSettings, Settings
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
-from llama_grpc_server.rpc.wiring import ServerStartError
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
+from llama_grpc_server.rpc.plumbing.wiring import ServerStartError
 from tests.e2e.conftest import settings
 from tests.support.certs import Pki, make_pki
 

@@ -14,7 +14,7 @@ from llama_grpc import AsyncClient, Delta, Done
 from llama_grpc_server.config import ModelSettings, ServerSettings, Settings
 from llama_grpc_server.core.kv.prefix_cache import common_prefix_length
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.server import start_server
 
 from ..conftest import TEST_THREADS
 

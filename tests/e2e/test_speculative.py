@@ -21,8 +21,8 @@ from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
 from llama_grpc_server.observability.metrics import Metrics
 from llama_grpc_server.observability.telemetry import Bus, Telemetry, TelemetryEvent, TickEvent
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
 from tests.support.grpcurl import grpcurl_run
 
 from ..conftest import free_port, scrape, value

@@ -26,8 +26,8 @@ from llama_grpc_server.observability.telemetry import (
     TickEvent,
     configure_logging,
 )
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
 
 from ..conftest import Samples, free_port, scrape, value
 from .conftest import settings

@@ -24,7 +24,7 @@ from llama_grpc import AsyncClient
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.engine.build import build_engine
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.server import start_server
 
 from .conftest import settings
 

@@ -16,7 +16,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc import AsyncClient
-from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
 from tests.support.servicer_fake import details
 
 TEXT = "Embeddings through the engine protocol."

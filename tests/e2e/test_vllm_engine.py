@@ -21,7 +21,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from llama_grpc import AsyncClient, Delta
 from llama_grpc_server.core.constrained.regex_grammar import choice_to_gbnf, regex_to_gbnf
 from llama_grpc_server.core.kv.events import BLOCK_SIZE, chain
-from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
 from tests.support.regex_grammar import REGEX_CASES
 from tests.support.servicer_fake import details
 from tests.support.vllm_engine_fake import announces, is_cleared, kv_until, stored_blocks

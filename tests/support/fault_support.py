@@ -25,8 +25,8 @@ from llama_grpc_server.core.scheduling.plan import StepPlan, StepResult
 from llama_grpc_server.core.scheduling.scheduler import Scheduler
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.engine.loop import EngineLoop
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
 from tests.conftest import TEST_THREADS
 
 # llama.py measured logits moving by up to ~1.0 with the batch/cache layout: a top-2 logprob gap

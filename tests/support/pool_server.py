@@ -10,8 +10,8 @@ from llama_grpc_server.config import Settings
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.models.pool import ModelSpec, model_specs, settings_for
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
 
 
 @contextlib.asynccontextmanager

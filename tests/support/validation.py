@@ -9,7 +9,8 @@ from typing import Any
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server.config import SchedulerSettings
 from llama_grpc_server.core.requests.request import GenerationRequest, SamplingParams
-from llama_grpc_server.rpc import validation
+from llama_grpc_server.rpc.shared import checks
+from llama_grpc_server.rpc.v1 import validation
 from llama_grpc_server.testing import fake_model_info
 
 N_CTX = 64
@@ -29,5 +30,5 @@ LIMITS = SchedulerSettings(
 def text_request(num_prompt: int = 3, **fields: Any) -> GenerationRequest:
     """Validate a GenerateRequest as the servicer does, with `num_prompt` prompt tokens."""
     message = pb.GenerateRequest(**{"prompt": "hi", **fields})
-    draft = validation.parse_text_request(message, INFO, LIMITS)
-    return validation.complete_request(draft, [10] * num_prompt, request_id="r1", deadline=None)
+    checked = validation.parse_text_request(message, INFO, LIMITS)
+    return checks.complete_request(checked, [10] * num_prompt, request_id="r1", deadline=None)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
-from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
 from llama_grpc_server.testing import FakeEngine
 
 

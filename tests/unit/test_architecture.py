@@ -17,7 +17,7 @@ MAX_LINES = 250
 
 
 def server_modules() -> set[str]:
-    """Each module as its path relative to the package (`rpc/server.py`); a package's
+    """Each module as its path relative to the package (`rpc/v1/convert.py`); a package's
     __init__.py is described by the package tree instead."""
     return {
         path.relative_to(SERVER).as_posix()
@@ -35,7 +35,8 @@ def server_packages() -> set[str]:
 
 
 def as_path(name: str) -> str:
-    """`rpc/server.py`, `rpc.server` or `llama_grpc_server.rpc.server` -> `rpc/server.py`."""
+    """`rpc/v1/convert.py`, `rpc.v1.convert` or `llama_grpc_server.rpc.v1.convert` ->
+    `rpc/v1/convert.py`."""
     if name.endswith(".py"):
         return name
     return name.removeprefix("llama_grpc_server.").replace(".", "/") + ".py"
@@ -88,7 +89,7 @@ def listed_packages(tree: str) -> set[str]:
     """The packages of the tree, nested by four spaces a level (`core/kv/`)."""
     listed: set[str] = set()
     parents: list[str] = []
-    for indent, name in re.findall(r"^((?:    )+)([a-z_]+/)", tree, re.MULTILINE):
+    for indent, name in re.findall(r"^((?:    )+)([a-z_][a-z0-9_]*/)", tree, re.MULTILINE):
         depth = len(indent) // 4 - 1
         parents[depth:] = [name]
         listed.add("".join(parents))
@@ -96,8 +97,8 @@ def listed_packages(tree: str) -> set[str]:
 
 
 def test_the_tree_reader_nests_packages_by_indentation() -> None:
-    tree = "    core/    x\n        kv/    y\n    engine/    z\n        loop.py  w\n"
-    assert listed_packages(tree) == {"core/", "core/kv/", "engine/"}
+    tree = "    core/    x\n        kv/    y\n    rpc/    z\n        v1/    v\n        a.py  w\n"
+    assert listed_packages(tree) == {"core/", "core/kv/", "rpc/", "rpc/v1/"}
 
 
 def test_a_suggested_row_is_a_table_row_of_the_module() -> None:

@@ -1,4 +1,5 @@
-"""The tokens file, token lookup and who may call what (auth.py, rpc/access.py): pure logic."""
+"""The tokens file, token lookup and who may call what (auth.py,
+rpc/plumbing/access.py): pure logic."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from llama_grpc_server import auth, errors
 from llama_grpc_server.auth import AuthFileError, Role, load_auth_file, token_digest
 from llama_grpc_server.core.scheduling.tenants import TenantLimits
-from llama_grpc_server.rpc.access import AccessControl, bearer_token
+from llama_grpc_server.rpc.plumbing.access import AccessControl, bearer_token
 
 USER_TOKEN = "user-token-0123456789"
 ADMIN_TOKEN = "admin-token-0123456789"
@@ -139,7 +140,7 @@ def test_cache_scopes_of_two_tenants_never_collide() -> None:
     assert auth.scoped_cache_scope("a", "") != "a"  # nor an anonymous scope named like it
 
 
-# -- rpc.access --------------------------------------------------------------------------------
+# -- rpc.plumbing.access ---------------------------------------------------------------------------
 
 
 def bearer(token: str) -> list[tuple[str, str]]:
@@ -189,7 +190,7 @@ def test_health_and_reflection_stay_open(table: auth.AuthTable) -> None:
 def test_admin_methods_need_the_admin_role(
     table: auth.AuthTable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from llama_grpc_server.rpc import access as access_module
+    from llama_grpc_server.rpc.plumbing import access as access_module
 
     monkeypatch.setattr(access_module, "ADMIN_METHODS", frozenset({GENERATE}))
     access = AccessControl(table)
@@ -205,7 +206,7 @@ def test_admin_methods_need_the_admin_role(
      ("", False), ("10.0.0.5", False), ("myhost.internal", False)],
 )  # fmt: skip
 def test_plaintext_warning_applies_off_loopback(host: str, is_loopback: bool) -> None:
-    """rpc.server warns at start when plaintext listens anywhere but loopback, and refuses
+    """rpc.plumbing.server warns at start when plaintext listens anywhere but loopback, and refuses
     tokens there (auth.plaintext_tokens_problem) unless TLS or --allow-insecure-tokens."""
     assert auth.is_loopback(host) is is_loopback
     problem = auth.plaintext_tokens_problem(

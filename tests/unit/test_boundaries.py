@@ -1,5 +1,6 @@
 """Architecture boundaries: core/ is pure, only engine/ imports llama_cpp, only rpc/ speaks gRPC,
-and the client package stands alone."""
+rpc/v1 and rpc/vllm never import each other (what both use is rpc/shared's), and the client
+package stands alone."""
 
 from __future__ import annotations
 
@@ -74,3 +75,70 @@ def test_importing_the_client_loads_no_server_code() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.strip() == "[]"
+
+
+RPC = SERVER / "rpc"
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every module a file imports, in full (`from a.b import c` -> a.b and a.b.c)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def reaches(names: set[str], package: str) -> bool:
+    return any(name == package or name.startswith(package + ".") for name in names)
+
+
+def test_v1_and_vllm_never_import_each_other() -> None:
+    """rpc/v1 and rpc/vllm are two protocols over the same engine: what they share lives in
+    rpc/shared, so a change to one never breaks the other unseen."""
+    pairs = (("v1", "llama_grpc_server.rpc.vllm"), ("vllm", "llama_grpc_server.rpc.v1"))
+    for room, other in pairs:
+        files = list((RPC / room).rglob("*.py"))
+        assert len(files) >= 3, room
+        for path in files:
+            assert not reaches(imported_names(path), other), f"{path.relative_to(SERVER)}"
+
+
+def test_vllm_never_imports_the_v1_protocol() -> None:
+    """rpc/vllm never imports llama_grpc.v1's generated messages (nor the v1 client)."""
+    for path in (RPC / "vllm").rglob("*.py"):
+        assert not reaches(imported_names(path), "llama_grpc"), path.relative_to(SERVER)
+
+
+def test_shared_belongs_to_neither_protocol() -> None:
+    """rpc/shared (running a request, checked parameters, deadlines, tokenizing, thinking)
+    imports neither protocol's room nor either protocol's generated messages."""
+    files = list((RPC / "shared").rglob("*.py"))
+    assert len(files) >= 3
+    banned = (
+        "llama_grpc",
+        "smg_grpc_proto",
+        "llama_grpc_server.rpc.v1",
+        "llama_grpc_server.rpc.vllm",
+    )
+    for path in files:
+        names = imported_names(path)
+        bad = [package for package in banned if reaches(names, package)]
+        assert not bad, f"{path.relative_to(SERVER)} imports {bad}"
+
+
+def test_the_boundary_reader_sees_every_form_of_import(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import llama_grpc.v1.llm_service_pb2\n"
+        "from llama_grpc_server.rpc import v1\n"
+        "from llama_grpc_server.rpc.vllm.convert import loads\n"
+    )
+    names = imported_names(source)
+    assert reaches(names, "llama_grpc")
+    assert reaches(names, "llama_grpc_server.rpc.v1")
+    assert reaches(names, "llama_grpc_server.rpc.vllm")
+    assert not reaches(names, "llama_grpc_server.rpc.v")

@@ -363,7 +363,7 @@ def test_run_wires_serve_and_build_engine(monkeypatch: pytest.MonkeyPatch) -> No
 
     fake_rpc = types.SimpleNamespace(serve=serve)
     fake_build = types.SimpleNamespace(build_engine=build_engine)
-    monkeypatch.setitem(sys.modules, "llama_grpc_server.rpc.server", fake_rpc)
+    monkeypatch.setitem(sys.modules, "llama_grpc_server.rpc.plumbing.server", fake_rpc)
     monkeypatch.setitem(sys.modules, "llama_grpc_server.engine.build", fake_build)
     got = settings("--log-level", "debug")
     assert cli.run(got) == 3

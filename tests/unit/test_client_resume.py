@@ -48,7 +48,7 @@ from llama_grpc.types import TokenLogprob
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.server import start_server
 from llama_grpc_server.testing import FakeEngine
 
 Code = grpc.StatusCode

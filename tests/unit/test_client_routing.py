@@ -20,11 +20,11 @@ import pytest
 from llama_grpc import AsyncClient, Client, TlsConfig, UnavailableError, cli
 from llama_grpc.routing import BALANCED_SERVICE_CONFIG, LLM_SERVICE_NAME, balanced_target
 from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings
-from llama_grpc_server.rpc import wiring
-from llama_grpc_server.rpc.health import NOT_SERVING, SERVING
-from llama_grpc_server.rpc.interceptors import RequestInterceptor
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing import wiring
+from llama_grpc_server.rpc.plumbing.health import NOT_SERVING, SERVING
+from llama_grpc_server.rpc.plumbing.interceptors import RequestInterceptor
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
 from llama_grpc_server.testing import FakeEngine, encode
 from tests.support.certs import make_pki, openssl_available
 

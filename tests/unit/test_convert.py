@@ -1,4 +1,4 @@
-"""rpc.convert: core events and snapshots -> proto messages."""
+"""rpc.v1.convert: core events and snapshots -> proto messages."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 
 from llama_grpc.v1 import llm_service_pb2 as pb
+from llama_grpc_server.core import stats
 from llama_grpc_server.core.api import DiskTierStats, StatsSnapshot
 from llama_grpc_server.core.requests.request import FinishReason, TokenDelta
-from llama_grpc_server.rpc import convert
+from llama_grpc_server.rpc.v1 import convert
 from llama_grpc_server.testing import fake_model_info
 from tests.support.convert import finished, make_snapshot
 
@@ -140,7 +141,8 @@ def test_load_report_is_the_aggregate_of_the_snapshot(
     engine runs and the server is not draining; no request id anywhere."""
     snapshot = dataclasses.replace(make_snapshot(), kv_cells_used=3, kv_cells_total=12)
     snapshot = dataclasses.replace(snapshot, engine_state=engine_state)
-    report = convert.load_report(snapshot, is_draining=is_draining, unix_ms=1_700_000_000_123)
+    load = stats.load_of(snapshot, is_draining=is_draining, unix_ms=1_700_000_000_123)
+    report = convert.load_report(load)
     for name in ("queue_depth", "active_slots", "n_parallel", "prefix_cache_hit_rate"):
         assert getattr(report, name) == getattr(snapshot, name), name
     assert (report.kv_cells_used, report.kv_cells_total, report.kv_cache_usage) == (3, 12, 0.25)
@@ -152,4 +154,5 @@ def test_load_report_is_the_aggregate_of_the_snapshot(
 
 def test_load_report_without_kv_cells_has_zero_usage() -> None:
     snapshot = dataclasses.replace(make_snapshot(), kv_cells_used=0, kv_cells_total=0)
-    assert convert.load_report(snapshot, is_draining=False, unix_ms=0).kv_cache_usage == 0.0
+    load = stats.load_of(snapshot, is_draining=False, unix_ms=0)
+    assert convert.load_report(load).kv_cache_usage == 0.0

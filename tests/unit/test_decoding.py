@@ -1,11 +1,11 @@
-"""rpc.decoding: bytes protobuf refuses become InvalidRequest naming the field at fault."""
+"""rpc.plumbing.decoding: bytes protobuf refuses become InvalidRequest naming the field at fault."""
 
 from __future__ import annotations
 
 import pytest
 
 from llama_grpc.v1 import llm_service_pb2 as pb
-from llama_grpc_server.rpc import decoding
+from llama_grpc_server.rpc.plumbing import decoding
 
 
 def field(number: int, data: bytes) -> bytes:

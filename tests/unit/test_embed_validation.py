@@ -1,4 +1,4 @@
-"""rpc/embeddings.py: an EmbedRequest checked field by field (errors name the field), each
+"""rpc/v1/embeddings.py: an EmbedRequest checked field by field (errors name the field), each
 input's tokens made an embedding request under the overflow policy, the response in order."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
 from llama_grpc_server.core.requests.embedding import EmbeddingParams, Pooling, Vectors
 from llama_grpc_server.core.requests.request import Finished, FinishReason, Timings, Usage
-from llama_grpc_server.rpc import embeddings
+from llama_grpc_server.rpc.v1 import embeddings
 from llama_grpc_server.testing import fake_model_info
 
 INFO = fake_model_info(n_ctx=16)

@@ -31,7 +31,8 @@ from llama_grpc_server.core.requests.request import (
 )
 from llama_grpc_server.core.scheduling.plan import SampledLogprob, StepPlan, StepResult
 from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
-from llama_grpc_server.rpc import convert, validation
+from llama_grpc_server.rpc.shared import checks
+from llama_grpc_server.rpc.v1 import convert, validation
 from llama_grpc_server.testing import N_VOCAB, FakeEngine, FakeRunner, fake_model_info
 
 INFO = fake_model_info(n_ctx=64)
@@ -40,8 +41,8 @@ LIMITS = SchedulerSettings(default_max_tokens=16)
 
 def text_request(**params: Any) -> GenerationRequest:
     message = pb.GenerateRequest(prompt="hi", params=pb.GenerationParams(**params))
-    draft = validation.parse_text_request(message, INFO, LIMITS)
-    return validation.complete_request(draft, [1, 2, 3], request_id="r", deadline=None)
+    checked = validation.parse_text_request(message, INFO, LIMITS)
+    return checks.complete_request(checked, [1, 2, 3], request_id="r", deadline=None)
 
 
 def invalid(**params: Any) -> errors.ServiceError:
@@ -76,7 +77,7 @@ def test_logit_bias_rejects_a_token_outside_the_vocabulary() -> None:
 
 def test_logit_bias_rejects_too_many_entries() -> None:
     """More than MAX_LOGIT_BIAS entries is refused as a whole."""
-    n = validation.MAX_LOGIT_BIAS + 1
+    n = checks.MAX_LOGIT_BIAS + 1
     big = fake_model_info(n_ctx=64)
     message = pb.GenerateRequest(
         prompt="hi",
@@ -196,8 +197,8 @@ GRAMMARS = FakeEngine()  # its stand-in parser: every line needs "::=", the root
 
 def constrained_request(**params: Any) -> GenerationRequest:
     message = pb.GenerateTokensRequest(token_ids=[5, 6], params=pb.GenerationParams(**params))
-    draft = validation.parse_tokens_request(message, INFO, LIMITS, grammars=GRAMMARS)
-    return validation.complete_request(draft, draft.prompt_tokens, request_id="c", deadline=None)
+    checked = validation.parse_tokens_request(message, INFO, LIMITS, grammars=GRAMMARS)
+    return checks.complete_request(checked, checked.prompt_tokens, request_id="c", deadline=None)
 
 
 def constraint_error(**params: Any) -> errors.ServiceError:
@@ -234,7 +235,7 @@ def test_json_schema_is_converted_once_at_validation() -> None:
         ({"json_schema": "[1]"}, "params.json_schema", "must be a JSON object"),
         ({"json_schema": ""}, "params.json_schema", "must not be empty"),
         (
-            {"json_schema": "x" * (validation.MAX_CONSTRAINT_CHARS + 1)},
+            {"json_schema": "x" * (checks.MAX_CONSTRAINT_CHARS + 1)},
             "params.json_schema",
             "at most 100000",
         ),
@@ -320,8 +321,8 @@ def overflow_request(
             stopping=stopping, context_overflow=pb.ContextOverflow(**overflow)
         ),
     )
-    draft = validation.parse_tokens_request(message, INFO, LIMITS)
-    return validation.complete_request(draft, draft.prompt_tokens, request_id="o", deadline=None)
+    checked = validation.parse_tokens_request(message, INFO, LIMITS)
+    return checks.complete_request(checked, checked.prompt_tokens, request_id="o", deadline=None)
 
 
 TRUNCATE = pb.OVERFLOW_POLICY_TRUNCATE_LEFT
@@ -402,20 +403,21 @@ def test_truncation_is_reported_on_the_wire() -> None:
 TURNS = [pb.ChatMessage(role="system", content="s"), pb.ChatMessage(role="user", content="u")]
 
 
-def chat_draft(info: Any = INFO, **fields: Any) -> validation.Draft:
+def chat_checked(info: Any = INFO, **fields: Any) -> checks.CheckedRequest:
     message = pb.GenerateRequest(messages=fields.pop("messages", TURNS), **fields)
     return validation.parse_text_request(message, info, LIMITS)
 
 
 def test_chat_request_resolves_the_template() -> None:
-    """The request's template wins, else the server's; the messages travel in the draft."""
+    """The request's template wins, else the server's; the messages travel in the checked
+    request."""
     server_gemma = dataclasses.replace(INFO, chat_template="gemma")
-    draft = chat_draft(server_gemma)
-    assert draft.chat_template == "gemma"
-    assert draft.messages == (ChatMessage("system", "s"), ChatMessage("user", "u"))
-    assert chat_draft(server_gemma, chat_template="chatml").chat_template == "chatml"
+    checked = chat_checked(server_gemma)
+    assert checked.chat_template == "gemma"
+    assert checked.messages == (ChatMessage("system", "s"), ChatMessage("user", "u"))
+    assert chat_checked(server_gemma, chat_template="chatml").chat_template == "chatml"
     with_gguf = dataclasses.replace(INFO, has_chat_template=True, chat_template="gguf")
-    assert chat_draft(with_gguf).chat_template == "gguf"
+    assert chat_checked(with_gguf).chat_template == "gguf"
 
 
 @pytest.mark.parametrize(
@@ -469,7 +471,7 @@ def test_bad_chat_requests_name_the_field(
     """No template anywhere is FAILED_PRECONDITION; bad names, roles and prompt+messages are
     INVALID_ARGUMENT; each names its field."""
     with pytest.raises(errors.ServiceError) as caught:
-        chat_draft(dataclasses.replace(INFO, **info_fields), **fields)
+        chat_checked(dataclasses.replace(INFO, **info_fields), **fields)
     assert type(caught.value) is error_type
     assert caught.value.field == field
     assert text in caught.value.message

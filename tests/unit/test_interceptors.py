@@ -1,4 +1,5 @@
-"""rpc.interceptors: request ids, the access log and metric hooks, through a real server."""
+"""rpc.plumbing.interceptors: request ids, the access log and metric hooks, through a real
+server."""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ from llama_grpc_server import errors
 from llama_grpc_server.auth import ANONYMOUS, AuthTable, Principal, Role
 from llama_grpc_server.config import ServerSettings, Settings
 from llama_grpc_server.core.requests.request import GenerationRequest
-from llama_grpc_server.rpc import interceptors
-from llama_grpc_server.rpc.access import AccessControl
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
-from llama_grpc_server.rpc.status import abort
+from llama_grpc_server.rpc.plumbing import interceptors
+from llama_grpc_server.rpc.plumbing.access import AccessControl
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
+from llama_grpc_server.rpc.plumbing.status import abort
 from llama_grpc_server.testing import FakeEngine, reversed_prompt
 
 SETTINGS = Settings(server=ServerSettings(host="127.0.0.1", port=0, grace_s=0.2))

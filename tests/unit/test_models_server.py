@@ -22,8 +22,8 @@ from llama_grpc import (
 from llama_grpc import cli as client_cli
 from llama_grpc_server.config import PoolSettings, ServerSettings, Settings
 from llama_grpc_server.models.pool import ModelSpec
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import serve, start_server
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import serve, start_server
 from llama_grpc_server.testing import EOS_ID, N_VOCAB, FakeEngine, HangingRunner, fake_model_info
 from llama_grpc_server.watchdog import EXIT_ENGINE_HUNG
 

@@ -1,6 +1,6 @@
 """Thinking split from the answer as it streams (core.reasoning.split), which templates think
 (core.reasoning.formats), the budget that forces the end of thinking (core.reasoning.budget),
-and v1's checks of the chat options (rpc.reasoning)."""
+and v1's checks of the chat options (rpc.v1.reasoning)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from llama_grpc_server.core.reasoning.budget import ReasoningParams, ThinkingBud
 from llama_grpc_server.core.reasoning.formats import CHANNEL, THINK, reasoning_format_for
 from llama_grpc_server.core.reasoning.split import ReasoningSplitter
 from llama_grpc_server.core.requests.request import Constraint
-from llama_grpc_server.rpc import reasoning as rpc_reasoning
+from llama_grpc_server.rpc.shared import thinking
+from llama_grpc_server.rpc.v1 import reasoning as rpc_reasoning
 
 
 def split(
@@ -187,8 +188,8 @@ def test_a_constraint_applies_after_the_section() -> None:
     thinking, then the schema's JSON)."""
     grammars = Grammars()
     inner = Constraint('start ::= "{}"', "start", "params.grammar.gbnf")
-    opened = rpc_reasoning.after_thinking(inner, THINK, grammars, opened=True)
-    waiting = rpc_reasoning.after_thinking(inner, THINK, grammars, opened=False)
+    opened = thinking.after_thinking(inner, THINK, grammars, opened=True)
+    waiting = thinking.after_thinking(inner, THINK, grammars, opened=False)
     assert opened is not None and waiting is not None
     for got in (opened, waiting):
         assert (got.root, got.field, got.triggers) == ("root", "params.grammar.gbnf", ())
@@ -197,4 +198,4 @@ def test_a_constraint_applies_after_the_section() -> None:
     assert '"<think>"' in waiting.gbnf and '"<think>"' not in opened.gbnf
     assert grammars.checked == [(opened.gbnf, "root"), (waiting.gbnf, "root")]
     already = Constraint("root ::= x", "root", "f", triggers=("<tool_call>",))
-    assert rpc_reasoning.after_thinking(already, THINK, grammars, opened=True) is already
+    assert thinking.after_thinking(already, THINK, grammars, opened=True) is already

@@ -22,9 +22,9 @@ from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings
 from llama_grpc_server.core.cached_engine import ResponseCachingEngine
 from llama_grpc_server.core.requests.request import Finished, GenerationRequest, SamplingParams
 from llama_grpc_server.core.response_cache import ResponseCache
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
-from llama_grpc_server.rpc.wiring import with_response_cache
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
+from llama_grpc_server.rpc.plumbing.wiring import with_response_cache
 from llama_grpc_server.testing import BOS_ID, FakeEngine, encode, fake_model_info
 
 SETTINGS = Settings(

@@ -43,9 +43,9 @@ from llama_grpc_server.core.tools.formats import format_named
 from llama_grpc_server.core.tools.stream import ToolSession, with_tool_calls
 from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.engine.loop import EngineStream
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
-from llama_grpc_server.rpc.servicer import _Chat
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
+from llama_grpc_server.rpc.v1.servicer import _Chat
 from llama_grpc_server.testing import EOS_ID, N_VOCAB, PIECES, FakeEngine, FakeRunner, encode
 from tests.support.scheduler import Clock, drive
 from tests.support.servicer_fake import SETTINGS, collect, details

@@ -22,9 +22,9 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import errors
 from llama_grpc_server.core.scheduling.tenants import TenantLimits
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import serve, start_server
-from llama_grpc_server.rpc.servicer import SERVICE_NAME
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import serve, start_server
+from llama_grpc_server.rpc.v1.servicer import SERVICE_NAME
 from llama_grpc_server.testing import BOS_ID, FakeEngine, encode
 from tests.support.servicer_fake import SETTINGS, collect, details, read_all
 

@@ -28,7 +28,7 @@ from llama_grpc_server.core.requests.request import (
 )
 from llama_grpc_server.observability.metrics import Metrics
 from llama_grpc_server.observability.telemetry import Bus, Telemetry, TickEvent
-from llama_grpc_server.rpc import convert
+from llama_grpc_server.rpc.v1 import convert
 from llama_grpc_server.testing import FakeRunner
 from tests.support.client import UnaryScript, channel, client, executor, unary
 from tests.support.convert import make_snapshot

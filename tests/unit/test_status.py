@@ -1,4 +1,4 @@
-"""rpc.status: ServiceError -> status code + google.rpc details, and the error boundary."""
+"""rpc.plumbing.status: ServiceError -> status code + google.rpc details, and the error boundary."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from grpc_status import rpc_status
 from structlog.testing import capture_logs
 
 from llama_grpc_server import errors
-from llama_grpc_server.rpc import status
+from llama_grpc_server.rpc.plumbing import status
 
 
 def all_error_types() -> list[type[errors.ServiceError]]:

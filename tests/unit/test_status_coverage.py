@@ -1,7 +1,7 @@
 """Every status the server can send has its own typed client exception.
 
 The server side is enumerated, not listed: every ServiceError subclass defined anywhere in
-llama_grpc_server (each module is imported first) and every code of rpc/status.py's
+llama_grpc_server (each module is imported first) and every code of rpc/plumbing/status.py's
 STATUS_CODES. A new server status without a client type fails here instead of reaching callers
 as the generic LlamaGrpcError.
 """
@@ -21,7 +21,7 @@ import llama_grpc_server
 from llama_grpc import LlamaGrpcError
 from llama_grpc.errors import from_rpc_error
 from llama_grpc_server import errors
-from llama_grpc_server.rpc import status
+from llama_grpc_server.rpc.plumbing import status
 
 
 def _all_subclasses(cls: type[errors.ServiceError]) -> Iterator[type[errors.ServiceError]]:

@@ -23,9 +23,9 @@ from llama_grpc_server.config import ServerSettings, Settings, loading
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME
 from llama_grpc_server.observability.metrics import Metrics, serve_metrics, split_method
 from llama_grpc_server.observability.telemetry import RequestEvent, TickEvent
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
-from llama_grpc_server.rpc.wiring import ServerStartError
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
+from llama_grpc_server.rpc.plumbing.wiring import ServerStartError
 from llama_grpc_server.testing import FakeEngine
 from tests.support.convert import make_snapshot
 
@@ -291,7 +291,7 @@ def test_cli_run_passes_metrics_only_with_a_port(monkeypatch: pytest.MonkeyPatch
         return 0
 
     monkeypatch.setitem(
-        sys.modules, "llama_grpc_server.rpc.server", types.SimpleNamespace(serve=serve)
+        sys.modules, "llama_grpc_server.rpc.plumbing.server", types.SimpleNamespace(serve=serve)
     )
     base = loading.load_settings([], {})
     cli.run(base)

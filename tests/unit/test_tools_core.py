@@ -1,7 +1,7 @@
 """Tools around the parsers: a template's probed capabilities and the messages it is handed
 (core.tools.prompt), the constraint of a required or named call (core.tools.constraint), the
 session giving calls their ids and the turn its finish reason (core.tools.stream), and v1's
-checks of tools and tool_choice (rpc.tools)."""
+checks of tools and tool_choice (rpc.v1.tools)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from llama_grpc_server.core.tools.types import (
     ToolSpec,
 )
 from llama_grpc_server.engine.chat import _Template
-from llama_grpc_server.rpc import tools as rpc_tools
+from llama_grpc_server.rpc.v1 import tools as rpc_tools
 
 WEATHER = ToolSpec(
     "get_weather",

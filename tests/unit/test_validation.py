@@ -1,4 +1,4 @@
-"""rpc.validation: proto requests -> GenerationRequest, or an error naming the field."""
+"""rpc.v1.validation: proto requests -> GenerationRequest, or an error naming the field."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ import pytest
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
 from llama_grpc_server.core.requests.request import GenerationRequest
-from llama_grpc_server.rpc import validation
+from llama_grpc_server.rpc.shared import checks, running
+from llama_grpc_server.rpc.v1 import validation
 from llama_grpc_server.testing import N_VOCAB
 from tests.support.validation import INFO, LIMITS, N_CTX, text_request
 
 
 def tokens_request(token_ids: list[int], **fields: Any) -> GenerationRequest:
     message = pb.GenerateTokensRequest(token_ids=token_ids, **fields)
-    draft = validation.parse_tokens_request(message, INFO, LIMITS)
-    return validation.complete_request(draft, draft.prompt_tokens, request_id="r2", deadline=None)
+    checked = validation.parse_tokens_request(message, INFO, LIMITS)
+    return checks.complete_request(checked, checked.prompt_tokens, request_id="r2", deadline=None)
 
 
 def sampling(**fields: Any) -> dict[str, Any]:
@@ -337,15 +338,15 @@ def test_add_special_defaults_to_true() -> None:
 
 def test_deadline_from_time_remaining() -> None:
     """A remaining time becomes an absolute monotonic deadline; None stays None."""
-    assert validation.deadline_from(None, 100.0) is None
-    assert validation.deadline_from(2.5, 100.0) == 102.5
-    assert validation.deadline_from(-1.0, 100.0) == 100.0
+    assert running.deadline_from(None, 100.0) is None
+    assert running.deadline_from(2.5, 100.0) == 102.5
+    assert running.deadline_from(-1.0, 100.0) == 100.0
 
 
 def test_deadline_reaches_the_request() -> None:
     """complete_request carries the deadline it is given."""
-    draft = validation.parse_text_request(pb.GenerateRequest(prompt="x"), INFO, LIMITS)
-    request = validation.complete_request(draft, [1], request_id="r", deadline=123.0)
+    checked = validation.parse_text_request(pb.GenerateRequest(prompt="x"), INFO, LIMITS)
+    request = checks.complete_request(checked, [1], request_id="r", deadline=123.0)
     assert request.deadline == 123.0
 
 

@@ -23,9 +23,9 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server.config import SchedulerSettings, ServerSettings, Settings
 from llama_grpc_server.core.kv.events import chain
 from llama_grpc_server.core.requests.request import Constraint, OutputParams, SamplingParams
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
-from llama_grpc_server.rpc.vllm_engine import VLLM_SERVICE_NAME
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
+from llama_grpc_server.rpc.vllm.engine import VLLM_SERVICE_NAME
 from llama_grpc_server.testing import BOS_ID, EOS_ID, FakeEngine, encode
 from tests.support.servicer_fake import collect, details, read_all
 from tests.support.vllm_engine_fake import announces, is_cleared, kv_until, stored_blocks

@@ -19,8 +19,8 @@ from llama_grpc import AsyncClient, AsyncLoadStream, Client, InvalidArgumentErro
 from llama_grpc.types import load_report_from_proto
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.server import start_server
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.plumbing.server import start_server
 from llama_grpc_server.testing import FakeEngine, encode
 from tests.support.servicer_fake import SETTINGS, collect, details, read_all
 

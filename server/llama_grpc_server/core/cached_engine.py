@@ -1,5 +1,6 @@
-"""ResponseCachingEngine: an EngineApi in front of the real one (rpc.wiring wraps the engine
-with it when --response-cache-mb is set), so the servicer stays unaware of the response cache.
+"""ResponseCachingEngine: an EngineApi in front of the real one (rpc.plumbing.wiring wraps the
+engine with it when --response-cache-mb is set), so the servicer stays unaware of the response
+cache.
 
 A cacheable request (core.response_cache.is_cacheable) arrives fully validated and tokenized;
 submit() looks it up. A hit is a ReplayStream of the stored deltas, exactly as the original's

@@ -1,6 +1,6 @@
 """Counters the scheduler keeps and the immutable StatsSnapshot built from them (published by
 the engine thread on events and at most every 100 ms; GetStats and /metrics read that, with the
-counters read live: live())."""
+counters read live: live()), and a snapshot's aggregate Load, which every protocol reports."""
 
 from __future__ import annotations
 
@@ -142,6 +142,45 @@ def active_cells(snapshot: StatsSnapshot) -> int:
     counted twice here (an overestimate, never more than kv_cells_used)."""
     held = sum(s.cached_tokens for s in snapshot.slots if s.state != "idle")
     return min(snapshot.kv_cells_used, held)
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """A snapshot's aggregate load, the one value every protocol's load report is converted
+    from (v1's WatchLoad and the vLLM engine protocol's GetLoads): no request ids, no tenants."""
+
+    queue_depth: int
+    active_slots: int  # requests running: prefilling or generating
+    n_parallel: int
+    kv_cells_used: int  # every cell in use, idle slots' kept prefixes included
+    kv_cells_total: int
+    active_cells: int  # the cells running requests hold (active_cells)
+    prefix_cache_hit_rate: float
+    engine_state: str
+    serving: bool  # the engine runs and the server is not draining
+    timestamp_unix_ms: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The share of the KV cells in use, idle slots' kept prefixes included."""
+        return self.kv_cells_used / self.kv_cells_total if self.kv_cells_total else 0.0
+
+
+def load_of(snapshot: StatsSnapshot, *, is_draining: bool, unix_ms: int) -> Load:
+    """The aggregate load of a snapshot (models/pool.ModelPool.load_snapshot's for the whole
+    server) at `unix_ms`; serving means the engine runs and the server is not draining."""
+    return Load(
+        queue_depth=snapshot.queue_depth,
+        active_slots=snapshot.active_slots,
+        n_parallel=snapshot.n_parallel,
+        kv_cells_used=snapshot.kv_cells_used,
+        kv_cells_total=snapshot.kv_cells_total,
+        active_cells=active_cells(snapshot),
+        prefix_cache_hit_rate=snapshot.prefix_cache_hit_rate,
+        engine_state=snapshot.engine_state,
+        serving=snapshot.engine_state == "running" and not is_draining,
+        timestamp_unix_ms=unix_ms,
+    )
 
 
 def live(published: StatsSnapshot, counters: Counters, kv_cells_used: int) -> StatsSnapshot:

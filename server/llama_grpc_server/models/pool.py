@@ -20,7 +20,8 @@ pool runs on the event loop; its only other readers are /metrics scrapes (snapsh
   directory). A model never disappears from the pool: one whose file was removed fails to load.
 - A non-default model whose engine thread dies is unloaded (its requests got ENGINE_FAILED; the
   next request loads it afresh). The default model's engine failure is the server's business
-  (health NOT_SERVING, exit: rpc/health.py, rpc/lifecycle.py), exactly as with a single model.
+  (health NOT_SERVING, exit: rpc/plumbing/health.py, rpc/plumbing/lifecycle.py), exactly as with
+  a single model.
 """
 
 from __future__ import annotations

@@ -466,7 +466,7 @@ class KvEventPublisher:
 
     `bos`: the model's BOS when it adds one. A router sends the ids it tokenized, and SMG
     tokenizes /v1/completions prompts without special tokens while the worker runs them with
-    the BOS in front (rpc/vllm_requests.with_bos): the gateway folds [t1 .. t16] into its first
+    the BOS in front (rpc/vllm/requests.with_bos): the gateway folds [t1 .. t16] into its first
     block where the cache holds [BOS, t1 .. t15]. So every holder whose tokens start with `bos`
     is also held without it (a second chain, tokens[1:], under its own key): each chain says
     truthfully which ids, sent as they are, find this prefix cached. Chat prompts (the template

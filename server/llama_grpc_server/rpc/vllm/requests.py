@@ -1,8 +1,9 @@
 """vLLM engine protocol requests (`vllm.grpc.engine.GenerateRequest`) -> the same core
 GenerationRequests that llama_grpc.v1 builds, or a ServiceError naming the field.
 
-Pure like rpc.validation, whose checks it reuses: parse_generate checks every field before the
-prompt is tokenized, generation_requests applies the context rules and makes the n samples.
+Pure, with the checks both protocols share (rpc.shared.checks): parse_generate checks every field
+before the prompt is tokenized, generation_requests applies the context rules and makes the n
+samples; embed_request checks an Embed.
 Each SamplingParams field is honoured or refused (INVALID_ARGUMENT naming it):
 
 - temperature unset takes the server's default; top_p, top_k, min_p and the penalties keep
@@ -22,7 +23,7 @@ Each SamplingParams field is honoured or refused (INVALID_ARGUMENT naming it):
 
 The protocol has no LoRA field (nor a model name): a replica started with --engine-lora applies
 that adapter to every request (generation_requests' `adapters`) and is its own model to the
-gateway (rpc.vllm_engine).
+gateway (rpc.vllm.engine).
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ from typing import Any
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from llama_grpc_server import errors
+from llama_grpc_server.auth import scoped_cache_scope
 from llama_grpc_server.config import SchedulerSettings
 from llama_grpc_server.core.adapters import AdapterSet
 from llama_grpc_server.core.api import GrammarCompiler, ModelInfo
 from llama_grpc_server.core.constrained.regex_grammar import choice_to_gbnf, regex_to_gbnf
-from llama_grpc_server.core.requests import context_fit
+from llama_grpc_server.core.requests import context_fit, embedding
+from llama_grpc_server.core.requests.embedding import EmbeddingParams
 from llama_grpc_server.core.requests.request import (
     Constraint,
     GenerationRequest,
@@ -47,8 +50,8 @@ from llama_grpc_server.core.requests.request import (
     SamplingParams,
     StoppingParams,
 )
-from llama_grpc_server.rpc import validation
-from llama_grpc_server.rpc.validation import SAMPLING_RANGES, Draft, SamplingField
+from llama_grpc_server.rpc.shared import checks
+from llama_grpc_server.rpc.shared.checks import SAMPLING_RANGES, CheckedRequest, SamplingField
 
 PARAMS = "sampling_params"
 MAX_SAMPLES = 16  # n at most
@@ -67,12 +70,13 @@ _UNSUPPORTED_REQUEST_FIELDS = {
 
 
 @dataclass(frozen=True, slots=True)
-class VllmDraft:
-    """A checked request waiting for its prompt tokens: the text to tokenize (text input) or
-    the tokens (tokenized input), the v1 draft, n and the prompt cut of truncate_prompt_tokens."""
+class CheckedGenerate:
+    """A checked GenerateRequest waiting for its prompt tokens: the text to tokenize (text
+    input) or the tokens (tokenized input), the checked request, n and the prompt cut of
+    truncate_prompt_tokens."""
 
-    draft: Draft
-    text: str | None  # None: tokenized input, in draft.prompt_tokens
+    checked: CheckedRequest
+    text: str | None  # None: tokenized input, in checked.prompt_tokens
     n: int
     keep_last: int | None  # truncate_prompt_tokens > 0: keep the prompt's last this many
 
@@ -105,11 +109,11 @@ def parse_generate(
     limits: SchedulerSettings,
     *,
     grammars: GrammarCompiler | None = None,
-) -> VllmDraft:
+) -> CheckedGenerate:
     """Check every field of a Generate request (a bad constraint is compiled, and refused,
     here)."""
     check_request_id(message.request_id)
-    validation.check_generates(info)
+    checks.check_generates(info)
     for name, why in _UNSUPPORTED_REQUEST_FIELDS.items():
         if message.HasField(name):
             raise _invalid(name, why)
@@ -119,7 +123,7 @@ def parse_generate(
     text, prompt_tokens, prompt_field = _input(message, info)
     max_tokens = _max_tokens(params, info.n_ctx)
     n_keep, keep_last = _truncation(params)
-    draft = Draft(
+    checked = CheckedRequest(
         sampling=_sampling(params, limits.default_sampling, info),
         stopping=_stopping(params, info, limits, max_tokens),
         output=_output(params),
@@ -135,11 +139,11 @@ def parse_generate(
         bos_token_id=info.bos_token_id,
         prompt_tokens=prompt_tokens,
     )
-    return VllmDraft(draft, text, _n(params), keep_last)
+    return CheckedGenerate(checked, text, _n(params), keep_last)
 
 
 def generation_requests(
-    parsed: VllmDraft,
+    parsed: CheckedGenerate,
     prompt_tokens: Sequence[int],
     *,
     request_id: str,
@@ -157,8 +161,8 @@ def generation_requests(
         num_cut = len(tokens) - parsed.keep_last
         tokens = tokens[num_cut:]
     try:
-        spec = validation.complete_request(
-            parsed.draft,
+        spec = checks.complete_request(
+            parsed.checked,
             tokens,
             request_id=request_id,
             deadline=deadline,
@@ -197,7 +201,7 @@ def _input(
         ids = message.tokenized.input_ids
         if not ids:
             raise _invalid(field, "tokenized.input_ids must not be empty")
-        validation.check_token_ids(ids, info.n_vocab, field=field)
+        checks.check_token_ids(ids, info.n_vocab, field=field)
         return None, with_bos(ids, info), field
     if kind == "text":
         if not message.text:
@@ -237,7 +241,7 @@ def _sampling(
     if params.HasField("temperature"):
         overrides["temperature"] = _number(params, "temperature", "temperature")
     if params.logit_bias:
-        overrides["logit_bias"] = validation.logit_bias(
+        overrides["logit_bias"] = checks.logit_bias(
             params.logit_bias, info.n_vocab, field=_field("logit_bias")
         )
     return dataclasses.replace(defaults, **overrides)
@@ -246,11 +250,12 @@ def _sampling(
 def _number(
     params: vpb.SamplingParams, name: str, v1_name: SamplingField, unset: float = 0.0
 ) -> Any:
-    """A sampling number checked against v1's range for it; 0 (proto3's unset) is `unset`."""
+    """A sampling number checked against the shared range for it (SAMPLING_RANGES, by v1's
+    name); 0 (proto3's unset) is `unset`."""
     value = getattr(params, name)
     if value == 0 and name != "temperature":
         return unset
-    return validation.checked_number(v1_name, value, SAMPLING_RANGES[v1_name], field=_field(name))
+    return checks.checked_number(v1_name, value, SAMPLING_RANGES[v1_name], field=_field(name))
 
 
 def _max_tokens(params: vpb.SamplingParams, n_ctx: int) -> int | None:
@@ -272,8 +277,8 @@ def _stopping(
     limits: SchedulerSettings,
     max_tokens: int | None,
 ) -> StoppingParams:
-    validation.check_stops(list(params.stop), limits, field=_field("stop"))
-    validation.check_token_ids(params.stop_token_ids, info.n_vocab, field=_field("stop_token_ids"))
+    checks.check_stops(list(params.stop), limits, field=_field("stop"))
+    checks.check_token_ids(params.stop_token_ids, info.n_vocab, field=_field("stop_token_ids"))
     if params.min_tokens > (info.n_ctx if max_tokens is None else max_tokens):
         bound = "max_tokens" if max_tokens is not None else "the context"
         raise _invalid(
@@ -295,10 +300,10 @@ def _output(params: vpb.SamplingParams) -> OutputParams:
     if not params.HasField("logprobs"):
         return OutputParams()
     k = params.logprobs
-    if not 0 <= k <= validation.MAX_TOP_LOGPROBS:
+    if not 0 <= k <= checks.MAX_TOP_LOGPROBS:
         raise _invalid(
             _field("logprobs"),
-            f"logprobs must be between 0 and {validation.MAX_TOP_LOGPROBS} (the top "
+            f"logprobs must be between 0 and {checks.MAX_TOP_LOGPROBS} (the top "
             f"alternatives per token; -1, the whole vocabulary, is not supported), got {k}",
         )
     return OutputParams(logprobs=True, top_logprobs=k)
@@ -333,18 +338,45 @@ def _constraint(params: vpb.SamplingParams, grammars: GrammarCompiler | None) ->
         return None
     field = _field(kind)
     if kind == "structural_tag":
-        return validation.structural_tag_constraint(field, params.structural_tag, grammars)
+        return checks.structural_tag_constraint(field, params.structural_tag, grammars)
     convert_schema = None if grammars is None else grammars.json_schema_to_grammar
     if kind == "json_object":
-        return validation.compiled_constraint(
+        return checks.compiled_constraint(
             field, JSON_OBJECT_SCHEMA, grammars, convert=convert_schema
         )
     if kind == "choice":
         choices = list(params.choice.choices)
         text = repr(choices)  # for the length check; an empty list is refused by the compiler
-        return validation.compiled_constraint(
+        return checks.compiled_constraint(
             field, text, grammars, convert=lambda _: choice_to_gbnf(choices)
         )
     # grammar: GBNF as it is
     convert = {"json_schema": convert_schema, "regex": regex_to_gbnf}.get(kind)
-    return validation.compiled_constraint(field, getattr(params, kind), grammars, convert=convert)
+    return checks.compiled_constraint(field, getattr(params, kind), grammars, convert=convert)
+
+
+def embed_request(
+    token_ids: Sequence[int],
+    info: ModelInfo,
+    *,
+    request_id: str,
+    deadline: float | None,
+    tenant: str = "",
+) -> GenerationRequest:
+    """The vLLM engine protocol's Embed (the gateway's /v1/embeddings): one tokenized input,
+    the model's default pooling, L2-normalized, refused over the context: what a v1 Embed with
+    its defaults computes."""
+    field = "tokenized.input_ids"
+    checks.check_embeds(info)
+    if not token_ids:
+        raise _invalid(field, f"{field} must not be empty")
+    checks.check_token_ids(token_ids, info.n_vocab, field)
+    context_fit.check_embedding_fits(len(token_ids), info.n_ctx, field)
+    return GenerationRequest(
+        request_id=request_id,
+        prompt_tokens=tuple(token_ids),
+        deadline=deadline,
+        tenant=tenant,
+        cache_scope=scoped_cache_scope(tenant, ""),
+        embedding=EmbeddingParams(embedding.default_pooling(info.pooling)),
+    )

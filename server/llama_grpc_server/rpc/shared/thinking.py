@@ -1,9 +1,9 @@
-"""Thinking models over v1 and the engine protocol: the chat request's template variables and
-reasoning budget checked (INVALID_ARGUMENT naming the field), and what a thinking request needs
-from its model: whether its prompt thinks, the budget's forced token ids, the splitter that
-separates thinking from the answer, and its constraint made to apply from the end of thinking
-on (vLLM's grammar waits for its reasoning parser to see the end of thinking; here the thinking
-section is part of the grammar). The splitting itself is core.reasoning."""
+"""Thinking models, whichever protocol asked: whether a request's prompt thinks, the budget's
+forced token ids, the splitter that separates thinking from the answer, the format's markers the
+output must show, and the request's constraint made to apply from the end of thinking on (vLLM's
+grammar waits for its reasoning parser to see the end of thinking; here the thinking section is
+part of the grammar). The splitting itself is core.reasoning; v1's chat options are checked in
+rpc.v1.reasoning."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server import errors
 from llama_grpc_server.config import SchedulerSettings
 from llama_grpc_server.core.api import EngineApi, GrammarCompiler
@@ -21,17 +20,6 @@ from llama_grpc_server.core.reasoning.budget import ReasoningParams
 from llama_grpc_server.core.reasoning.formats import ReasoningFormat, reasoning_format_named
 from llama_grpc_server.core.reasoning.split import ReasoningSplitter
 from llama_grpc_server.core.requests.request import Constraint
-from llama_grpc_server.rpc import validation
-
-TextRequest = pb.GenerateRequest | pb.StreamGenerateRequest
-
-
-@dataclass(frozen=True, slots=True)
-class ChatOptions:
-    """A chat request's extra template variables and reasoning budget (None: the server's)."""
-
-    variables: dict[str, Any] = dataclasses.field(default_factory=dict)
-    budget: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,29 +31,6 @@ class Thinking:
 
     def splitter(self) -> ReasoningSplitter:
         return ReasoningSplitter(self.fmt, opened=self.params.opened)
-
-
-def parse_chat_options(message: TextRequest) -> ChatOptions:
-    """enable_thinking, chat_template_kwargs and reasoning_budget, checked."""
-    variables: dict[str, Any] = {}
-    if message.chat_template_kwargs.strip():
-        variables = validation.json_object(
-            "chat_template_kwargs", message.chat_template_kwargs, "chat_template_kwargs"
-        )
-    if message.HasField("enable_thinking"):
-        variables["enable_thinking"] = message.enable_thinking
-    budget = message.reasoning_budget if message.HasField("reasoning_budget") else None
-    if budget is not None and budget < -1:
-        raise errors.InvalidRequest(
-            f"reasoning_budget must be -1 (no limit), 0 (no thinking) or more, got {budget}",
-            field="reasoning_budget",
-        )
-    if (variables or budget is not None) and not message.messages:
-        field = "reasoning_budget" if budget is not None else "chat_template_kwargs"
-        if message.HasField("enable_thinking"):
-            field = "enable_thinking"
-        raise errors.InvalidRequest(f"{field} applies to messages only", field=field)
-    return ChatOptions(variables, budget)
 
 
 def thinking(

@@ -1,8 +1,9 @@
 """Per-RPC plumbing for every method, unary or streaming: the request id (x-request-id in and out,
-a contextvar, structlog context), the caller (rpc.access: refused with UNAUTHENTICATED or
+a contextvar, structlog context), the caller (rpc.plumbing.access: refused with UNAUTHENTICATED or
 PERMISSION_DENIED before the handler runs; its tenant in a contextvar, the access log and the
 metric labels), one access-log line, and RpcRecorder metric hooks; a request
-protobuf cannot parse is answered INVALID_ARGUMENT (rpc.decoding) rather than grpc's UNKNOWN.
+protobuf cannot parse is answered INVALID_ARGUMENT (rpc.plumbing.decoding) rather than grpc's
+UNKNOWN.
 Knows nothing of LlmService messages; logs payloads only when asked to (log_payloads, for
 debugging)."""
 
@@ -26,9 +27,9 @@ from google.protobuf.message import Message
 from llama_grpc_server import errors
 from llama_grpc_server.auth import ANONYMOUS, Principal
 from llama_grpc_server.observability.tracing import RpcSpan, Tracing, bind_rpc_span, unbind_rpc_span
-from llama_grpc_server.rpc import decoding
-from llama_grpc_server.rpc.access import AccessControl
-from llama_grpc_server.rpc.status import abort
+from llama_grpc_server.rpc.plumbing import decoding
+from llama_grpc_server.rpc.plumbing.access import AccessControl
+from llama_grpc_server.rpc.plumbing.status import abort
 
 REQUEST_ID_KEY = "x-request-id"
 MAX_REQUEST_ID_LENGTH = 128
@@ -208,8 +209,8 @@ class _Rpc:
         """The response headers, with the id: sent with the first message (or the unary
         response), never before. A call refused before any (a full queue, a draining server, a
         model still loading) is then answered trailers-only (the id in its trailers, see
-        rpc.status.abort): the status arrives without response headers, which is what lets a
-        router (SMG, Envoy's retry_on, grpc's own retry policy) try another replica."""
+        rpc.plumbing.status.abort): the status arrives without response headers, which is what
+        lets a router (SMG, Envoy's retry_on, grpc's own retry policy) try another replica."""
         await self.context.send_initial_metadata(((REQUEST_ID_KEY, self.request_id),))
 
     async def on_message(self, message: Any) -> None:
@@ -262,7 +263,7 @@ class _Rpc:
 
 async def _refuse_undecodable(request: Any, rpc: _Rpc) -> None:
     """Abort the call when its caller may not make it, or when its request could not be parsed
-    (see rpc.decoding)."""
+    (see rpc.plumbing.decoding)."""
     await rpc.check_access()
     if isinstance(request, decoding.Undecodable):
         await abort(rpc.context, request.error, rpc.request_id)
@@ -314,7 +315,7 @@ _KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., Any]]] = {
 
 def _rebuild(handler: Handler, start: RpcFactory) -> Handler:
     """The handler with its behaviour wrapped for its arity; sync behaviours stay as they are.
-    A single request message is deserialized tolerantly (rpc.decoding)."""
+    A single request message is deserialized tolerantly (rpc.plumbing.decoding)."""
     name, build = _KINDS[(handler.request_streaming, handler.response_streaming)]
     behavior: Behavior = getattr(handler, name)
     deserializer = handler.request_deserializer

@@ -17,7 +17,8 @@ from llama_grpc_server.core.tools import formats
 from llama_grpc_server.core.tools.constraint import tool_structural_tag
 from llama_grpc_server.core.tools.stream import ToolSession
 from llama_grpc_server.core.tools.types import ChoiceMode, ToolChoice, ToolFormat, ToolSpec
-from llama_grpc_server.rpc import validation
+from llama_grpc_server.rpc.shared import checks
+from llama_grpc_server.rpc.v1 import validation
 
 MAX_TOOLS = 128
 TOOL_FIELD = "tool_choice"
@@ -128,7 +129,7 @@ def constraint(
     )
     if tag is None:
         return None
-    return validation.structural_tag_constraint(TOOL_FIELD, tag, grammars)
+    return checks.structural_tag_constraint(TOOL_FIELD, tag, grammars)
 
 
 def shown_specials(engine: EngineApi, fmt: ToolFormat) -> tuple[tuple[int, str], ...]:

@@ -3,7 +3,8 @@
 meanwhile (health NOT_SERVING, RPCs answer NOT_READY); other models (--model NAME=PATH,
 --models-dir) load on demand through the model pool. SIGTERM/SIGINT drain gracefully; SIGHUP
 reloads the TLS files and the tokens file without cutting a stream. How the server is put
-together is rpc/wiring.py, health rpc/health.py, its life until the exit code rpc/lifecycle.py.
+together is rpc/plumbing/wiring.py, health rpc/plumbing/health.py, its life until the exit code
+rpc/plumbing/lifecycle.py.
 Never imports llama_cpp: engines come from factories."""
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ import structlog
 from llama_grpc_server.config import Settings
 from llama_grpc_server.models.pool import ModelFactory
 from llama_grpc_server.observability.metrics import Metrics
-from llama_grpc_server.rpc.interceptors import RpcRecorder
-from llama_grpc_server.rpc.lifecycle import (
+from llama_grpc_server.rpc.plumbing.interceptors import RpcRecorder
+from llama_grpc_server.rpc.plumbing.lifecycle import (
     RunningServer,
     announce_drain,
     handle_signals,
     loaded_unless_stopped,
     until_stopped,
 )
-from llama_grpc_server.rpc.vllm_engine import TokenizerZip
-from llama_grpc_server.rpc.wiring import EngineFactory, ServerStartError, started
+from llama_grpc_server.rpc.plumbing.wiring import EngineFactory, ServerStartError, start_listening
+from llama_grpc_server.rpc.vllm.engine import TokenizerZip
 
 log = structlog.get_logger("llama_grpc.server")
 
@@ -46,7 +47,7 @@ async def start_server(
     `model_factory` when a request needs them. With `metrics`, RPCs are recorded there (unless
     `recorder` is given), it watches the engines' stats once the default is loaded, and
     /metrics is served when --metrics-port is set."""
-    running = await started(
+    running = await start_listening(
         settings, engine_factory, model_factory, recorder, metrics, tokenizer_zip=tokenizer_zip
     )
     try:

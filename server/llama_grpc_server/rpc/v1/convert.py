@@ -10,6 +10,7 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server.core.adapters import AdapterEntry
 from llama_grpc_server.core.api import ModelInfo, StatsSnapshot
 from llama_grpc_server.core.requests import request as core
+from llama_grpc_server.core.stats import Load
 from llama_grpc_server.core.tools.types import ToolCall, ToolCallDelta
 from llama_grpc_server.models.pool import ModelState, ModelStatus
 
@@ -179,22 +180,20 @@ def model_status(status: ModelStatus) -> pb.ModelStatus:
     return pb.ModelStatus(**fields)
 
 
-def load_report(snapshot: StatsSnapshot, *, is_draining: bool, unix_ms: int) -> pb.LoadReport:
-    """The aggregate load of a snapshot (no request ids, no tenants); serving means the engine
-    runs and the server is not draining."""
-    total = snapshot.kv_cells_total
+def load_report(load: Load) -> pb.LoadReport:
+    """The aggregate load (core.stats.load_of) as WatchLoad reports it."""
     return pb.LoadReport(
-        queue_depth=snapshot.queue_depth,
-        active_slots=snapshot.active_slots,
-        n_parallel=snapshot.n_parallel,
-        kv_cells_used=snapshot.kv_cells_used,
-        kv_cells_total=total,
-        kv_cache_usage=snapshot.kv_cells_used / total if total else 0.0,
-        prefix_cache_hit_rate=snapshot.prefix_cache_hit_rate,
-        requests_running=snapshot.active_slots,
-        engine_state=snapshot.engine_state,
-        serving=snapshot.engine_state == "running" and not is_draining,
-        timestamp_unix_ms=unix_ms,
+        queue_depth=load.queue_depth,
+        active_slots=load.active_slots,
+        n_parallel=load.n_parallel,
+        kv_cells_used=load.kv_cells_used,
+        kv_cells_total=load.kv_cells_total,
+        kv_cache_usage=load.kv_cache_usage,
+        prefix_cache_hit_rate=load.prefix_cache_hit_rate,
+        requests_running=load.active_slots,
+        engine_state=load.engine_state,
+        serving=load.serving,
+        timestamp_unix_ms=load.timestamp_unix_ms,
     )
 
 

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,35 +22,36 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server import errors
 from llama_grpc_server.config import Settings
-from llama_grpc_server.core import adapters
+from llama_grpc_server.core import adapters, stats
 from llama_grpc_server.core.adapters import AdapterEntry, AdapterSet
-from llama_grpc_server.core.api import EngineApi, RequestStream, StatsSnapshot
+from llama_grpc_server.core.api import EngineApi, StatsSnapshot
 from llama_grpc_server.core.reasoning.split import ReasoningSplitter
 from llama_grpc_server.core.reasoning.stream import with_reasoning
 from llama_grpc_server.core.requests.request import (
-    Failed,
     Finished,
     GenerationRequest,
-    Resumed,
     TokenDelta,
 )
 from llama_grpc_server.core.tools.stream import ToolSession, with_tool_calls
 from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.models.pool import ModelPool
-from llama_grpc_server.observability import tracing
-from llama_grpc_server.rpc import convert, embeddings, reasoning, tools, validation
-from llama_grpc_server.rpc.interceptors import (
+from llama_grpc_server.rpc.plumbing.interceptors import (
     current_principal,
     current_request_id,
-    deadline_expired,
     new_request_id,
 )
-from llama_grpc_server.rpc.status import ErrorsToStatus
+from llama_grpc_server.rpc.plumbing.status import ErrorsToStatus
+from llama_grpc_server.rpc.shared import checks, thinking
+from llama_grpc_server.rpc.shared.running import (
+    NO_RESULT,
+    PoolServicer,
+    deadline_of,
+    run_request,
+    tokenize_text,
+)
+from llama_grpc_server.rpc.v1 import convert, embeddings, reasoning, tools, validation
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["LlmService"].full_name
-# Short texts tokenize inline; only long ones are worth a thread hop.
-TOKENIZE_INLINE_MAX_CHARS = 4096
-NO_RESULT = "the engine ended the request without a result"
 
 log = structlog.get_logger("llama_grpc.rpc")
 
@@ -58,27 +59,9 @@ if TYPE_CHECKING:  # generic only in grpc-stubs
     Context = grpc.aio.ServicerContext[Any, Any]
 
 
-class NotReady(errors.ServiceError):
-    """The model is still loading; retry shortly (or elsewhere)."""
-
-    code = "UNAVAILABLE"
-    reason = "NOT_READY"
-
-
-async def tokenize_text(
-    engine: EngineApi, text: str, *, add_special: bool, parse_special: bool
-) -> list[int]:
-    """llama_tokenize releases the GIL and is thread-safe, so long texts go to a thread."""
-    if len(text) <= TOKENIZE_INLINE_MAX_CHARS:
-        return engine.tokenize(text, add_special=add_special, parse_special=parse_special)
-    return await asyncio.to_thread(
-        engine.tokenize, text, add_special=add_special, parse_special=parse_special
-    )
-
-
 async def _chat_tokens(
     engine: EngineApi,
-    draft: validation.Draft,
+    checked: checks.CheckedRequest,
     offered: Sequence[ToolSpec],
     variables: Mapping[str, Any],
     *,
@@ -88,19 +71,19 @@ async def _chat_tokens(
     tokenize it: the prompt text and its tokens. The template writes the special tokens (parsed
     as such), so the only BOS is the template's (or one added here)."""
     try:
-        text = engine.render_chat(draft.messages, draft.chat_template, offered, variables)
+        text = engine.render_chat(checked.messages, checked.chat_template, offered, variables)
     except ValueError as exc:
         raise errors.InvalidRequest(str(exc), field="messages") from None
     tokens = await tokenize_text(engine, text, add_special=False, parse_special=True)
     return text, (validation.chat_prompt_tokens(tokens, engine.model_info) if add_bos else tokens)
 
 
-def _adapters(engine: EngineApi, draft: validation.Draft) -> AdapterSet:
+def _adapters(engine: EngineApi, checked: checks.CheckedRequest) -> AdapterSet:
     """The LoRA adapters a request applies, resolved against its model's (INVALID_ARGUMENT for
     an unknown one, PERMISSION_DENIED for one its tenant may not use)."""
-    if not draft.lora:
+    if not checked.lora:
         return ()
-    return engine.adapters.resolve(draft.lora, allowed=current_principal().adapters)
+    return engine.adapters.resolve(checked.lora, allowed=current_principal().adapters)
 
 
 def _visible(engine: EngineApi, allowed: frozenset[str] | None) -> list[AdapterEntry]:
@@ -126,59 +109,6 @@ def _seen_by(snapshot: StatsSnapshot, tenant: str) -> StatsSnapshot:
         for s in snapshot.slots
     )
     return dataclasses.replace(snapshot, slots=slots)
-
-
-def deadline_of(context: Context) -> float | None:
-    return validation.deadline_from(context.time_remaining(), time.monotonic())
-
-
-async def run_request(
-    engine: EngineApi,
-    spec: GenerationRequest,
-    context: Context,
-    operation: str = "text_completion",
-    *,
-    on_submit: Callable[[RequestStream], None] | None = None,
-    on_resumed: Callable[[str], None] | None = None,
-) -> AsyncGenerator[TokenDelta | Finished, None]:
-    """Submit and yield deltas, then the Finished event. A Failed event raises its error.
-    Leaving early (client cancel, deadline, closed stream) cancels the request in the engine,
-    as a deadline exceeded when the call's deadline has passed (the access log's test too).
-    With tracing on, the finished request's GenAI attributes and phases go on the RPC's span.
-    `on_submit` is handed the engine's stream (to cancel it from elsewhere); `on_resumed` the
-    text of a resumed request's resumed tokens (its Resumed event, never yielded: the caller
-    has that text)."""
-    submitted_unix_ns = time.time_ns()
-    stream = engine.submit(spec)
-    if on_submit is not None:
-        on_submit(stream)
-    is_done = False
-    try:
-        async for event in stream:
-            if isinstance(event, Resumed):
-                if on_resumed is not None:
-                    on_resumed(event.text)
-                continue
-            if isinstance(event, Failed):
-                is_done = True
-                raise event.error
-            if isinstance(event, Finished):
-                is_done = True
-                model = engine.model_info.model_name
-                tracing.record_generation(
-                    spec,
-                    event,
-                    model=model,
-                    operation=operation,
-                    submitted_unix_ns=submitted_unix_ns,
-                )
-                yield event
-                return
-            yield event
-        raise errors.EngineError(NO_RESULT)
-    finally:
-        if not is_done:
-            stream.cancel(deadline_exceeded=deadline_expired(context))
 
 
 async def _collect(
@@ -261,22 +191,6 @@ def _unix_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-class PoolServicer:
-    """A servicer of the model pool, which is attached once the default model has loaded (see
-    rpc.wiring); until then calls answer NOT_READY."""
-
-    _pool: ModelPool | None = None
-
-    def attach(self, pool: ModelPool) -> None:
-        """Start serving: the default model is loaded."""
-        self._pool = pool
-
-    def _ready_pool(self) -> ModelPool:
-        if self._pool is None:
-            raise NotReady("the model is still loading; retry shortly")
-        return self._pool
-
-
 class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
     """The LlmService. `draining` is set when the server starts to stop (RunningServer.stop):
     WatchLoad streams then end at once instead of holding the grace period open."""
@@ -298,45 +212,45 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
     ) -> tuple[GenerationRequest, _Chat]:
         """The request to submit and what turns its output into its answer."""
         limits = self._settings.scheduler
-        draft = validation.parse_text_request(message, engine.model_info, limits, grammars=engine)
+        checked = validation.parse_text_request(message, engine.model_info, limits, grammars=engine)
         offered = tools.parse_tools(message)
         options = reasoning.parse_chat_options(message)
         session = None
         if offered.offered:
-            fmt = tools.tool_format(engine, draft.chat_template)
-            draft = dataclasses.replace(
-                draft,
-                constraint=tools.constraint(offered, fmt, engine) or draft.constraint,
-                output=tools.with_shown(draft.output, tools.shown_specials(engine, fmt)),
-                stopping=tools.with_stops(draft.stopping, fmt),
+            fmt = tools.tool_format(engine, checked.chat_template)
+            checked = dataclasses.replace(
+                checked,
+                constraint=tools.constraint(offered, fmt, engine) or checked.constraint,
+                output=tools.with_shown(checked.output, tools.shown_specials(engine, fmt)),
+                stopping=tools.with_stops(checked.stopping, fmt),
             )
             session = tools.session(offered, fmt, request_id)
         add_special = validation.add_special(message)
         thinks = None
-        if draft.messages:
+        if checked.messages:
             text, tokens = await _chat_tokens(
-                engine, draft, offered.offered, options.variables, add_bos=add_special
+                engine, checked, offered.offered, options.variables, add_bos=add_special
             )
-            thinks = reasoning.thinking(engine, draft.chat_template, text, options.budget, limits)
+            thinks = thinking.thinking(engine, checked.chat_template, text, options.budget, limits)
         else:
             tokens = await tokenize_text(
                 engine, message.prompt, add_special=add_special, parse_special=False
             )
         if thinks is not None:
-            after = reasoning.after_thinking(
-                draft.constraint, thinks.fmt, engine, opened=thinks.params.opened
+            after = thinking.after_thinking(
+                checked.constraint, thinks.fmt, engine, opened=thinks.params.opened
             )
-            shown = draft.output.shown_specials + reasoning.shown_specials(engine, thinks.fmt)
-            draft = dataclasses.replace(
-                draft, constraint=after, output=tools.with_shown(draft.output, shown)
+            shown = checked.output.shown_specials + thinking.shown_specials(engine, thinks.fmt)
+            checked = dataclasses.replace(
+                checked, constraint=after, output=tools.with_shown(checked.output, shown)
             )
-        spec = validation.complete_request(
-            draft,
+        spec = checks.complete_request(
+            checked,
             tokens,
             request_id=request_id,
             deadline=deadline_of(context),
             tenant=current_principal().tenant,
-            adapters=_adapters(engine, draft),
+            adapters=_adapters(engine, checked),
         )
         if thinks is None:
             return spec, _Chat(session=session)
@@ -378,16 +292,16 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
             self._engine(request.model, context) as engine,
         ):
             limits = self._settings.scheduler
-            draft = validation.parse_tokens_request(
+            checked = validation.parse_tokens_request(
                 request, engine.model_info, limits, grammars=engine
             )
-            spec = validation.complete_request(
-                draft,
-                draft.prompt_tokens,
+            spec = checks.complete_request(
+                checked,
+                checked.prompt_tokens,
                 request_id=request_id,
                 deadline=deadline_of(context),
                 tenant=current_principal().tenant,
-                adapters=_adapters(engine, draft),
+                adapters=_adapters(engine, checked),
             )
             async with aclosing(run_request(engine, spec, context)) as events:
                 async for event in events:
@@ -444,7 +358,7 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
             ErrorsToStatus(context, _request_id()),
             self._engine(request.model, context) as engine,
         ):
-            validation.check_token_ids(request.token_ids, engine.model_info.n_vocab)
+            checks.check_token_ids(request.token_ids, engine.model_info.n_vocab)
             text = engine.detokenize(list(request.token_ids), render_special=request.render_special)
             return pb.DetokenizeResponse(text=text)
 
@@ -470,7 +384,8 @@ class LlmServicer(PoolServicer, pb_grpc.LlmServiceServicer):
             while True:
                 is_draining = self.draining.is_set()
                 snapshot = pool.load_snapshot()
-                yield convert.load_report(snapshot, is_draining=is_draining, unix_ms=_unix_ms())
+                load = stats.load_of(snapshot, is_draining=is_draining, unix_ms=_unix_ms())
+                yield convert.load_report(load)
                 if is_draining:
                     return
                 # On schedule; after a stall (a slow reader) one report at once, never a burst.

@@ -16,7 +16,6 @@ from datetime import UTC, datetime
 from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc_server.auth import scoped_cache_scope
 from llama_grpc_server.core.api import ModelInfo
 from llama_grpc_server.core.kv.events import (
@@ -34,6 +33,7 @@ from llama_grpc_server.core.requests.request import (
     TokenDelta,
     TokenLogprob,
 )
+from llama_grpc_server.core.stats import Load
 
 STOP, LENGTH, ABORT = "stop", "length", "abort"
 FINISH_REASONS: dict[FinishReason, str] = {
@@ -161,25 +161,25 @@ def model_info(
     return message
 
 
-def loads(report: pb.LoadReport, active_cells: int, version: str) -> vpb.GetLoadsResponse:
+def loads(load: Load, version: str) -> vpb.GetLoadsResponse:
     """WatchLoad's numbers (one rank): running and waiting requests, KV use, prefix hits; the
     token usage is the share running requests hold (`active_cells`, core.stats.active_cells),
     as vLLM reports it, while num_used_tokens counts idle slots' kept prefixes too."""
-    running, waiting = report.requests_running, report.queue_depth
-    load = vpb.SchedulerLoad(
+    running, waiting = load.active_slots, load.queue_depth
+    message = vpb.SchedulerLoad(
         dp_rank=0,
         num_running_reqs=running,
         num_waiting_reqs=waiting,
         num_total_reqs=running + waiting,
-        num_used_tokens=report.kv_cells_used,
-        max_total_num_tokens=report.kv_cells_total,
-        token_usage=active_cells / report.kv_cells_total if report.kv_cells_total else 0.0,
-        cache_hit_rate=report.prefix_cache_hit_rate,
-        max_running_requests=report.n_parallel,
-        utilization=running / report.n_parallel if report.n_parallel else 0.0,
+        num_used_tokens=load.kv_cells_used,
+        max_total_num_tokens=load.kv_cells_total,
+        token_usage=load.active_cells / load.kv_cells_total if load.kv_cells_total else 0.0,
+        cache_hit_rate=load.prefix_cache_hit_rate,
+        max_running_requests=load.n_parallel,
+        utilization=running / load.n_parallel if load.n_parallel else 0.0,
     )
-    stamp = datetime.fromtimestamp(report.timestamp_unix_ms / 1000, UTC).isoformat()
-    return vpb.GetLoadsResponse(timestamp=stamp, version=version, dp_rank_count=1, loads=[load])
+    stamp = datetime.fromtimestamp(load.timestamp_unix_ms / 1000, UTC).isoformat()
+    return vpb.GetLoadsResponse(timestamp=stamp, version=version, dp_rank_count=1, loads=[message])
 
 
 # -- KV cache events (SubscribeKvEvents) ---------------------------------------------------------

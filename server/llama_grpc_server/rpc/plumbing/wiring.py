@@ -1,8 +1,9 @@
 """Putting a server together: the grpc.aio server with LlmService, the vLLM engine protocol
-(rpc.vllm_engine), grpc.health.v1 and reflection behind the request interceptor, in plaintext
-or TLS (rpc.tls), callers identified by rpc.access; /metrics; the model pool (models/pool.py)
-with the response cache in front of each engine; and the default model's load in a thread
-(health NOT_SERVING until it serves). Never imports llama_cpp: engines come from factories."""
+(rpc.vllm.engine), grpc.health.v1 and reflection behind the request interceptor, in plaintext
+or TLS (rpc.plumbing.tls), callers identified by rpc.plumbing.access; /metrics; the model pool
+(models/pool.py) with the response cache in front of each engine; and the default model's load
+in a thread (health NOT_SERVING until it serves). Never imports llama_cpp: engines come from
+factories."""
 
 from __future__ import annotations
 
@@ -41,13 +42,19 @@ from llama_grpc_server.models.pool import (
 )
 from llama_grpc_server.observability.metrics import Metrics, MetricsServer, serve_metrics
 from llama_grpc_server.observability.tracing import Tracing
-from llama_grpc_server.rpc import tls
-from llama_grpc_server.rpc.access import AccessControl
-from llama_grpc_server.rpc.health import HEALTH_NAMES, NOT_SERVING, SERVING, EngineWatch, set_health
-from llama_grpc_server.rpc.interceptors import RequestInterceptor, RpcRecorder
-from llama_grpc_server.rpc.lifecycle import RunningServer
-from llama_grpc_server.rpc.servicer import SERVICE_NAME, LlmServicer
-from llama_grpc_server.rpc.vllm_engine import VLLM_SERVICE_NAME, TokenizerZip, VllmEngineServicer
+from llama_grpc_server.rpc.plumbing import tls
+from llama_grpc_server.rpc.plumbing.access import AccessControl
+from llama_grpc_server.rpc.plumbing.health import (
+    HEALTH_NAMES,
+    NOT_SERVING,
+    SERVING,
+    EngineWatch,
+    set_health,
+)
+from llama_grpc_server.rpc.plumbing.interceptors import RequestInterceptor, RpcRecorder
+from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_server.rpc.v1.servicer import SERVICE_NAME, LlmServicer
+from llama_grpc_server.rpc.vllm.engine import VLLM_SERVICE_NAME, TokenizerZip, VllmEngineServicer
 
 EngineFactory = Callable[[], EngineApi]
 P = ParamSpec("P")
@@ -226,7 +233,7 @@ def _listen(
         raise ServerStartError(f"cannot listen on {address}") from exc
 
 
-async def started(
+async def start_listening(
     settings: Settings,
     engine_factory: EngineFactory,
     model_factory: ModelFactory | None,
@@ -235,6 +242,11 @@ async def started(
     *,
     tokenizer_zip: TokenizerZip | None = None,
 ) -> RunningServer:
+    """Put the server together (services, interceptor, health, reflection, TLS, /metrics),
+    open its port and begin loading the default model in the background: the RunningServer
+    that start_server hands out. ServerStartError when a port, the TLS files or the tokens
+    file fail; ValueError when the settings would send bearer tokens in plaintext over the
+    network."""
     problem = plaintext_tokens_problem(
         settings.server.host,
         has_tls=bool(settings.server.tls_cert),

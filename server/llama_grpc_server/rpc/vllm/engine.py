@@ -1,6 +1,6 @@
 """`vllm.grpc.engine.VllmEngine` handlers, for the SMG gateway and other callers of the vLLM
-engine protocol: validate (rpc.vllm_requests) -> submit the same GenerationRequests v1 builds
-to the same engine -> convert (rpc.vllm_convert). Served beside LlmService on the same port,
+engine protocol: validate (rpc.vllm.requests) -> submit the same GenerationRequests v1 builds
+to the same engine -> convert (rpc.vllm.convert). Served beside LlmService on the same port,
 behind the same interceptors, access rules and health; the default model answers.
 
 The protocol names no model and has no LoRA field: a replica started with --engine-lora NAME
@@ -49,16 +49,17 @@ from llama_grpc_server.core.requests.request import (
 )
 from llama_grpc_server.models import tokenizer_export
 from llama_grpc_server.models.pool import ModelPool
-from llama_grpc_server.rpc import convert, embeddings, reasoning, vllm_convert, vllm_requests
-from llama_grpc_server.rpc.interceptors import current_principal, current_request_id
-from llama_grpc_server.rpc.servicer import (
+from llama_grpc_server.rpc.plumbing.interceptors import current_principal, current_request_id
+from llama_grpc_server.rpc.plumbing.status import ErrorsToStatus
+from llama_grpc_server.rpc.shared import thinking
+from llama_grpc_server.rpc.shared.running import (
     NO_RESULT,
     PoolServicer,
     deadline_of,
     run_request,
     tokenize_text,
 )
-from llama_grpc_server.rpc.status import ErrorsToStatus
+from llama_grpc_server.rpc.vllm import convert, requests
 
 VLLM_SERVICE_NAME: str = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 TOKENIZER_CHUNK_BYTES = 1 << 20  # GetTokenizer's zip, sent in pieces of at most this
@@ -251,22 +252,22 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
     async def _requests(
         self, request: vpb.GenerateRequest, request_id: str, engine: EngineApi, context: Context
     ) -> list[GenerationRequest]:
-        parsed = vllm_requests.parse_generate(
+        parsed = requests.parse_generate(
             request, engine.model_info, self._settings.scheduler, grammars=engine
         )
         adapters = self._engine_adapters(engine)
-        tokens: Sequence[int] = parsed.draft.prompt_tokens
+        tokens: Sequence[int] = parsed.checked.prompt_tokens
         if parsed.text is not None:  # as the gateway's tokenizer: BOS added, specials parsed
             tokens = await tokenize_text(engine, parsed.text, add_special=True, parse_special=True)
         thinks = self._thinking(engine, tokens)
         if thinks is not None:  # the constraint applies after the thinking (SMG reads it so)
-            after = reasoning.after_thinking(
-                parsed.draft.constraint, thinks.fmt, engine, opened=thinks.params.opened
+            after = thinking.after_thinking(
+                parsed.checked.constraint, thinks.fmt, engine, opened=thinks.params.opened
             )
             parsed = dataclasses.replace(
-                parsed, draft=dataclasses.replace(parsed.draft, constraint=after)
+                parsed, checked=dataclasses.replace(parsed.checked, constraint=after)
             )
-        specs = vllm_requests.generation_requests(
+        specs = requests.generation_requests(
             parsed,
             tokens,
             request_id=request_id,
@@ -278,14 +279,14 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
             return specs
         return [dataclasses.replace(spec, reasoning=thinks.params) for spec in specs]
 
-    def _thinking(self, engine: EngineApi, tokens: Sequence[int]) -> reasoning.Thinking | None:
+    def _thinking(self, engine: EngineApi, tokens: Sequence[int]) -> thinking.Thinking | None:
         """A prompt of a thinking model's template that thinks (its end read as text: the
         gateway renders the template): the server's reasoning budget applies."""
         template = engine.model_info.chat_template
         if not template or not tokens:
             return None
         tail = engine.detokenize(list(tokens[-PROMPT_TAIL_TOKENS:]), render_special=True)
-        return reasoning.thinking(engine, template, tail, None, self._settings.scheduler)
+        return thinking.thinking(engine, template, tail, None, self._settings.scheduler)
 
     async def _generate(
         self,
@@ -298,7 +299,7 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
     ) -> AsyncGenerator[vpb.GenerateResponse, None]:
         """Chunks as tokens come (streaming), and each sample's GenerateComplete as it ends."""
         samples = [
-            vllm_convert.Sample(
+            convert.Sample(
                 index,
                 len(spec.prompt_tokens),
                 spec.output.top_logprobs if spec.output.logprobs else None,
@@ -312,9 +313,9 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
                 if isinstance(event, TokenDelta):
                     sample.add(event)
                     if stream and event.token_ids:
-                        yield vllm_convert.chunk(sample, event)
+                        yield convert.chunk(sample, event)
                 else:
-                    yield vllm_convert.complete(sample, event)
+                    yield convert.complete(sample, event)
 
     async def Abort(self, request: vpb.AbortRequest, context: Context) -> vpb.AbortResponse:
         """End the caller's calls with these ids (finish reason "abort"); unknown or finished
@@ -353,7 +354,7 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
         async with ErrorsToStatus(context, current_request_id()):
             engine = self._ready_pool().resident("")
             limits = self._settings.scheduler
-            return vllm_convert.model_info(
+            return convert.model_info(
                 engine.model_info,
                 limits.default_sampling,
                 limits.default_max_tokens,
@@ -370,7 +371,7 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
                 is_paused=self.draining.is_set(),
                 last_receive_timestamp=self._last_receive,
                 uptime_seconds=time.monotonic() - self._started,
-                server_type=vllm_convert.SERVER_TYPE,
+                server_type=convert.SERVER_TYPE,
                 data_parallel_size=1,
                 max_num_seqs=snapshot.n_parallel,
             )
@@ -381,10 +382,10 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
         """WatchLoad's figures: the resident models' load summed."""
         async with ErrorsToStatus(context, current_request_id()):
             snapshot = self._ready_pool().load_snapshot()
-            report = convert.load_report(
+            load = stats.load_of(
                 snapshot, is_draining=self.draining.is_set(), unix_ms=time.time_ns() // 1_000_000
             )
-            return vllm_convert.loads(report, stats.active_cells(snapshot), self._version)
+            return convert.loads(load, self._version)
 
     async def FlushCache(
         self, request: cpb.FlushCacheRequest, context: Context
@@ -434,7 +435,7 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
             log = engine.kv_events
             # the scope of this replica's own engine-protocol requests goes out unsalted
             plain = scoped("", self._engine_adapters(engine, check_tenant=False))
-            salt = vllm_convert.scope_salt(current_principal().tenant, plain)
+            salt = convert.scope_salt(current_principal().tenant, plain)
             wake = _Wake(asyncio.get_running_loop())
             remove = log.add_listener(wake.notify)
             drained = asyncio.ensure_future(self.draining.wait())
@@ -445,13 +446,13 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
                     read = log.read(cursor)
                     for batch in read.batches:
                         sample += 1
-                        yield vllm_convert.kv_event_batch(batch, salt, sample)
+                        yield convert.kv_event_batch(batch, salt, sample)
                     cursor = read.seq
                     if read.batches:
                         sent_load = read.load_version
                     elif read.load_version != sent_load and cursor > 0:
                         sample += 1
-                        yield vllm_convert.load_only_batch(cursor, read.load, sample, time.time())
+                        yield convert.load_only_batch(cursor, read.load, sample, time.time())
                         sent_load = read.load_version
                     woken = asyncio.ensure_future(wake.event.wait())
                     done, _ = await asyncio.wait(
@@ -483,7 +484,7 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
                     "of the base model"
                 )
             tenant = current_principal().tenant
-            spec = embeddings.engine_protocol_request(
+            spec = requests.embed_request(
                 request.tokenized.input_ids,
                 engine.model_info,
                 request_id=request_id,
@@ -503,7 +504,7 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
                 async with aclosing(run) as events:
                     async for event in events:
                         if isinstance(event, Finished):
-                            return vllm_convert.embed_response(event)
+                            return convert.embed_response(event)
                 raise errors.EngineError(NO_RESULT)
             finally:
                 del self._in_flight[key]

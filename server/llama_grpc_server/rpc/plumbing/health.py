@@ -1,6 +1,6 @@
 """grpc.health.v1 for the server: the names it answers for, and EngineWatch, which turns
 them NOT_SERVING the moment an engine dies (the default model's) or hangs (any model's), so a
-proxy routes elsewhere while serve() decides whether to exit (rpc/lifecycle.py)."""
+proxy routes elsewhere while serve() decides whether to exit (rpc/plumbing/lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import structlog
 from grpc_health.v1 import health_pb2
 
 from llama_grpc_server.core.api import EngineApi
-from llama_grpc_server.rpc.servicer import SERVICE_NAME
-from llama_grpc_server.rpc.vllm_engine import VLLM_SERVICE_NAME
+from llama_grpc_server.rpc.v1.servicer import SERVICE_NAME
+from llama_grpc_server.rpc.vllm.engine import VLLM_SERVICE_NAME
 
 HEALTH_NAMES = ("", SERVICE_NAME, VLLM_SERVICE_NAME)  # "" = the server as a whole
 SERVING = health_pb2.HealthCheckResponse.SERVING

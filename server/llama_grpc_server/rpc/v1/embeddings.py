@@ -17,7 +17,8 @@ from llama_grpc_server.core.api import ModelInfo
 from llama_grpc_server.core.requests import context_fit, embedding
 from llama_grpc_server.core.requests.embedding import EmbeddingParams, Pooling
 from llama_grpc_server.core.requests.request import Finished, GenerationRequest, Priority
-from llama_grpc_server.rpc import validation
+from llama_grpc_server.rpc.shared import checks
+from llama_grpc_server.rpc.v1 import validation
 
 MAX_INPUTS = 2048  # inputs of one Embed call (OpenAI's /v1/embeddings bound)
 
@@ -36,22 +37,20 @@ _PRIORITIES = {
 }
 
 
-class Message(enum.StrEnum):
+class EmbedErrorText(enum.StrEnum):
+    """The error texts of the Embed request's own fields; format() fills the numbers."""
+
     NO_INPUTS = "inputs must not be empty"
     TOO_MANY_INPUTS = "inputs has {count} entries; at most {limit} are allowed"
     EMPTY_INPUT = "input {index} is empty"
     UNKNOWN_POOLING = "unknown pooling {value}"
-    NOT_AN_EMBEDDING_MODEL = (
-        "model {model!r} has pooling {pooling!r} (a reranker's scores), not embeddings"
-    )
     DIMENSIONS_TOO_LARGE = "dimensions ({dimensions}) exceeds the model's ({n_embd})"
     UNKNOWN_POLICY = "unknown context overflow policy {value}"
     N_KEEP_WITHOUT_TRUNCATION = "n_keep only applies with OVERFLOW_POLICY_TRUNCATE_LEFT"
     UNKNOWN_PRIORITY = "unknown priority {value}"
-    EMPTY_TOKENS = "tokenized.input_ids must not be empty"
 
 
-def _invalid(field: str, message: Message, **values: Any) -> errors.InvalidRequest:
+def _invalid(field: str, message: EmbedErrorText, **values: Any) -> errors.InvalidRequest:
     return errors.InvalidRequest(message.format(**values), field=field)
 
 
@@ -70,27 +69,23 @@ class EmbedPlan:
 def parse(message: pb.EmbedRequest, info: ModelInfo) -> EmbedPlan:
     """Check every field but the inputs' lengths (known once tokenized: `request`)."""
     validation.check_model(message.model, info)
-    if not embedding.can_embed(info.pooling):
-        raise errors.FailedPrecondition(
-            Message.NOT_AN_EMBEDDING_MODEL.format(model=info.model_name, pooling=info.pooling),
-            field="model",
-        )
+    checks.check_embeds(info)
     _check_inputs(message.inputs, info.n_vocab)
     if message.pooling == pb.POOLING_UNSPECIFIED:
         pooling = embedding.default_pooling(info.pooling)
     elif message.pooling in POOLINGS:
         pooling = POOLINGS[message.pooling]
     else:
-        raise _invalid("pooling", Message.UNKNOWN_POOLING, value=message.pooling)
+        raise _invalid("pooling", EmbedErrorText.UNKNOWN_POOLING, value=message.pooling)
     if message.dimensions > info.n_embd:
         raise _invalid(
             "dimensions",
-            Message.DIMENSIONS_TOO_LARGE,
+            EmbedErrorText.DIMENSIONS_TOO_LARGE,
             dimensions=message.dimensions,
             n_embd=info.n_embd,
         )
     if message.priority not in _PRIORITIES:
-        raise _invalid("priority", Message.UNKNOWN_PRIORITY, value=message.priority)
+        raise _invalid("priority", EmbedErrorText.UNKNOWN_PRIORITY, value=message.priority)
     normalize = message.normalize if message.HasField("normalize") else True
     return EmbedPlan(
         params=EmbeddingParams(pooling, normalize, message.dimensions),
@@ -104,26 +99,32 @@ def parse(message: pb.EmbedRequest, info: ModelInfo) -> EmbedPlan:
 
 def _check_inputs(inputs: Sequence[pb.EmbedInput], n_vocab: int) -> None:
     if not inputs:
-        raise _invalid("inputs", Message.NO_INPUTS)
+        raise _invalid("inputs", EmbedErrorText.NO_INPUTS)
     if len(inputs) > MAX_INPUTS:
-        raise _invalid("inputs", Message.TOO_MANY_INPUTS, count=len(inputs), limit=MAX_INPUTS)
+        raise _invalid(
+            "inputs", EmbedErrorText.TOO_MANY_INPUTS, count=len(inputs), limit=MAX_INPUTS
+        )
     for index, item in enumerate(inputs):
         kind = item.WhichOneof("input")
         if kind == "tokens":
             if not item.tokens.ids:
-                raise _invalid(f"inputs[{index}].tokens.ids", Message.EMPTY_INPUT, index=index)
-            validation.check_token_ids(item.tokens.ids, n_vocab, f"inputs[{index}].tokens.ids")
+                raise _invalid(
+                    f"inputs[{index}].tokens.ids", EmbedErrorText.EMPTY_INPUT, index=index
+                )
+            checks.check_token_ids(item.tokens.ids, n_vocab, f"inputs[{index}].tokens.ids")
         elif kind != "text" or not item.text:
-            raise _invalid(f"inputs[{index}]", Message.EMPTY_INPUT, index=index)
+            raise _invalid(f"inputs[{index}]", EmbedErrorText.EMPTY_INPUT, index=index)
 
 
 def _n_keep(message: pb.ContextOverflow) -> int | None:
     if message.policy == pb.OVERFLOW_POLICY_TRUNCATE_LEFT:
         return message.n_keep
     if message.policy not in (pb.OVERFLOW_POLICY_UNSPECIFIED, pb.OVERFLOW_POLICY_REJECT):
-        raise _invalid("context_overflow.policy", Message.UNKNOWN_POLICY, value=message.policy)
+        raise _invalid(
+            "context_overflow.policy", EmbedErrorText.UNKNOWN_POLICY, value=message.policy
+        )
     if message.n_keep:
-        raise _invalid("context_overflow.n_keep", Message.N_KEEP_WITHOUT_TRUNCATION)
+        raise _invalid("context_overflow.n_keep", EmbedErrorText.N_KEEP_WITHOUT_TRUNCATION)
     return None
 
 
@@ -154,7 +155,7 @@ def request(
         except errors.InvalidRequest as exc:
             raise errors.InvalidRequest(exc.message, field="context_overflow.n_keep") from None
     if not tokens:
-        raise _invalid(field, Message.EMPTY_INPUT, index=index)
+        raise _invalid(field, EmbedErrorText.EMPTY_INPUT, index=index)
     return GenerationRequest(
         request_id=request_id,
         prompt_tokens=tuple(tokens),
@@ -164,37 +165,6 @@ def request(
         cache_scope=scoped_cache_scope(tenant, ""),
         priority=plan.priority,
         embedding=plan.params,
-    )
-
-
-def engine_protocol_request(
-    token_ids: Sequence[int],
-    info: ModelInfo,
-    *,
-    request_id: str,
-    deadline: float | None,
-    tenant: str = "",
-) -> GenerationRequest:
-    """The vLLM engine protocol's Embed (the gateway's /v1/embeddings): one tokenized input,
-    the model's default pooling, L2-normalized, refused over the context: what a v1 Embed with
-    its defaults computes."""
-    field = "tokenized.input_ids"
-    if not embedding.can_embed(info.pooling):
-        raise errors.FailedPrecondition(
-            Message.NOT_AN_EMBEDDING_MODEL.format(model=info.model_name, pooling=info.pooling),
-            field="model",
-        )
-    if not token_ids:
-        raise _invalid(field, Message.EMPTY_TOKENS)
-    validation.check_token_ids(token_ids, info.n_vocab, field)
-    context_fit.check_embedding_fits(len(token_ids), info.n_ctx, field)
-    return GenerationRequest(
-        request_id=request_id,
-        prompt_tokens=tuple(token_ids),
-        deadline=deadline,
-        tenant=tenant,
-        cache_scope=scoped_cache_scope(tenant, ""),
-        embedding=EmbeddingParams(embedding.default_pooling(info.pooling)),
     )
 
 

@@ -26,11 +26,11 @@ from llama_grpc_server.core.api import EngineApi
 from llama_grpc_server.models.pool import ModelPool
 from llama_grpc_server.observability.metrics import MetricsServer
 from llama_grpc_server.observability.tracing import Tracing
-from llama_grpc_server.rpc import tls
-from llama_grpc_server.rpc.access import AccessControl
-from llama_grpc_server.rpc.health import EngineWatch
-from llama_grpc_server.rpc.servicer import LlmServicer
-from llama_grpc_server.rpc.vllm_engine import VllmEngineServicer
+from llama_grpc_server.rpc.plumbing import tls
+from llama_grpc_server.rpc.plumbing.access import AccessControl
+from llama_grpc_server.rpc.plumbing.health import EngineWatch
+from llama_grpc_server.rpc.v1.servicer import LlmServicer
+from llama_grpc_server.rpc.vllm.engine import VllmEngineServicer
 from llama_grpc_server.watchdog import EXIT_ENGINE_HUNG
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -14,15 +14,15 @@ from typing import Any
 
 from llama_grpc_server import errors
 from llama_grpc_server.auth import ANONYMOUS, AuthTable, Principal, Role
-from llama_grpc_server.rpc.tls import peer_subject
+from llama_grpc_server.rpc.plumbing.tls import peer_subject
 
 AUTHORIZATION_KEY = "authorization"
 BEARER = "bearer "
 PROTECTED_SERVICE = "/llama_grpc.v1.LlmService/"
-VLLM_SERVICE = "/vllm.grpc.engine.VllmEngine/"  # the vLLM engine protocol (rpc.vllm_engine)
+VLLM_SERVICE = "/vllm.grpc.engine.VllmEngine/"  # the vLLM engine protocol (rpc.vllm.engine)
 PROTECTED_SERVICES = (PROTECTED_SERVICE, VLLM_SERVICE)
 # Operations only an admin may call (full path). GetStats is open to users, with other tenants'
-# request ids hidden (rpc.servicer); so is WatchLoad, which carries aggregate load only. A user's
+# request ids hidden (rpc.v1.servicer); so is WatchLoad, which carries aggregate load only. A user's
 # request for a model that is not loaded loads it (on demand); managing models is an admin's.
 # The vLLM protocol's FlushCache is ClearCache; its Abort reaches the caller's own calls only.
 ADMIN_METHODS: frozenset[str] = frozenset(

@@ -1,0 +1,1 @@
+"""llama_grpc.v1's LlmService: its handlers, its requests checked, its messages built."""
