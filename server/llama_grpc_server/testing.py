@@ -41,6 +41,7 @@ from llama_grpc_server.core.scheduling.plan import (
 )
 from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.core.scheduling.tenants import TenantLimits
+from llama_grpc_server.core.speculation import acceptance
 from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.engine.embedding import Embedder
 from llama_grpc_server.engine.loop import EngineLoop, EngineStream
@@ -212,7 +213,7 @@ class FakeRunner:
         for i in range(chunk.num_outputs):
             token = self._sample(chunk.request_id, seq[: first + i + 1])
             tokens.append(token)
-            if i == chunk.num_draft or chunk.is_pad or token != chunk.tokens[i + 1]:
+            if not acceptance.accepts(chunk, i, token):
                 break
         return tuple(tokens)
 
