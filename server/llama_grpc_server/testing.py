@@ -44,7 +44,8 @@ from llama_grpc_server.core.scheduling.tenants import TenantLimits
 from llama_grpc_server.core.speculation import acceptance
 from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.engine.embedding import Embedder
-from llama_grpc_server.engine.loop import EngineLoop, EngineStream
+from llama_grpc_server.engine.loop import EngineLoop
+from llama_grpc_server.engine.streams import EngineStream
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 BYTE_OFFSET = 3
