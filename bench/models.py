@@ -46,7 +46,7 @@ from overhead import thread_cpu
 from tests.conftest import second_model_file
 
 from llama_grpc import Client, Delta
-from llama_grpc_server.engine.loop import DECODE_THREAD_NAME, ENGINE_THREAD_NAME
+from llama_grpc_server.engine.thread_names import DECODE_THREAD_NAME, ENGINE_THREAD_NAME
 from llama_grpc_server.models.files import default_model_path
 
 SMALL, Q8 = "q4", "q8"

@@ -60,7 +60,7 @@ from raw_limit import RawLoop
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
-from llama_grpc_server.engine.loop import DECODE_THREAD_NAME, ENGINE_THREAD_NAME
+from llama_grpc_server.engine.thread_names import DECODE_THREAD_NAME, ENGINE_THREAD_NAME
 from llama_grpc_server.models.files import default_model_path
 
 PROFILE_RATE_HZ = 50  # py-spy --native pauses the process per sample: keep the rate low

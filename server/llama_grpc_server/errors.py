@@ -1,8 +1,19 @@
-"""The ServiceError tree: every failure a caller can see. No grpc here; rpc/ maps them to status."""
+"""The ServiceError tree: every failure a caller can see, and describe(), the one line that names
+any exception as the cause in their messages. No grpc here; rpc/ maps them to status."""
 
 from __future__ import annotations
 
 from typing import ClassVar
+
+# A cause named in a message or stats (an engine's death, a model's failed load): at most this long
+MAX_CAUSE_CHARS = 300
+
+
+def describe(exc: BaseException) -> str:
+    """One line naming an exception: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text[:MAX_CAUSE_CHARS]
 
 
 class ServiceError(Exception):

@@ -41,9 +41,11 @@ from llama_grpc_server.core.scheduling.plan import (
 )
 from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.core.scheduling.tenants import TenantLimits
+from llama_grpc_server.core.speculation import acceptance
 from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.engine.embedding import Embedder
-from llama_grpc_server.engine.loop import EngineLoop, EngineStream
+from llama_grpc_server.engine.loop import EngineLoop
+from llama_grpc_server.engine.streams import EngineStream
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 BYTE_OFFSET = 3
@@ -212,7 +214,7 @@ class FakeRunner:
         for i in range(chunk.num_outputs):
             token = self._sample(chunk.request_id, seq[: first + i + 1])
             tokens.append(token)
-            if i == chunk.num_draft or chunk.is_pad or token != chunk.tokens[i + 1]:
+            if not acceptance.accepts(chunk, i, token):
                 break
         return tuple(tokens)
 

@@ -14,11 +14,8 @@ from llama_grpc_server import errors
 from llama_grpc_server.config import num_cpus
 from llama_grpc_server.core.requests.request import FinishReason, TokenDelta
 from llama_grpc_server.engine import openmp
-from llama_grpc_server.engine.loop import (
-    DECODE_THREAD_NAME,
-    ENGINE_THREAD_NAME,
-    EngineLoop,
-)
+from llama_grpc_server.engine.loop import EngineLoop
+from llama_grpc_server.engine.thread_names import DECODE_THREAD_NAME, ENGINE_THREAD_NAME
 
 from .conftest import Failed, make_engine, make_tiny_engine, request, run, run_all, wait_idle
 

@@ -5,6 +5,7 @@ by the engine thread."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import io
 import json
@@ -26,6 +27,7 @@ from llama_grpc_server.core.requests.request import (
     TokenDelta,
 )
 from llama_grpc_server.core.scheduling.strategies import Allocation, BatchView, DecodeMaximal
+from llama_grpc_server.engine import inbox
 from llama_grpc_server.engine.burst import LONE_STARTS_TO_SKIP, BurstDetector
 from llama_grpc_server.engine.loop import IDLE_RELEASE_S, EngineLoop, EngineState
 from llama_grpc_server.observability.telemetry import configure_logging
@@ -600,3 +602,61 @@ async def test_overlap_decode_publishes_stats_before_delivering() -> None:
         await asyncio.to_thread(engine.close)
     assert isinstance(events[-1], Finished)
     assert stats.requests_finished >= 1  # "a" ended while "b" was still generating
+
+
+def test_an_inbox_call_answers_its_caller_and_raises_what_fails_the_engine() -> None:
+    """inbox.Call on the engine thread: a result or a ServiceError is the caller's answer;
+    anything else is also raised on (the engine dies of it) after the caller heard why."""
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    inbox.Call(lambda: 7, done).run()
+    assert done.result() == 7
+
+    def refuse() -> int:
+        raise errors.InvalidRequest("no", field="name")
+
+    done = concurrent.futures.Future()
+    inbox.Call(refuse, done).run()
+    assert isinstance(done.exception(), errors.InvalidRequest)
+
+    def crash() -> int:
+        raise ZeroDivisionError("bug\nmore")
+
+    done = concurrent.futures.Future()
+    with pytest.raises(ZeroDivisionError):
+        inbox.Call(crash, done).run()
+    failed = done.exception()
+    assert isinstance(failed, errors.EngineFailed)
+    assert failed.message == "the engine failed: ZeroDivisionError: bug"
+
+    cancelled: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    cancelled.cancel()
+    inbox.Call(crash, cancelled).run()  # the caller gave up: nothing runs, nothing raises
+
+
+def test_a_dead_engine_refuses_the_commands_still_waiting() -> None:
+    """inbox.refuse: the callers waiting on an answer hear the error; commands without an
+    answer, and answers already given, are left alone."""
+    waiting: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    cleared: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    answered: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    answered.set_result(1)
+    error = errors.EngineUnavailable("the engine has failed: x")
+    inbox.refuse(
+        [
+            inbox.Call(lambda: 1, waiting),
+            inbox.ClearCache(cleared),
+            inbox.Call(lambda: 1, answered),
+            inbox.Cancel("r", "t"),
+            inbox.EndAll(error),
+        ],
+        error,
+    )
+    assert waiting.exception() is error and cleared.exception() is error
+    assert answered.result() == 1
+
+
+def test_describe_names_an_exception_in_one_bounded_line() -> None:
+    """errors.describe, the cause the engine's death and a model's failed load report."""
+    assert errors.describe(ValueError("first\nsecond")) == "ValueError: first"
+    assert errors.describe(KeyboardInterrupt()) == "KeyboardInterrupt"
+    assert len(errors.describe(RuntimeError("x" * 1000))) == errors.MAX_CAUSE_CHARS

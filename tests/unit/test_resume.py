@@ -42,7 +42,7 @@ from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimi
 from llama_grpc_server.core.tools.formats import format_named
 from llama_grpc_server.core.tools.stream import ToolSession, with_tool_calls
 from llama_grpc_server.core.tools.types import ToolSpec
-from llama_grpc_server.engine.loop import EngineStream
+from llama_grpc_server.engine.streams import EngineStream
 from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
 from llama_grpc_server.rpc.plumbing.server import start_server
 from llama_grpc_server.rpc.v1.servicer import _Chat

@@ -16,7 +16,8 @@ from llama_grpc_server.core.requests.request import (
     SpeculativeParams,
     StoppingParams,
 )
-from llama_grpc_server.core.scheduling.plan import MAX_PAD_ROWS
+from llama_grpc_server.core.scheduling.plan import MAX_PAD_ROWS, Chunk
+from llama_grpc_server.core.speculation import acceptance
 from llama_grpc_server.core.speculation.ngram import Match, NgramIndex
 from llama_grpc_server.core.speculation.policy import (
     ACCEPT_ALPHA,
@@ -573,3 +574,22 @@ def test_failing_short_lookups_hold_back_a_long_lookups_untested_prior() -> None
     assert propose(spec, request) == {}
     state.of(LONG).record(3, 3)
     assert propose(spec, request)
+
+
+def test_acceptance_samples_while_the_draft_agrees() -> None:
+    """The rule both runners (engine/runner.py and testing.FakeRunner) sample by, and the
+    scheduler counts by: output i + 1 only after output i matched draft token i + 1."""
+    chunk = Chunk(0, "a", 10, (7, 1, 2, 3), True, num_draft=3)  # decode token 7, draft 1 2 3
+    assert acceptance.accepts(chunk, 0, 1)
+    assert not acceptance.accepts(chunk, 0, 9), "a disagreement ends the sampling"
+    assert acceptance.accepts(chunk, 2, 3)
+    assert not acceptance.accepts(chunk, 3, 4), "the last output has no draft token after it"
+    assert acceptance.num_accepted(chunk, [1, 2, 3, 4]) == 3
+    assert acceptance.num_accepted(chunk, [1, 5, 3]) == 1
+    assert acceptance.num_accepted(chunk, [1, 2]) == 2
+    assert chunk.num_accepted([9]) == 0
+    pad = Chunk(0, "a", 10, (7, 1, 2), True, num_draft=2, is_pad=True)
+    assert not acceptance.accepts(pad, 0, 1), "a pad's rows are never accepted"
+    assert acceptance.num_accepted(pad, [1, 2, 3]) == 0
+    plain = Chunk(0, "a", 10, (7,), True)
+    assert not acceptance.accepts(plain, 0, 7)

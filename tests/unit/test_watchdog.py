@@ -294,12 +294,12 @@ async def test_slow_but_legitimate_ticks_never_trip() -> None:
             0,
             3,
         )
-        assert engine._watchdog is not None and engine._watchdog._thread.is_alive()
+        assert engine._guard.watchdog is not None and engine._guard.watchdog._thread.is_alive()
     finally:
         await asyncio.to_thread(engine.close)
-    assert engine._watchdog is not None
-    await asyncio.to_thread(engine._watchdog._thread.join, 2)
-    assert not engine._watchdog._thread.is_alive(), "close() stopped the watchdog"
+    assert engine._guard.watchdog is not None
+    await asyncio.to_thread(engine._guard.watchdog._thread.join, 2)
+    assert not engine._guard.watchdog._thread.is_alive(), "close() stopped the watchdog"
 
 
 # -- bounds that follow the pass, on the engine thread ------------------------------------------

@@ -158,7 +158,7 @@ def build_engine(
     )
     # the cost of a pass of N rows has another shape with AVX-512 (core.speculation.policy)
     avx512 = "AVX512 = 1" in system_info()
-    scheduler.spec.costs.prior = PRIOR_AVX512 if avx512 else PRIOR_X86_64_V3
+    scheduler.set_pass_prior(PRIOR_AVX512 if avx512 else PRIOR_X86_64_V3)
     scheduler.spec.drafter = drafter
 
     def close() -> None:

@@ -1,76 +1,58 @@
-"""EngineLoop: the engine thread. Submissions and cancellations arrive through one inbox; each
-tick is schedule -> execute -> update -> publish stats -> deliver; events reach each request's
-asyncio queue with one call_soon_threadsafe per event loop per tick. It sleeps when idle, never
-busy-waits.
-
-If the thread dies (anything raised by a strategy, the runner, llama.cpp or a plan check), every
-request in flight or queued ends with INTERNAL naming the cause, later submissions get
-UNAVAILABLE, stats() reports engine_state "failed" with the cause, and the failure listeners
-(the server: health NOT_SERVING, exit) are told once.
-
-If a tick runs past the watchdog's bound (watchdog.py: a llama_decode or any step that never
-returns; with --watchdog-s auto the bound follows the tick's forward pass, its tokens at the cost
-of one measured in the passes before), the watchdog's thread does the same with UNAVAILABLE
-(reason ENGINE_HUNG) after logging the engine thread's stack; the stuck thread is left alone
-(close() does not wait for it) and the server exits so that it is replaced."""
+"""EngineLoop: the engine thread. Submissions and cancellations arrive through one inbox of typed
+commands (engine/inbox.py); each tick is schedule -> execute -> update -> publish stats ->
+deliver; events reach each request's asyncio queue (engine/streams.py) with one
+call_soon_threadsafe per event loop per tick. It sleeps when idle, never busy-waits, and waits
+out an admission window when a burst starts (engine/burst.py). If the thread dies or a tick
+hangs, the engine ends as engine/containment.py says."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import ctypes
 import dataclasses
 import enum
-import sys
 import threading
 import time
-import traceback
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import structlog
 
 from llama_grpc_server import errors
-from llama_grpc_server.core import stats as core_stats
 from llama_grpc_server.core.adapters import AdapterCatalog, AdapterEntry
-from llama_grpc_server.core.api import (
-    CacheCleared,
-    ModelInfo,
-    StatsSnapshot,
-    Vocabulary,
-)
+from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot, Vocabulary
 from llama_grpc_server.core.kv.events import KvEventLog
-from llama_grpc_server.core.requests.chat import ChatMessage
 from llama_grpc_server.core.requests.request import (
     Event,
     Failed,
     Finished,
     GenerationRequest,
-    ReaderProgress,
     Request,
     TokenDelta,
 )
 from llama_grpc_server.core.scheduling.plan import StepPlan, StepResult, StepRunner
 from llama_grpc_server.core.scheduling.scheduler import Emitted, Scheduler
 from llama_grpc_server.core.scheduling.tenants import TenantLimits
-from llama_grpc_server.core.tools.types import ToolSpec
+from llama_grpc_server.engine import containment, inbox, streams
 from llama_grpc_server.engine.adapters import AdapterLoadError, LoraAdapters
 from llama_grpc_server.engine.burst import BurstDetector
-from llama_grpc_server.watchdog import Basis, PassBounds, PassShape, TickWatchdog, pass_shape
+from llama_grpc_server.engine.containment import FailureListener, TickGuard
+from llama_grpc_server.engine.streams import Deliveries, EngineStream
+from llama_grpc_server.engine.thread_names import (
+    DECODE_THREAD_NAME,
+    ENGINE_THREAD_NAME,
+    set_native_thread_name,
+)
+from llama_grpc_server.engine.vocabulary import VocabularyFacade
+from llama_grpc_server.watchdog import PassBounds
 
 log = structlog.get_logger("llama_grpc.engine")
 
 TickHook = Callable[[StepPlan, StepResult, Scheduler], None]
 DoneHook = Callable[[Request, Event], None]
-FailureListener = Callable[[str], None]
 T = TypeVar("T")
 
-MAX_CAUSE_CHARS = 300
-PR_SET_NAME = 15  # prctl(2): the calling thread's name, as top -H, ps -L and /proc show it
-DECODE_THREAD_NAME = "llama-decode"  # llama.cpp's helper threads (made during the warm-up)
-ENGINE_THREAD_NAME = "llama-engine"
 ADMISSION_WINDOWS_MAX = 5  # a burst waits at most this many admission windows in all
 # An engine idle this long calls on_idle once (engine/openmp.py: its llama.cpp helper threads
 # are released, so they no longer make libgomp throttle a busy engine beside it).
@@ -80,9 +62,6 @@ IDLE_RELEASE_S = 0.05
 PUBLISH_EVERY_S = 0.1
 
 
-Deliveries = dict[asyncio.AbstractEventLoop, list[tuple["EngineStream", Event]]]
-
-
 class EngineState(enum.Enum):
     STARTING = "starting"  # the warm-up decode runs; submissions wait in the inbox
     RUNNING = "running"
@@ -90,81 +69,7 @@ class EngineState(enum.Enum):
     STOPPED = "stopped"  # close() was called
 
 
-def describe(exc: BaseException) -> str:
-    """One line naming an exception: its type and the first line of its message."""
-    lines = str(exc).strip().splitlines()
-    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return text[:MAX_CAUSE_CHARS]
-
-
-class EngineStream:
-    """The asyncio side of one request (an api.RequestStream): an async iterator of events;
-    cancel() is idempotent.
-
-    Deltas that piled up while the consumer was busy (a client reading slower than the engine
-    generates holds back each send) come out merged into one: a delta is never held back to
-    wait for another, so a consumer that keeps up gets one delta per token. What it takes is
-    counted in request.reader: with --stream-buffer-tokens unread the scheduler stops decoding
-    the request, and the read that follows wakes the engine."""
-
-    def __init__(self, engine: EngineLoop, request: Request, loop: asyncio.AbstractEventLoop):
-        self.request = request
-        self.reader = request.reader = ReaderProgress()
-        self.loop = loop
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._engine = engine
-        self._is_done = False
-        self._held: Event | None = None  # taken from the queue while merging, not yet yielded
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        while not self._is_done:
-            event = self._held if self._held is not None else await self.queue.get()
-            self._held = None
-            if isinstance(event, TokenDelta) and event.token_ids and not self.queue.empty():
-                event = self._merge_queued(event)
-            if isinstance(event, Finished | Failed):
-                self._is_done = True
-            elif isinstance(event, TokenDelta) and event.token_ids:
-                self.reader.num_read += len(event.token_ids)
-                if self.reader.is_paused:  # the engine skips the request until this read
-                    self._engine.wake()
-            yield event
-
-    def _merge_queued(self, first: TokenDelta) -> TokenDelta:
-        """`first` and the deltas with tokens queued right behind it, as one delta. A delta
-        without tokens (the text held back until the end) stays apart: a caller resuming a
-        cut stream keeps the text of the deltas that carried the tokens it sends back, and
-        the resumed stream sends that end again (docs/api.md#resumable-streams)."""
-        parts = [first]
-        while not self.queue.empty():
-            event = self.queue.get_nowait()
-            if not isinstance(event, TokenDelta) or not event.token_ids:
-                self._held = event
-                break
-            parts.append(event)
-        if len(parts) == 1:
-            return first
-        return TokenDelta(
-            tuple(t for part in parts for t in part.token_ids),
-            "".join(part.text for part in parts),
-            tuple(lp for part in parts for lp in part.logprobs),
-            max(part.cached_prompt_tokens for part in parts),
-            index=first.index,
-        )
-
-    def cancel(self, *, deadline_exceeded: bool = False) -> None:
-        if not self._is_done:
-            self._is_done = True
-            self._engine.cancel(
-                self.request_id, self.request.spec.tenant, deadline_exceeded=deadline_exceeded
-            )
-
-
-class EngineLoop:
+class EngineLoop(VocabularyFacade):
     """Owns the scheduler, the runner and the thread that drives them."""
 
     def __init__(
@@ -185,6 +90,7 @@ class EngineLoop:
         watchdog_s: Callable[[], float | PassBounds | None] | None = None,
         lora: LoraAdapters | None = None,
     ) -> None:
+        super().__init__(tokenizer)
         self._scheduler = scheduler
         # LoRA adapters: the catalog requests are resolved against (any thread), the llama.cpp
         # handles (engine thread), and unloaded adapters freed once no request holds them.
@@ -200,7 +106,6 @@ class EngineLoop:
         self._held: Emitted = []
         self._runner = runner
         self._model_info = model_info
-        self._tokenizer = tokenizer
         self._kv_cells_total = kv_cells_total
         self._on_tick = on_tick
         self._on_done = on_done
@@ -209,21 +114,10 @@ class EngineLoop:
         self._on_idle = on_idle
         # on_idle ran and nothing decoded since: the next decode makes llama.cpp's helpers anew
         self._released = False
-        self._inbox: list[tuple[str, Any]] = []
+        self._inbox: list[inbox.Command] = []
         self._num_rejected_at_submit = 0
         self._num_failed_by_death = 0  # requests _end_engine ended (written once)
-        # The tick watchdog's bounds (a number: the same for every tick; <= 0 or None: no
-        # watchdog), asked for on the engine thread once the warm-up has measured the costs they
-        # derive from; the watchdog, once started, and its bounds.
-        self._watchdog_s = watchdog_s
-        self._watchdog: TickWatchdog | None = None
-        self._bounds: PassBounds | None = None
-        self._floor_basis: Basis | None = None  # a tick's basis until its pass is known
-        self._shape: PassShape | None = None  # the running tick's forward pass (engine thread)
-        # When the running tick's first draft pass began (expect_inner_pass), and the seconds
-        # its draft passes took (until its plan was known): not its forward pass's time
-        self._inner_passes: float | None = None
-        self._inner_s = 0.0
+        self._guard = TickGuard(watchdog_s, self._on_hung)  # the tick watchdog
         self._is_hung = False  # the watchdog tripped: the engine thread is stuck in a tick
         self._wake = threading.Condition()  # guards inbox, streams, state, error, listeners
         self._streams: dict[str, EngineStream] = {}  # by request key: (tenant, request id)
@@ -235,10 +129,10 @@ class EngineLoop:
         # Written by the engine thread only (one reference assignment), read by stats().
         self._published = scheduler.snapshot(kv_cells_total)
         self._published_at = time.monotonic()
-        self._published_changes = scheduler.counters.num_changes
-        # The disk tier's I/O thread wakes this one when a read comes back (Admission.wakeup).
-        scheduler.admission.wakeup = self.wake
-        self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
+        self._published_changes = scheduler.num_changes
+        # The disk tier's I/O thread wakes this one when a read comes back.
+        scheduler.set_wakeup(self.wake)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
         self._thread.start()
 
     # -- EngineApi --------------------------------------------------------------------------------
@@ -255,7 +149,7 @@ class EngineLoop:
         with self._wake:
             self._check_accepting()
         try:
-            self._scheduler.admission.check_fits(request)
+            self._scheduler.check_fits(request)
         except errors.ServiceError:
             self._num_rejected_at_submit += 1  # only this (event-loop) thread writes it
             raise
@@ -272,7 +166,7 @@ class EngineLoop:
                     field="x-request-id",
                 )
             self._streams[request.key] = stream
-            self._inbox.append(("add", stream))
+            self._inbox.append(inbox.Add(stream))
             self._wake.notify()
         return stream
 
@@ -307,7 +201,7 @@ class EngineLoop:
     def cancel(self, request_id: str, tenant: str = "", *, deadline_exceeded: bool = False) -> None:
         """Drop the request at the next tick; `deadline_exceeded` ends it as DeadlineExceeded."""
         with self._wake:
-            self._inbox.append(("cancel", (request_id, tenant, deadline_exceeded)))
+            self._inbox.append(inbox.Cancel(request_id, tenant, deadline_exceeded))
             self._wake.notify()
 
     async def clear_cache(self) -> CacheCleared:
@@ -316,52 +210,22 @@ class EngineLoop:
         done: concurrent.futures.Future[CacheCleared] = concurrent.futures.Future()
         with self._wake:
             self._check_accepting()
-            self._inbox.append(("clear_cache", done))
+            self._inbox.append(inbox.ClearCache(done))
             self._wake.notify()
         return await asyncio.wrap_future(done)
 
     def end_all(self, error: errors.ServiceError) -> None:
         """End every queued and running request with `error` at the next tick."""
         with self._wake:
-            self._inbox.append(("end_all", error))
+            self._inbox.append(inbox.EndAll(error))
             self._wake.notify()
 
     def set_tenant_limits(self, limits: Mapping[str, TenantLimits]) -> None:
         """New tenant limits, applied by the engine thread (which owns the scheduler) when it
         drains the inbox: before any request submitted after this call."""
         with self._wake:
-            self._inbox.append(("tenant_limits", dict(limits)))
+            self._inbox.append(inbox.SetTenantLimits(dict(limits)))
             self._wake.notify()
-
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-        return self._tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
-
-    def detokenize(self, token_ids: Sequence[int], *, render_special: bool) -> str:
-        return self._tokenizer.detokenize(token_ids, render_special=render_special)
-
-    def token_piece(self, token_id: int) -> str:
-        return self._tokenizer.special_piece(token_id).decode("utf-8", errors="replace")
-
-    def check_grammar(self, gbnf: str, root: str) -> None:
-        self._tokenizer.check_grammar(gbnf, root)
-
-    def json_schema_to_grammar(self, schema: str) -> str:
-        return self._tokenizer.json_schema_to_grammar(schema)
-
-    def render_chat(
-        self,
-        messages: Sequence[ChatMessage],
-        template: str,
-        tools: Sequence[ToolSpec] = (),
-        variables: Mapping[str, Any] | None = None,
-    ) -> str:
-        return self._tokenizer.render_chat(messages, template, tools, variables)
-
-    def tool_format(self, template: str) -> str:
-        return self._tokenizer.tool_format(template)
-
-    def reasoning_format(self, template: str) -> str:
-        return self._tokenizer.reasoning_format(template)
 
     def stats(self) -> StatsSnapshot:
         """The snapshot the engine thread published last (never the live scheduler, which that
@@ -374,15 +238,11 @@ class EngineLoop:
         counters and the KV cells in use, is read live (stats.live), so GetStats is exact for
         them at any time; only the per-slot views may be up to PUBLISH_EVERY_S old while
         requests decode. A caller that saw its request end reads stats that agree."""
-        scheduler = self._scheduler
-        used = scheduler.kv.cells.last_num_used
-        snapshot = core_stats.live(self._published, scheduler.counters, used)
-        disk = self._scheduler.kv.disk
+        # the disk tier's I/O threads save, fail and read between ticks (an idle session's save;
+        # an idle engine publishes nothing): its figures are read now too
+        snapshot = self._scheduler.live_stats(self._published)
         return dataclasses.replace(
             snapshot,
-            # the disk tier's I/O threads save, fail and read between ticks (an idle session's
-            # save; an idle engine publishes nothing): its figures are read now
-            disk_cache=disk.stats() if disk is not None else None,
             requests_rejected=snapshot.requests_rejected + self._num_rejected_at_submit,
             requests_failed=snapshot.requests_failed + self._num_failed_by_death,
             uptime_s=time.monotonic() - self._started,
@@ -393,7 +253,7 @@ class EngineLoop:
 
     @property
     def kv_events(self) -> KvEventLog:
-        return self._scheduler.kv.events.log
+        return self._scheduler.kv_event_log
 
     def close(self) -> None:
         with self._wake:
@@ -401,8 +261,7 @@ class EngineLoop:
             if self._state is not EngineState.FAILED:
                 self._state = EngineState.STOPPED
             self._wake.notify()
-        if self._watchdog is not None:
-            self._watchdog.stop()
+        self._guard.stop()
         if self._is_hung:
             # The engine thread is stuck inside a tick: joining would wait for ever and freeing
             # the model under it could crash the process, which is about to exit anyway.
@@ -422,64 +281,23 @@ class EngineLoop:
             if self._on_start is not None:  # before any request: they wait in the inbox
                 self._on_start()
             set_native_thread_name(ENGINE_THREAD_NAME)
-            self._start_watchdog()
+            self._guard.start()
             with self._wake:
                 if self._state is EngineState.STARTING:
                     self._state = EngineState.RUNNING
             self._publish()  # the first KV event batch: a clear, then the disk tier's files
             while not self._is_hung and self._drain_inbox():
-                self._watched_tick()
+                self._guard.run(self._tick_once)
             if self._is_hung:
                 return  # a tick came back after the watchdog tripped: the engine is gone
             self._flush_held()
             self._deliver(self._scheduler.fail_all(errors.ShuttingDown("engine stopped")))
-            scheduler = self._scheduler
-            if scheduler.kv.persist_idle(scheduler.clock_ns(), everything=True):
+            if self._scheduler.persist_idle(everything=True):
                 self._tick()  # the disk tier's saves of every idle cache (a plan of KV ops)
         except BaseException as exc:  # the thread must not die silently, whatever it was
             self._fail(exc)
         finally:
-            if self._watchdog is not None:
-                self._watchdog.stop()
-
-    def _start_watchdog(self) -> None:
-        bounds = self._watchdog_s() if self._watchdog_s is not None else None
-        if not isinstance(bounds, PassBounds):
-            bounds = PassBounds.constant(bounds) if bounds is not None and bounds > 0 else None
-        if bounds is None:
-            return
-        self._bounds = bounds
-        self._floor_basis = bounds.for_pass(None, 0.0)[1]
-        self._watchdog = TickWatchdog(bounds.floor_s, self._on_hung)
-        if bounds.fixed:
-            log.info("watchdog", watchdog_s=round(bounds.start_s, 1))
-        else:
-            log.info(
-                "watchdog",
-                watchdog_s="auto",
-                start_s=round(bounds.start_s, 1),
-                floor_s=bounds.floor_s,
-                margin=bounds.margin,
-            )
-
-    def _watched_tick(self) -> None:
-        """One tick, timed by the watchdog; with bounds that follow the pass (_expect), its
-        time teaches them the cost of a token."""
-        watchdog, bounds = self._watchdog, self._bounds
-        if watchdog is None or bounds is None:
-            self._tick_once()
-            return
-        self._shape = None
-        self._inner_passes, self._inner_s = None, 0.0
-        started = time.monotonic()
-        watchdog.tick_started(self._floor_basis)
-        try:
-            self._tick_once()
-        finally:
-            watchdog.tick_ended()
-        if not bounds.fixed:
-            now = time.monotonic()
-            bounds.observe(self._shape, now - started - self._inner_s, now)
+            self._guard.stop()
 
     def _tick_once(self) -> None:
         if self._released:
@@ -487,86 +305,39 @@ class EngineLoop:
         else:
             self._tick()
 
-    def _expect(self, plan: StepPlan) -> None:
-        """The tick's plan is known: its bound follows its forward pass from now on."""
-        bounds, watchdog = self._bounds, self._watchdog
-        if bounds is None or bounds.fixed or watchdog is None:
-            return
-        self._shape = shape = pass_shape(plan)
-        if shape is not None and self._inner_passes is not None:  # after a draft pass: from now
-            now = time.monotonic()
-            self._inner_s = now - self._inner_passes
-            watchdog.expect_more(*bounds.for_pass(shape, now))
-        elif shape is not None:
-            watchdog.expect(*bounds.for_pass(shape, time.monotonic()))
-
     def expect_inner_pass(self, is_prefill: bool, tokens: int) -> None:
-        """A forward pass inside the tick that is not its plan's (engine/draft.py's draft pass,
-        during schedule()): the tick's bound grows by what such a pass of the target is given
-        (the draft model is smaller: generous), so a slow draft pass is not taken for a hang;
-        the plan's own pass, once known, is bounded from then on (_expect)."""
-        bounds, watchdog = self._bounds, self._watchdog
-        if bounds is None or bounds.fixed or watchdog is None:
-            return
-        now = time.monotonic()
-        if self._inner_passes is None:
-            self._inner_passes = now
-        watchdog.expect_more(*bounds.for_pass(PassShape(is_prefill, tokens), now))
+        """A forward pass inside the tick that is not its plan's (engine/draft.py's draft pass):
+        the watchdog gives the tick that much more time (TickGuard.expect_inner_pass)."""
+        self._guard.expect_inner_pass(is_prefill, tokens)
 
-    def _on_hung(self, seconds: float, bound_s: float, basis: Basis | None) -> None:
-        """On the watchdog's thread: the running tick has passed its bound. Log where the
-        engine thread is stuck, then end the engine as _fail does, callers hearing UNAVAILABLE."""
-        cause = f"a tick has run for {seconds:.1f} s, past the watchdog's {bound_s:g} s"
-        why = self._bounds.describe(basis) if self._bounds is not None else ""
-        if why:
-            cause += f" ({why})"
-        frame = sys._current_frames().get(self._thread.ident or -1)
-        # Only the code locations, never frame locals: they hold requests (prompt text).
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)"
-        log.error("engine_hung", error=cause, watchdog_s=bound_s, stack=stack)
+    def _on_hung(self, cause: str) -> None:
+        """On the watchdog's thread, once the engine thread's stack is logged (TickGuard): end
+        the engine as _fail does, callers hearing UNAVAILABLE."""
         self._is_hung = True  # before the listeners: they read watchdog_trips
         self._end_engine(cause, errors.EngineHung(f"the engine has hung: {cause}"))
 
     def _fail(self, exc: BaseException) -> None:
         """The engine thread died: log why and end the engine (_end_engine)."""
-        cause = describe(exc)
-        # The traceback without frame locals: they hold requests (prompt text).
-        log.error("engine_failed", error=cause, traceback="".join(traceback.format_exception(exc)))
+        cause = containment.log_failure(exc)
         self._end_engine(cause, errors.EngineFailed(f"the engine failed: {cause}"))
 
     def _end_engine(self, cause: str, error: errors.ServiceError) -> None:
         """The engine is dead or stuck: end every request it owed an answer with `error`,
-        refuse new ones, tell the listeners. Reads nothing from the scheduler, whose state may
-        be what broke (or which the stuck engine thread still holds)."""
+        refuse new ones, tell the listeners (engine/containment.py). Reads nothing from the
+        scheduler, whose state may be what broke (or which the stuck engine thread still
+        holds)."""
         with self._wake:
             self._state = EngineState.FAILED
             self._error = cause
-            streams = list(self._streams.values())
+            owed = list(self._streams.values())
             self._streams.clear()
-            inbox, self._inbox = self._inbox, []
+            commands, self._inbox = self._inbox, []
             listeners, self._failure_listeners = self._failure_listeners, []
-        for listener in listeners:  # first: health is NOT_SERVING before callers hear why
-            try:
-                listener(cause)
-            except Exception:
-                log.exception("engine_failure_listener_failed")
-        refused = (
-            error
-            if error.code == "UNAVAILABLE"
-            else errors.EngineUnavailable(f"the engine has failed: {cause}")
-        )
-        for kind, item in inbox:
-            if kind == "clear_cache" and not item.done():
-                item.set_exception(refused)
-            elif kind == "call" and not item[1].done():
-                item[1].set_exception(refused)
-        failed = Failed(error)
-        self._num_failed_by_death = len(streams)  # counted in stats().requests_failed
-        by_loop: Deliveries = defaultdict(list)
-        for stream in streams:
-            by_loop[stream.loop].append((stream, failed))
-            self._notify_done(stream.request, failed)
-        self._post(by_loop)
+        # first: health is NOT_SERVING before callers hear why
+        containment.tell_listeners(listeners, cause)
+        inbox.refuse(commands, containment.refusal(cause, error))
+        self._num_failed_by_death = len(owed)  # counted in stats().requests_failed
+        self._post(containment.fail_streams(owed, error, self._notify_done))
 
     def _tick_after_release(self) -> None:
         """A tick whose decode recreates llama.cpp's helper threads: they inherit this thread's
@@ -584,41 +355,43 @@ class EngineLoop:
             if self._admission_window_s > 0 and not self._scheduler.has_work:
                 self._gather_burst()
             elif self._burst.skipped_at is not None:  # busy since a start that did not wait
-                for kind, item in self._inbox:
-                    if kind == "add":
-                        self._burst.arrived(item.request.arrival_ns / 1e9)
-            inbox, self._inbox = self._inbox, []
+                for command in self._inbox:
+                    if isinstance(command, inbox.Add):
+                        self._burst.arrived(command.stream.request.arrival_ns / 1e9)
+            commands, self._inbox = self._inbox, []
             if self._is_stopping:
-                inbox += [
-                    ("cancel", (s.request_id, s.request.spec.tenant, False))
+                commands += [
+                    inbox.Cancel(s.request_id, s.request.spec.tenant)
                     for s in self._streams.values()
                 ]
         events: Emitted = []
-        for kind, item in inbox:
-            events += self._apply(kind, item)
+        for command in commands:
+            events += self._apply(command)
         if self._unloaded:
             self._free_unused_adapters()
-        if inbox:
+        if commands:
             self._publish()
         if events:  # after those an overlapped tick held, if any (_deliver)
             self._deliver(events)
         return not self._is_stopping
 
-    def _apply(self, kind: str, item: Any) -> Emitted:
-        """One inbox item, on the engine thread; the events it makes."""
-        if kind == "add":
-            return self._add(item)
-        if kind == "end_all":
-            return self._scheduler.fail_all(item)
-        if kind == "clear_cache":
-            self._clear_cache(item)
-        elif kind == "call":
-            _call(*item)
-        elif kind == "tenant_limits":
-            self._scheduler.set_tenant_limits(item)
-        else:
-            request_id, tenant, deadline_exceeded = item
-            return self._scheduler.cancel(request_id, tenant, deadline_exceeded=deadline_exceeded)
+    def _apply(self, command: inbox.Command) -> Emitted:
+        """One inbox command, on the engine thread; the events it makes."""
+        match command:
+            case inbox.Add(stream):
+                return self._add(stream)
+            case inbox.EndAll(error):
+                return self._scheduler.fail_all(error)
+            case inbox.ClearCache(done):
+                self._clear_cache(done)
+            case inbox.Call():
+                command.run()
+            case inbox.SetTenantLimits(limits):
+                self._scheduler.set_tenant_limits(limits)
+            case inbox.Cancel(request_id, tenant, deadline_exceeded):
+                return self._scheduler.cancel(
+                    request_id, tenant, deadline_exceeded=deadline_exceeded
+                )
         return []
 
     # -- LoRA adapters ----------------------------------------------------------------------------
@@ -673,7 +446,7 @@ class EngineLoop:
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._wake:
             self._check_accepting()
-            self._inbox.append(("call", (fn, done)))
+            self._inbox.append(inbox.Call(fn, done))
             self._wake.notify()
         return await asyncio.wrap_future(done)
 
@@ -690,8 +463,7 @@ class EngineLoop:
             if not self._wake.wait(timeout) and release and self._on_idle is not None:
                 self._on_idle()  # idle for a while: a no-op for the requests, none wait
                 self._released = True
-            # an idle session due for the disk tier
-            self._scheduler.kv.persist_idle(self._scheduler.clock_ns())
+            self._scheduler.persist_idle()  # an idle session due for the disk tier
 
     def _clear_cache(self, done: concurrent.futures.Future[CacheCleared]) -> None:
         # The caller may have given up (a deadline cancels the future through wrap_future): then
@@ -699,9 +471,10 @@ class EngineLoop:
         if not done.set_running_or_notify_cancel():
             return
         try:
-            cleared = self._scheduler.kv.clear_idle()
+            cleared = self._scheduler.clear_idle_cache()
         except BaseException as exc:  # the caller hears why, then the engine fails as usual
-            done.set_exception(errors.EngineFailed(f"clearing the cache failed: {describe(exc)}"))
+            cause = errors.describe(exc)
+            done.set_exception(errors.EngineFailed(f"clearing the cache failed: {cause}"))
             raise
         self._publish()  # before the answer: the caller's next GetStats sees the cleared cache
         done.set_result(cleared)
@@ -718,7 +491,7 @@ class EngineLoop:
         if not self._burst.should_wait(time.perf_counter()):
             return
         self._wait_for_burst()
-        self._burst.gathered(sum(kind == "add" for kind, _ in self._inbox))
+        self._burst.gathered(sum(isinstance(c, inbox.Add) for c in self._inbox))
 
     def _wait_for_burst(self) -> None:
         window = self._admission_window_s
@@ -768,7 +541,7 @@ class EngineLoop:
         plan, events = self._scheduler.schedule()
         ran = plan is not None and bool(plan.chunks)
         if plan is not None:
-            self._expect(plan)
+            self._guard.expect(plan)
             if self._overlap_decode:
                 collect = self._runner.launch(plan)
                 self._flush_held()  # the previous tick's, while this pass computes
@@ -796,7 +569,7 @@ class EngineLoop:
         """Before delivering: a caller that saw its request end then reads stats that agree.
         `when_due`: only if a request was admitted, ended or preempted since the last publish
         or PUBLISH_EVERY_S has passed (see stats())."""
-        changes, now = self._scheduler.counters.num_changes, time.monotonic()
+        changes, now = self._scheduler.num_changes, time.monotonic()
         is_recent = now - self._published_at < PUBLISH_EVERY_S
         if when_due and changes == self._published_changes and is_recent:
             return
@@ -830,28 +603,8 @@ class EngineLoop:
             self._on_done(request, event)
 
     @staticmethod
-    def _post(
-        by_loop: Deliveries,
-    ) -> None:
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:  # the event loop is closed: nobody is listening any more
-                continue
-
-
-def _call(fn: Callable[[], Any], done: concurrent.futures.Future[Any]) -> None:
-    """An inbox "call" on the engine thread: a ServiceError is the caller's answer; anything
-    else is also the engine's failure (raised on, as a failing clear_cache is)."""
-    if not done.set_running_or_notify_cancel():
-        return
-    try:
-        done.set_result(fn())
-    except errors.ServiceError as exc:
-        done.set_exception(exc)
-    except BaseException as exc:
-        done.set_exception(errors.EngineFailed(f"the engine failed: {describe(exc)}"))
-        raise
+    def _post(by_loop: Deliveries) -> None:
+        streams.post(by_loop)
 
 
 def _holdable(events: Emitted) -> bool:
@@ -863,15 +616,3 @@ def _holdable(events: Emitted) -> bool:
         and request.num_output - request.num_resumed > len(event.token_ids)
         for request, event in events
     )
-
-
-def set_native_thread_name(name: str) -> None:
-    """Name the calling OS thread (Linux; at most 15 bytes are kept). Best effort: a no-op
-    where prctl is missing."""
-    with contextlib.suppress(AttributeError, OSError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-
-
-def _put_all(batch: list[tuple[EngineStream, Event]]) -> None:
-    for stream, event in batch:
-        stream.queue.put_nowait(event)

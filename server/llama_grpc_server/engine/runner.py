@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import llama_cpp
 import numpy as np
@@ -23,6 +23,7 @@ from llama_grpc_server.core.scheduling.plan import (
     StepPlan,
     StepResult,
 )
+from llama_grpc_server.core.speculation import acceptance
 from llama_grpc_server.engine import cpu_share
 from llama_grpc_server.engine.adapters import LoraAdapters
 from llama_grpc_server.engine.batch import Batch
@@ -42,6 +43,16 @@ class _Sampled:
     failed_field: dict[int, str] = field(default_factory=dict)
     draft_sampled: dict[int, tuple[int, ...]] = field(default_factory=dict)
     draft_logprobs: dict[int, tuple[SampledLogprob, ...]] = field(default_factory=dict)
+
+
+class _Decoded(NamedTuple):
+    """One llama_decode (Runner._decode)."""
+
+    status: int
+    t0: int  # perf_counter_ns when it started
+    t1: int  # and when it returned
+    eval_cpu_ms: float  # the engine thread's CPU time in it
+    has_spare: bool  # the batch's spare row was decoded (not dropped for want of a KV cell)
 
 
 def _done(result: StepResult) -> Collect:
@@ -95,20 +106,8 @@ class Runner:
         spare = None
         if self.model.batch_invariant:  # engine/llama.py: no micro-batch of one row
             spare = self.batch.add_spare_row(self.model.n_ubatch, self.model.n_ctx)
-        with cpu_share.forward_pass(self.model.threads) as threads:
-            if threads != self._threads:  # fewer while another model loads (cpu_share)
-                self.model.set_threads(*threads)
-                self._threads = threads
-            cpu0 = time.thread_time_ns()
-            t0 = time.perf_counter_ns()
-            status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
-            if spare is not None and status == DECODE_KV_FULL:  # no cell left for the spare
-                self.batch.drop_spare_row()
-                spare = None
-                status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
-            t1 = time.perf_counter_ns()
-            eval_cpu_ms = (time.thread_time_ns() - cpu0) / 1e6
-        if spare is not None and status == DECODE_OK:
+        status, t0, t1, eval_cpu_ms, has_spare = self._decode(has_spare=spare is not None)
+        if spare is not None and has_spare and status == DECODE_OK:
             self.model.seq_remove(spare[0], spare[1], spare[1] + 1)
         if status != DECODE_OK:
             return _done(
@@ -144,6 +143,26 @@ class Runner:
 
         return collect
 
+    def _decode(self, *, has_spare: bool) -> _Decoded:
+        """One llama_decode of the batch under the CPU share (the context's threads follow it:
+        fewer while another model loads, engine/cpu_share.py). `has_spare`: the batch ends
+        with a spare row (batch-invariant mode), dropped and the pass decoded again if no KV
+        cell is left for it."""
+        with cpu_share.forward_pass(self.model.threads) as threads:
+            if threads != self._threads:
+                self.model.set_threads(*threads)
+                self._threads = threads
+            cpu0 = time.thread_time_ns()
+            t0 = time.perf_counter_ns()
+            status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
+            if has_spare and status == DECODE_KV_FULL:  # no cell left for the spare
+                self.batch.drop_spare_row()
+                status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
+                has_spare = False
+            t1 = time.perf_counter_ns()
+            eval_cpu_ms = (time.thread_time_ns() - cpu0) / 1e6
+        return _Decoded(status, t0, t1, eval_cpu_ms, has_spare)
+
     def _apply_adapters(self, adapters: AdapterSet) -> None:
         """The pass's adapter set on the context (llama.cpp rebuilds its graph after a switch)."""
         if self.adapters is not None:
@@ -166,15 +185,7 @@ class Runner:
         outputs = self.batch.fill(chunks, every_output=True)
         llama_cpp.llama_set_embeddings(self.model.ctx, True)
         try:
-            with cpu_share.forward_pass(self.model.threads) as threads:
-                if threads != self._threads:
-                    self.model.set_threads(*threads)
-                    self._threads = threads
-                cpu0 = time.thread_time_ns()
-                t0 = time.perf_counter_ns()
-                status = int(llama_cpp.llama_decode(self.model.ctx, self.batch.struct))
-                t1 = time.perf_counter_ns()
-                eval_cpu_ms = (time.thread_time_ns() - cpu0) / 1e6
+            status, t0, t1, eval_cpu_ms, _ = self._decode(has_spare=False)
             embeddings: dict[int, Vectors] = {}
             got = _Sampled()
             t2 = t1
@@ -274,7 +285,7 @@ class Runner:
             tokens.append(token)
             if k is not None:
                 logprobs.append(self.logprobs.compute(ctx, index + i, token, k))
-            if i == chunk.num_draft or chunk.is_pad or token != chunk.tokens[i + 1]:
+            if not acceptance.accepts(chunk, i, token):
                 break
         if not tokens:
             return

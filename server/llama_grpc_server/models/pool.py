@@ -53,7 +53,6 @@ log = structlog.get_logger("llama_grpc.models")
 # and how often to end what a lease holder submitted meanwhile.
 FORCE_UNLOAD_TIMEOUT_S = 30.0
 FORCE_UNLOAD_RETRY_S = 0.2
-MAX_CAUSE_CHARS = 300
 # A request naming an unknown model rescans --models-dir at most this often.
 RESCAN_INTERVAL_S = 1.0
 
@@ -152,11 +151,6 @@ def _file_size(path: str) -> int:
 def _aliases(name: str, path: str) -> set[str]:
     """What a request may call a model: its name, its path or its file name."""
     return {name, path, os.path.basename(path)} - {""}
-
-
-def _describe(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return (f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__)[:MAX_CAUSE_CHARS]
 
 
 @dataclass(eq=False)
@@ -269,7 +263,7 @@ class ModelPool:
         try:
             found = self._discover()
         except (OSError, catalog.CatalogError) as exc:
-            log.warning("models_dir_unreadable", error=_describe(exc))
+            log.warning("models_dir_unreadable", error=errors.describe(exc))
             return False
         taken = {alias for entry in self._entries for alias in entry.aliases}
         added: list[_Entry] = []
@@ -422,7 +416,7 @@ class ModelPool:
             self._notify()
             if isinstance(exc, errors.ServiceError | asyncio.CancelledError):
                 raise
-            entry.error = _describe(exc)
+            entry.error = errors.describe(exc)
             log.error("model_load_failed", model=entry.name, error=entry.error)
             raise errors.ModelLoadFailed(
                 f"model {entry.name!r} failed to load: {entry.error}",

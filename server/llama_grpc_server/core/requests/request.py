@@ -324,7 +324,7 @@ class ReaderProgress:
     """How far the consumer of a request's stream has read. Shared by two threads, each
     writing its own field: the consumer counts the tokens it took (num_read); the scheduler
     sets is_paused before it compares that count with what it sent, so a consumer that reads
-    after the comparison sees the flag and wakes the engine (loop.EngineStream)."""
+    after the comparison sees the flag and wakes the engine (streams.EngineStream)."""
 
     num_read: int = 0
     is_paused: bool = False

@@ -16,6 +16,7 @@ from llama_grpc_server.core.requests.request import (
     OutputParams,
     SamplingParams,
 )
+from llama_grpc_server.core.speculation import acceptance
 
 MAX_PAD_ROWS = 3  # enough to reach the next multiple of 4 rows (the AVX-512 build's cheap counts)
 
@@ -100,16 +101,8 @@ class Chunk:
 
     def num_accepted(self, sampled: Sequence[int]) -> int:
         """Draft tokens the sampled ones (sampled[i] at the position after tokens[i]) agree
-        with, up to the first disagreement."""
-        n = 0
-        while (
-            not self.is_pad
-            and n < self.num_draft
-            and n < len(sampled)
-            and sampled[n] == self.tokens[n + 1]
-        ):
-            n += 1
-        return n
+        with, up to the first disagreement (core.speculation.acceptance)."""
+        return acceptance.num_accepted(self, sampled)
 
 
 @dataclass(frozen=True, slots=True)

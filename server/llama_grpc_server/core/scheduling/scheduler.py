@@ -16,15 +16,16 @@ from collections.abc import Callable, Mapping, Sequence
 from llama_grpc_server import errors
 from llama_grpc_server.core import stats
 from llama_grpc_server.core.adapters import AdapterSet
-from llama_grpc_server.core.api import StatsSnapshot
+from llama_grpc_server.core.api import CacheCleared, StatsSnapshot
 from llama_grpc_server.core.kv import prefix_cache
-from llama_grpc_server.core.kv.events import KvEventPublisher, LoadRecord
+from llama_grpc_server.core.kv.events import KvEventLog, KvEventPublisher, LoadRecord
 from llama_grpc_server.core.kv.manager import DiskTier, KvCacheManager
 from llama_grpc_server.core.requests import embedding
 from llama_grpc_server.core.requests.outputs import Outputs
 from llama_grpc_server.core.requests.request import (
     Event,
     FinishReason,
+    GenerationRequest,
     Request,
     RequestState,
     Resumed,
@@ -54,6 +55,7 @@ from llama_grpc_server.core.scheduling.strategies import (
 )
 from llama_grpc_server.core.scheduling.tenants import TenantLimits
 from llama_grpc_server.core.speculation.drafts import DraftLimits, Drafts
+from llama_grpc_server.core.speculation.policy import PriorShape
 from llama_grpc_server.core.speculation.speculator import Speculator
 
 Emitted = list[tuple[Request, Event]]
@@ -668,6 +670,45 @@ class Scheduler:
             (self.clock_ns() - self._started_ns) / 1e9,
             self.kv.disk.stats() if self.kv.disk is not None else None,
         )
+
+    # --- the engine loop's view (engine/loop*) ---
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        """What the disk tier's I/O thread calls when a read comes back: wake the engine thread."""
+        self.admission.wakeup = wake
+
+    def set_pass_prior(self, prior: PriorShape) -> None:
+        """The llama.cpp build's shape of a pass's cost by its rows (core.speculation.policy)."""
+        self.spec.costs.prior = prior
+
+    def check_fits(self, spec: GenerationRequest) -> None:
+        """On the submitting thread: reject at once what can never fit (Admission.check_fits)."""
+        self.admission.check_fits(spec)
+
+    @property
+    def num_changes(self) -> int:
+        """Admissions, endings and preemptions so far: a published snapshot is stale once this
+        moved."""
+        return self.counters.num_changes
+
+    def live_stats(self, published: StatsSnapshot) -> StatsSnapshot:
+        """Any thread: `published` with the counters and KV cells in use as they are now, and the
+        disk tier's figures (its I/O threads save, fail and read between ticks)."""
+        snapshot = stats.live(published, self.counters, self.kv.cells.last_num_used)
+        disk = self.kv.disk
+        return dataclasses.replace(snapshot, disk_cache=disk.stats() if disk is not None else None)
+
+    @property
+    def kv_event_log(self) -> KvEventLog:
+        return self.kv.events.log
+
+    def persist_idle(self, *, everything: bool = False) -> bool:
+        """Queue the disk tier's saves of idle caches due (of all, `everything`); True if any."""
+        return self.kv.persist_idle(self.clock_ns(), everything=everything)
+
+    def clear_idle_cache(self) -> CacheCleared:
+        """Forget every idle slot's prefix cache and the RAM tier (KvCacheManager.clear_idle)."""
+        return self.kv.clear_idle()
 
 
 def _decode_failed(status: int) -> errors.EngineError:
