@@ -44,6 +44,7 @@ from llama_grpc_server.core.api import (
 from llama_grpc_server.core.kv.events import KvEventLog
 from llama_grpc_server.core.requests.chat import ChatMessage
 from llama_grpc_server.core.requests.request import (
+    Emitted,
     Event,
     Failed,
     Finished,
@@ -53,7 +54,7 @@ from llama_grpc_server.core.requests.request import (
     TokenDelta,
 )
 from llama_grpc_server.core.scheduling.plan import StepPlan, StepResult, StepRunner
-from llama_grpc_server.core.scheduling.scheduler import Emitted, Scheduler
+from llama_grpc_server.core.scheduling.scheduler import Scheduler
 from llama_grpc_server.core.scheduling.tenants import TenantLimits
 from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.engine.adapters import AdapterLoadError, LoraAdapters

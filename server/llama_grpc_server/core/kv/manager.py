@@ -127,13 +127,13 @@ class KvCacheManager:
         """Drop the whole sequence (no RAM-tier save)."""
         self._queue(SeqOp(SeqOpKind.REMOVE, slot.slot_id, 0, -1))
 
-    def discard_tail(self, slot: Slot, p0: int) -> None:
+    def discard_tail(self, slot_id: int, p0: int) -> None:
         """Drop the KV from p0 on that the last tick computed but nothing keeps (draft tokens
         the sampler rejected, or that came after the request finished): before the next decode,
         before any save or copy, so no cache tier ever holds it."""
-        self._ops.append(SeqOp(SeqOpKind.REMOVE, slot.slot_id, p0, -1))
-        self.cells.trimmed(slot.slot_id, p0)
-        self.events.truncate(Tier.DEVICE, slot.slot_id, p0)
+        self._ops.append(SeqOp(SeqOpKind.REMOVE, slot_id, p0, -1))
+        self.cells.trimmed(slot_id, p0)
+        self.events.truncate(Tier.DEVICE, slot_id, p0)
 
     def clear_idle(self) -> CacheCleared:
         """Forget every idle slot's prefix cache (no RAM-tier save) and the whole RAM tier;
