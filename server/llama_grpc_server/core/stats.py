@@ -11,7 +11,7 @@ from typing import Any
 
 from llama_grpc_server.core.adapters import AdapterCounters, AdapterSet, AdapterUsage
 from llama_grpc_server.core.api import DiskTierStats, SlotSnapshot, StatsSnapshot
-from llama_grpc_server.core.kv.prefix_cache import RamTier
+from llama_grpc_server.core.kv.ram import RamTier
 from llama_grpc_server.core.requests.request import Request
 from llama_grpc_server.core.scheduling.slot import Slot
 

@@ -17,6 +17,7 @@ from llama_grpc_server.core.api import CacheCleared, DiskTierStats
 from llama_grpc_server.core.kv import prefix_cache
 from llama_grpc_server.core.kv.cells import CellMap
 from llama_grpc_server.core.kv.events import KvEventPublisher, Tier
+from llama_grpc_server.core.kv.ram import RamTier
 from llama_grpc_server.core.requests.request import Request
 from llama_grpc_server.core.scheduling.plan import Chunk, SeqOp, SeqOpKind, StepResult
 from llama_grpc_server.core.scheduling.slot import Slot
@@ -86,7 +87,7 @@ class KvCacheManager:
         self.cells = CellMap()  # cells shared through seq_cp count once
         # the blocks each tier holds, for SubscribeKvEvents: told at every edit below
         self.events = events if events is not None else KvEventPublisher()
-        self.ram = prefix_cache.RamTier(ram_cache_bytes, self.events) if ram_cache_bytes else None
+        self.ram = RamTier(ram_cache_bytes, self.events) if ram_cache_bytes else None
         self.disk = disk
         if disk is not None:
             disk.watch(self.events.disk_changed)
