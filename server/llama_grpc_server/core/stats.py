@@ -202,7 +202,7 @@ def _unread(request: Request | None) -> int:
 _LOAD_SUMS = ("n_parallel", "active_slots", "idle_slots", "prefilling_slots", "generating_slots",
               "queue_depth", "kv_cells_used", "kv_cells_total", "prompt_tokens",
               "cached_prompt_tokens")  # fmt: skip
-RUNNING = "running"
+RUNNING = "running"  # StatsSnapshot.engine_state of an engine that serves
 
 
 def combined_load(snapshots: Sequence[StatsSnapshot]) -> StatsSnapshot:

@@ -16,6 +16,7 @@ from typing import Protocol
 from llama_grpc_server.core.api import CacheCleared, DiskTierStats
 from llama_grpc_server.core.kv import prefix_cache
 from llama_grpc_server.core.kv.cells import CellMap
+from llama_grpc_server.core.kv.disk import ReadDone
 from llama_grpc_server.core.kv.events import KvEventPublisher, Tier
 from llama_grpc_server.core.kv.ram import RamTier
 from llama_grpc_server.core.requests.request import Request
@@ -37,8 +38,6 @@ restoring pays from the first few tokens, and 8 leaves room for larger states.""
 
 CountCached = Callable[[Request, int], None]  # record a request's cached prompt tokens
 DiskListener = Callable[[str, str, Sequence[int] | None], None]
-Loaded = tuple[list[int], bytes]  # a saved state: its tokens and llama.cpp's blob
-ReadDone = Callable[[Loaded | None], None]  # a disk read's answer, called on the reader thread
 
 
 class DiskTier(Protocol):

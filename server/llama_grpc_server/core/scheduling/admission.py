@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping
 
 from llama_grpc_server import errors
 from llama_grpc_server.core.kv import prefix_cache
-from llama_grpc_server.core.kv.manager import KvCacheManager, Loaded
+from llama_grpc_server.core.kv.disk import Loaded
+from llama_grpc_server.core.kv.manager import KvCacheManager
 from llama_grpc_server.core.requests import context_fit, embedding
 from llama_grpc_server.core.requests.request import GenerationRequest, Request, RequestState
 from llama_grpc_server.core.scheduling.limits import SchedulerLimits
