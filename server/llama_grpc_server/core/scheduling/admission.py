@@ -57,7 +57,7 @@ class Admission:
         self._disk_lock = threading.Lock()
         self._disk_tickets = 0
         self.wakeup: Callable[[], None] = _nothing
-        self.is_paused = False  # a preemption stops admissions until a request ends
+        self._is_paused = False  # a preemption stops admissions until a request ends
         # Keys of live requests with a deadline or a time limit (the Scheduler skips its expiry
         # scan while there are none and no stall bound); ended() forgets them.
         self.timed: set[str] = set()
@@ -181,13 +181,21 @@ class Admission:
         request.num_preemptions += 1
         self._counters.preemptions += 1
         self.queue.appendleft(request)
-        self.is_paused = True
+        self._is_paused = True
 
     def ended(self, request: Request) -> None:
         """A request ended (finished, failed or cancelled): it has no deadline to watch, and
         its slot (if it held one) may be taken again."""
         self.timed.discard(request.key)
-        self.is_paused = False
+        self._is_paused = False
+
+    def is_open(self) -> bool:
+        """Whether queued requests may take idle slots now: not after a preemption while any
+        request still runs (the same pressure would return), until one ends (ended)."""
+        if self._is_paused and self._slots.requests():
+            return False
+        self._is_paused = False
+        return True
 
     def running(self) -> Counter[str]:
         """Requests in slots, by tenant."""

@@ -100,6 +100,11 @@ class Endings:
             self.counters.failed += 1
         return [(request, Failed(error))]
 
+    def take_samplers(self) -> tuple[str, ...]:
+        """The samplers of requests ended since the last plan, for the next one to close."""
+        keys, self.samplers_to_close = tuple(self.samplers_to_close), []
+        return keys
+
     def fail_constraint(self, request: Request, why: str, *, field: str | None = None) -> Emitted:
         """The runner found no token the request's constraint allows: end it with the reason
         (pointing at `field`, else at the constraint)."""

@@ -185,11 +185,10 @@ class Scheduler:
             chunks=tuple(chunks),
             seq_ops=self.kv.take_ops(),
             open_samplers=self.starts.take_samplers(),
-            close_samplers=tuple(self.endings.samplers_to_close),
+            close_samplers=self.endings.take_samplers(),
             is_embedding=is_embedding,
             adapters=adapters,
         )
-        self.endings.samplers_to_close = []
         if not (plan.chunks or plan.seq_ops or plan.open_samplers or plan.close_samplers):
             return None, events
         computed = {r.slot_id: r.num_computed for r in self.slots.requests()}
@@ -215,9 +214,8 @@ class Scheduler:
         """Fill idle slots from the queue (Admission.next picks, Admission.place places); a
         generation request's outputs open first (Starts.open), which may end a resumed one."""
         out: Emitted = []
-        if self.admission.is_paused and self.slots.requests():
+        if not self.admission.is_open():
             return out
-        self.admission.is_paused = False
         while self.queue and self.slots.has_idle:
             request = self.admission.next()
             if request is None:
