@@ -202,8 +202,9 @@ class Scheduler:
             return []
         out: Emitted = []
         now, now_ns = self._monotonic(), self.clock_ns()
-        q, slots, restoring, bp = self.queue, self.slots, self.restoring, self.back_pressure
-        for request, end in expiry.expired(q, slots, restoring, bp, now, now_ns):
+        for request, end in expiry.expired(
+            self.admission, self.slots, self.back_pressure, now, now_ns
+        ):
             if isinstance(end, FinishReason):
                 out += self.endings.finish(request, end)
             else:
