@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from llama_grpc_server.core.kv.events import (
     BLOCK_SIZE,
+    AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
-    CacheCleared,
     KvEventLog,
     Read,
     Tier,
@@ -32,7 +32,7 @@ class Subscriber:
         for batch in read.batches:
             if batch.is_snapshot:
                 self.resets += 1
-                assert isinstance(batch.events[0], CacheCleared)
+                assert isinstance(batch.events[0], AllBlocksCleared)
             else:
                 assert batch.seq == self.cursor + 1, "a gap in the sequence numbers"
             for event in batch.events:
@@ -41,8 +41,8 @@ class Subscriber:
         assert self.cursor == read.seq
         return read
 
-    def _apply(self, event: BlocksStored | BlocksRemoved | CacheCleared) -> None:
-        if isinstance(event, CacheCleared):
+    def _apply(self, event: BlocksStored | BlocksRemoved | AllBlocksCleared) -> None:
+        if isinstance(event, AllBlocksCleared):
             for blocks in self.blocks.values():
                 blocks.clear()
             for parents in self.parents.values():

@@ -10,6 +10,7 @@ import asyncio
 import sys
 
 from llama_grpc_server.core.requests.request import (
+    Emitted,
     Failed,
     Finished,
     GenerationRequest,
@@ -17,7 +18,7 @@ from llama_grpc_server.core.requests.request import (
     Request,
     StoppingParams,
 )
-from llama_grpc_server.core.scheduling.scheduler import Emitted, Scheduler, SchedulerLimits
+from llama_grpc_server.core.scheduling.scheduler import Scheduler, SchedulerLimits
 from llama_grpc_server.testing import FakeEngine, FakeRunner, encode
 from tests.support.scheduler import PIECES, Clock, alone, finals, outputs, req
 

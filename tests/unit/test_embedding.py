@@ -184,7 +184,7 @@ def test_embedding_cost_is_learned_beside_decode_rows() -> None:
     runner.cost_ms = float
     s.add(embed_req("e", tuple(range(5, 45))))
     drive(s, runner)
-    assert s.embedding_costs.token_ms == pytest.approx(1.0)
+    assert s.passes.embedding_costs.token_ms == pytest.approx(1.0)
 
 
 def test_preempted_embedding_request_starts_its_rows_again() -> None:

@@ -130,7 +130,7 @@ def test_the_log_bounds_its_blocks_too() -> None:
 
 def test_a_load_change_without_blocks_is_a_record_not_a_batch() -> None:
     pub = KvEventPublisher()
-    pub.flush(LoadRecord(), 0.0)  # the first batch: CacheCleared
+    pub.flush(LoadRecord(), 0.0)  # the first batch: AllBlocksCleared
     seq = pub.log.seq
     version = pub.log.read(seq).load_version
     pub.flush(LoadRecord(running=1, total_cells=100), 1.0)

@@ -16,8 +16,8 @@ from llama_grpc_server import errors
 from llama_grpc_server.core.kv.disk import KvDiskStore
 from llama_grpc_server.core.kv.events import (
     BLOCK_SIZE,
+    AllBlocksCleared,
     BlocksStored,
-    CacheCleared,
     KvEventLog,
     Tier,
     chain,
@@ -187,14 +187,16 @@ def test_traffic_reaches_every_tier_and_event() -> None:
     for tier in Tier:
         assert ("BlocksStored", tier) in kinds
         assert ("BlocksRemoved", tier) in kinds
-    cleared = [b for b in s.kv.events.log.read(1).batches if isinstance(b.events[0], CacheCleared)]
+    cleared = [
+        b for b in s.kv.events.log.read(1).batches if isinstance(b.events[0], AllBlocksCleared)
+    ]
     assert len(cleared) == 1  # ClearCache's (read(1): after the engine's first batch)
     assert any(isinstance(e, BlocksStored) for e in cleared[0].events)  # the running request's
 
 
 def test_a_restart_announces_the_disk_tier_again() -> None:
     """Blocks written to disk by one engine are announced by the next one, with the same
-    hashes, in its first batch (after its CacheCleared)."""
+    hashes, in its first batch (after its AllBlocksCleared)."""
     with tempfile.TemporaryDirectory() as root:
         s, disk = make(Path(root), 0)
         assert disk is not None
@@ -218,7 +220,7 @@ def test_a_restart_announces_the_disk_tier_again() -> None:
         sub = Subscriber(s2.kv.events.log)
         check(s2, disk2, sub)
         assert sub.blocks[Tier.DISK] == before
-        assert s2.kv.events.log.seq == 1  # one batch: CacheCleared, then the files' blocks
+        assert s2.kv.events.log.seq == 1  # one batch: AllBlocksCleared, then the files' blocks
 
 
 def test_a_slow_subscriber_gets_a_reset_and_never_holds_the_engine_up() -> None:

@@ -75,7 +75,7 @@ async def final(engine: EngineLoop, spec: GenerationRequest) -> Event:
 
 
 def open_gate(engine: EngineLoop) -> None:
-    strategy = engine._scheduler.strategy
+    strategy = engine._scheduler.passes.strategy
     assert isinstance(strategy, CrashOnCall)
     strategy.gate.set()
 
@@ -84,7 +84,7 @@ async def test_engine_death_fails_in_flight_and_queued_requests(crashing: Engine
     """Two running requests, one queued and one still in the inbox when the strategy raises:
     all four end with INTERNAL naming the cause."""
     streams = [crashing.submit(req(f"r{i}", 20, 50).spec) for i in range(3)]
-    strategy = crashing._scheduler.strategy
+    strategy = crashing._scheduler.passes.strategy
     assert isinstance(strategy, CrashOnCall)
     while strategy.calls < 2:  # the engine thread is inside the crashing call
         await asyncio.sleep(0.01)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from llama_grpc_server.core.kv.prefix_cache import (
-    RamTier,
     choose_slot,
     common_prefix_length,
     eviction_order,
     place,
 )
+from llama_grpc_server.core.kv.ram import RamTier
 from llama_grpc_server.core.requests.request import GenerationRequest, Request
 from llama_grpc_server.core.scheduling.slot import Slot
 

@@ -440,7 +440,7 @@ def test_prefill_stall_sets_the_prompt_chunk_beside_a_decoding_slot(
     assert plan is not None
     s.update(plan, runner.execute(plan))  # its prompt in one tick: it generates now
     s.add(req("long", 400, 4))
-    s.costs.decode_tick_ms, s.costs.prefill_token_ms = 40.0, 2.5
+    s.passes.costs.decode_tick_ms, s.passes.costs.prefill_token_ms = 40.0, 2.5
     plan, _ = s.schedule()
     assert plan is not None
     assert {c.slot_id: len(c.tokens) for c in plan.chunks} == {0: 1, 1: chunk}

@@ -272,7 +272,7 @@ def test_a_preempted_request_resumes_first_whatever_the_fair_share() -> None:
     step(s, runner)
     s.add(tenant_req("b", "b0"))
     s.add(tenant_req("b", "b1"))
-    s.endings.preempt(a2)  # as KV pressure does: back to the head of the queue
+    s.preempt(a2)  # as KV pressure does: back to the head of the queue
     while a1.state is not RequestState.FINISHED:
         step(s, runner)
     step(s, runner)

@@ -41,10 +41,9 @@ from llama_grpc_server.core.response_cache import (
     response_key,
 )
 from llama_grpc_server.core.scheduling.tenants import TenantLimits
+from llama_grpc_server.core.stats import RUNNING
 from llama_grpc_server.core.tools.types import ToolSpec
 from llama_grpc_server.errors import ServiceError
-
-RUNNING = "running"  # StatsSnapshot.engine_state of an engine that serves
 
 
 def _ms(start_ns: int, end_ns: int) -> float:

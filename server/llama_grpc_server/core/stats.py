@@ -11,7 +11,7 @@ from typing import Any
 
 from llama_grpc_server.core.adapters import AdapterCounters, AdapterSet, AdapterUsage
 from llama_grpc_server.core.api import DiskTierStats, SlotSnapshot, StatsSnapshot
-from llama_grpc_server.core.kv.prefix_cache import RamTier
+from llama_grpc_server.core.kv.ram import RamTier
 from llama_grpc_server.core.requests.request import Request
 from llama_grpc_server.core.scheduling.slot import Slot
 
@@ -241,7 +241,7 @@ def _unread(request: Request | None) -> int:
 _LOAD_SUMS = ("n_parallel", "active_slots", "idle_slots", "prefilling_slots", "generating_slots",
               "queue_depth", "kv_cells_used", "kv_cells_total", "prompt_tokens",
               "cached_prompt_tokens")  # fmt: skip
-RUNNING = "running"
+RUNNING = "running"  # StatsSnapshot.engine_state of an engine that serves
 
 
 def combined_load(snapshots: Sequence[StatsSnapshot]) -> StatsSnapshot:

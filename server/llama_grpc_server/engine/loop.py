@@ -24,6 +24,7 @@ from llama_grpc_server.core.adapters import AdapterCatalog, AdapterEntry
 from llama_grpc_server.core.api import CacheCleared, ModelInfo, StatsSnapshot, Vocabulary
 from llama_grpc_server.core.kv.events import KvEventLog
 from llama_grpc_server.core.requests.request import (
+    Emitted,
     Event,
     Failed,
     Finished,
@@ -32,7 +33,7 @@ from llama_grpc_server.core.requests.request import (
     TokenDelta,
 )
 from llama_grpc_server.core.scheduling.plan import StepPlan, StepResult, StepRunner
-from llama_grpc_server.core.scheduling.scheduler import Emitted, Scheduler
+from llama_grpc_server.core.scheduling.scheduler import Scheduler
 from llama_grpc_server.core.scheduling.tenants import TenantLimits
 from llama_grpc_server.engine import containment, inbox, streams
 from llama_grpc_server.engine.adapters import AdapterLoadError, LoraAdapters

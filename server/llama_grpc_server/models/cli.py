@@ -33,7 +33,7 @@ _LONG_TEXT = 100  # `info` shortens longer metadata strings (chat templates); --
 COLUMNS = ("name", "size", "arch", "params", "quant", "ctx", "chat", "path")
 
 
-class Failed(Exception):
+class CommandFailed(Exception):
     """The command ran and failed; the message is printed after `error:`."""
 
 
@@ -199,7 +199,7 @@ def run_verify(args: argparse.Namespace) -> int:
     pinned = trained.find(entry.name) if entry.source == catalog.TRAINED else None
     expected = args.sha256 or (pinned.sha256 if pinned else None)
     if expected is not None and digest != expected:
-        raise Failed(f"sha256 mismatch: the file is {digest}, expected {expected}")
+        raise CommandFailed(f"sha256 mismatch: the file is {digest}, expected {expected}")
     print(f"sha256:  {digest}" + (" (matches)" if expected else ""))
     try:
         result = verify_model(
@@ -209,7 +209,7 @@ def run_verify(args: argparse.Namespace) -> int:
             n_gpu_layers=args.n_gpu_layers,
         )
     except (ModelLoadError, VerifyError) as exc:
-        raise Failed(f"verify failed: {exc}") from None
+        raise CommandFailed(f"verify failed: {exc}") from None
     print(
         f"load:    {result.load_ms:.0f} ms (n_gpu_layers={result.n_gpu_layers}, "
         f"{result.n_params} parameters)"
@@ -234,7 +234,7 @@ def run_add(args: argparse.Namespace) -> int:
     an existing name needs --force)."""
     models_dir = _models_dir(args)
     if models_dir is None:
-        raise Failed(f"no models directory: give --models-dir or set {MODELS_DIR_ENV}")
+        raise CommandFailed(f"no models directory: give --models-dir or set {MODELS_DIR_ENV}")
     path = catalog.add(args.name, Path(args.path), models_dir, force=args.force)
     print(f"{args.name} -> {path} ({models_dir / catalog.CATALOG_FILE})")
     return 0
@@ -248,11 +248,11 @@ def run_fetch(args: argparse.Namespace) -> int:
     A model already there is not fetched again."""
     names = trained.names() if args.all else args.names
     if not names:
-        raise Failed("name a trained model, or give --all: " + ", ".join(trained.names()))
+        raise CommandFailed("name a trained model, or give --all: " + ", ".join(trained.names()))
     models = [trained.find(name) for name in names]
     unknown = [name for name, model in zip(names, models, strict=True) if model is None]
     if unknown:
-        raise Failed(
+        raise CommandFailed(
             f"not a trained model: {', '.join(unknown)} (trained models: "
             f"{', '.join(trained.names())})"
         )
@@ -372,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging("console", args.log_level, cache_loggers=False)  # a short-lived process
     try:
         return int(args.run(args))
-    except (Failed, CatalogError, GGUFError, TokenizerExportError) as exc:
+    except (CommandFailed, CatalogError, GGUFError, TokenizerExportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:

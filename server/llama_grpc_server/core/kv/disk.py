@@ -74,7 +74,8 @@ MAX_PENDING_READS = 64
 _PREFIX = struct.Struct("<4sIII")
 
 
-ReadDone = Callable[[tuple[list[int], bytes] | None], None]
+Loaded = tuple[list[int], bytes]  # a saved state: its tokens and llama.cpp's blob
+ReadDone = Callable[[Loaded | None], None]
 """What a read() calls on the reader thread with the verified (tokens, state), or None."""
 
 

@@ -33,7 +33,7 @@ The log. Each flush with changes appends one numbered `EventBatch` (with the eng
 a ring buffer bounded in batches and in blocks; the engine thread only appends (a lock held for
 O(events)) and never waits for a reader. Readers (the rpc side) ask for the batches after their
 cursor; a reader whose cursor is older than the ring, newer than the log (another process's), or
-0 gets a snapshot instead: one batch at the current sequence number, a CacheCleared then every
+0 gets a snapshot instead: one batch at the current sequence number, a AllBlocksCleared then every
 block held, so it resumes from there without a gap or a duplicate."""
 
 from __future__ import annotations
@@ -143,11 +143,11 @@ class BlocksRemoved:
 
 
 @dataclass(frozen=True, slots=True)
-class CacheCleared:
+class AllBlocksCleared:
     """Every block of every tier is gone (ClearCache, or a new engine: the first batch)."""
 
 
-KvEvent = BlocksStored | BlocksRemoved | CacheCleared
+KvEvent = BlocksStored | BlocksRemoved | AllBlocksCleared
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,14 +183,14 @@ class EventBatch:
     timestamp: float  # unix seconds
     events: tuple[KvEvent, ...]
     load: LoadRecord
-    is_snapshot: bool = False  # a reset: CacheCleared, then everything held at `seq`
+    is_snapshot: bool = False  # a reset: AllBlocksCleared, then everything held at `seq`
 
     @property
     def num_blocks(self) -> int:
         return sum(
             len(e.blocks) if isinstance(e, BlocksStored) else len(e.hashes)
             for e in self.events
-            if not isinstance(e, CacheCleared)
+            if not isinstance(e, AllBlocksCleared)
         )
 
 
@@ -356,7 +356,7 @@ class KvEventLog:
             self._seq += 1
             batch = EventBatch(self._seq, timestamp, tuple(events), load)
             for event in batch.events:
-                if isinstance(event, CacheCleared):
+                if isinstance(event, AllBlocksCleared):
                     for blocks in self.published.values():
                         blocks.clear()
                 elif isinstance(event, BlocksStored):
@@ -403,7 +403,7 @@ class KvEventLog:
             tables = {tier: list(blocks.values()) for tier, blocks in self.published.items()}
             timestamp = self._timestamp
             self.resets += 1
-        events: list[KvEvent] = [CacheCleared()]
+        events: list[KvEvent] = [AllBlocksCleared()]
         for tier, blocks in tables.items():
             events += stored_chains(tier, blocks)
         snapshot = EventBatch(seq, timestamp, tuple(events), load, is_snapshot=True)
@@ -504,7 +504,7 @@ class KvEventPublisher:
         self._disk_changes.append((key, scope, tokens))
 
     def cleared(self) -> None:
-        """ClearCache ran: the next batch starts with CacheCleared, then what is still held
+        """ClearCache ran: the next batch starts with AllBlocksCleared, then what is still held
         (running requests' blocks) is announced again."""
         self._cleared = True
 
@@ -519,7 +519,7 @@ class KvEventPublisher:
         events: list[KvEvent] = []
         everything = self._cleared
         if everything:
-            events.append(CacheCleared())
+            events.append(AllBlocksCleared())
             self._cleared = False
         stores: list[KvEvent] = []
         for tier, holdings in self.tiers.items():

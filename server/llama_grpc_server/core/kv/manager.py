@@ -16,7 +16,9 @@ from typing import Protocol
 from llama_grpc_server.core.api import CacheCleared, DiskTierStats
 from llama_grpc_server.core.kv import prefix_cache
 from llama_grpc_server.core.kv.cells import CellMap
+from llama_grpc_server.core.kv.disk import ReadDone
 from llama_grpc_server.core.kv.events import KvEventPublisher, Tier
+from llama_grpc_server.core.kv.ram import RamTier
 from llama_grpc_server.core.requests.request import Request
 from llama_grpc_server.core.scheduling.plan import Chunk, SeqOp, SeqOpKind, StepResult
 from llama_grpc_server.core.scheduling.slot import Slot
@@ -36,8 +38,6 @@ restoring pays from the first few tokens, and 8 leaves room for larger states.""
 
 CountCached = Callable[[Request, int], None]  # record a request's cached prompt tokens
 DiskListener = Callable[[str, str, Sequence[int] | None], None]
-Loaded = tuple[list[int], bytes]  # a saved state: its tokens and llama.cpp's blob
-ReadDone = Callable[[Loaded | None], None]  # a disk read's answer, called on the reader thread
 
 
 class DiskTier(Protocol):
@@ -86,7 +86,7 @@ class KvCacheManager:
         self.cells = CellMap()  # cells shared through seq_cp count once
         # the blocks each tier holds, for SubscribeKvEvents: told at every edit below
         self.events = events if events is not None else KvEventPublisher()
-        self.ram = prefix_cache.RamTier(ram_cache_bytes, self.events) if ram_cache_bytes else None
+        self.ram = RamTier(ram_cache_bytes, self.events) if ram_cache_bytes else None
         self.disk = disk
         if disk is not None:
             disk.watch(self.events.disk_changed)
@@ -127,13 +127,13 @@ class KvCacheManager:
         """Drop the whole sequence (no RAM-tier save)."""
         self._queue(SeqOp(SeqOpKind.REMOVE, slot.slot_id, 0, -1))
 
-    def discard_tail(self, slot: Slot, p0: int) -> None:
+    def discard_tail(self, slot_id: int, p0: int) -> None:
         """Drop the KV from p0 on that the last tick computed but nothing keeps (draft tokens
         the sampler rejected, or that came after the request finished): before the next decode,
         before any save or copy, so no cache tier ever holds it."""
-        self._ops.append(SeqOp(SeqOpKind.REMOVE, slot.slot_id, p0, -1))
-        self.cells.trimmed(slot.slot_id, p0)
-        self.events.truncate(Tier.DEVICE, slot.slot_id, p0)
+        self._ops.append(SeqOp(SeqOpKind.REMOVE, slot_id, p0, -1))
+        self.cells.trimmed(slot_id, p0)
+        self.events.truncate(Tier.DEVICE, slot_id, p0)
 
     def clear_idle(self) -> CacheCleared:
         """Forget every idle slot's prefix cache (no RAM-tier save) and the whole RAM tier;

@@ -15,7 +15,9 @@ MAX_TOKENS_FIELD = "params.stopping.max_tokens"
 N_KEEP_FIELD = "params.context_overflow.n_keep"
 
 
-class Message(enum.StrEnum):
+class TooLongMessage(enum.StrEnum):
+    """The PromptTooLong message of each way a request misses the context (numbers to fill in)."""
+
     MAX_TOKENS_ABSURD = "max_tokens ({max_tokens}) exceeds the context ({n_ctx} tokens)"
     PROMPT_FILLS_CONTEXT = (
         "prompt ({prompt_tokens} tokens) leaves no room to generate in the context ({n_ctx} tokens)"
@@ -34,7 +36,7 @@ class Message(enum.StrEnum):
     )
 
 
-def _too_long(message: Message, field: str, **numbers: int) -> errors.PromptTooLong:
+def _too_long(message: TooLongMessage, field: str, **numbers: int) -> errors.PromptTooLong:
     return errors.PromptTooLong(
         message.format(**numbers), field=field, metadata={k: str(v) for k, v in numbers.items()}
     )
@@ -44,7 +46,7 @@ def check_max_tokens(max_tokens: int, n_ctx: int) -> None:
     """A max_tokens that could never fit, whatever the prompt."""
     if max_tokens > n_ctx:
         raise errors.InvalidRequest(
-            Message.MAX_TOKENS_ABSURD.format(max_tokens=max_tokens, n_ctx=n_ctx),
+            TooLongMessage.MAX_TOKENS_ABSURD.format(max_tokens=max_tokens, n_ctx=n_ctx),
             field=MAX_TOKENS_FIELD,
         )
 
@@ -61,13 +63,13 @@ def fit_max_tokens(
     left. Raises PromptTooLong naming the field at fault."""
     if num_prompt >= n_ctx:
         raise _too_long(
-            Message.PROMPT_FILLS_CONTEXT, prompt_field, prompt_tokens=num_prompt, n_ctx=n_ctx
+            TooLongMessage.PROMPT_FILLS_CONTEXT, prompt_field, prompt_tokens=num_prompt, n_ctx=n_ctx
         )
     if max_tokens is None:
         return min(default_max_tokens, n_ctx - num_prompt)
     if num_prompt + max_tokens > n_ctx:
         raise _too_long(
-            Message.PROMPT_PLUS_MAX_TOKENS,
+            TooLongMessage.PROMPT_PLUS_MAX_TOKENS,
             MAX_TOKENS_FIELD,
             prompt_tokens=num_prompt,
             max_tokens=max_tokens,
@@ -84,7 +86,9 @@ def check_fits(num_prompt: int, max_tokens: int, n_ctx: int) -> None:
 def check_embedding_fits(num_tokens: int, n_ctx: int, field: str = "inputs") -> None:
     """An embedding input generates nothing: it fits when its tokens fit the context."""
     if num_tokens > n_ctx:
-        raise _too_long(Message.INPUT_OVER_CONTEXT, field, prompt_tokens=num_tokens, n_ctx=n_ctx)
+        raise _too_long(
+            TooLongMessage.INPUT_OVER_CONTEXT, field, prompt_tokens=num_tokens, n_ctx=n_ctx
+        )
 
 
 def truncate_left(
@@ -103,12 +107,12 @@ def truncate_left(
         return tokens, 0
     if budget < 1:
         raise _too_long(
-            Message.NO_ROOM_FOR_PROMPT, MAX_TOKENS_FIELD, max_tokens=max_tokens, n_ctx=n_ctx
+            TooLongMessage.NO_ROOM_FOR_PROMPT, MAX_TOKENS_FIELD, max_tokens=max_tokens, n_ctx=n_ctx
         )
     head = n_keep + (1 if tokens[0] == bos_token_id else 0)
     if head >= budget:
         raise errors.InvalidRequest(
-            Message.N_KEEP_TOO_LARGE.format(
+            TooLongMessage.N_KEEP_TOO_LARGE.format(
                 n_keep=n_keep, budget=budget, max_tokens=max_tokens, n_ctx=n_ctx
             ),
             field=N_KEEP_FIELD,

@@ -27,7 +27,7 @@ from llama_grpc_server import errors
 # 270M Q4_K_M, 1 thread, load ~4) a 128-token embedding pass took 1.28 s against 0.58 s for a
 # prefill of the same tokens (bench/embeddings.py: 1.9-2.2x at 16-128 tokens).
 MAX_PASS_TOKENS = 128
-# Beside generating streams, decode rows ride in the embedding pass (Scheduler._chunks) and its
+# Beside generating streams, decode rows ride in the embedding pass (Passes.compose) and its
 # embedding tokens may add this share of a decode tick, so a stream's inter-token time is about
 # (1 + STREAM_SHARE) x its time alone (issue 41's target: p95 within 1.5x). Passes of their own,
 # alternating with decode ticks, could not get there: any pass costs about a decode tick of

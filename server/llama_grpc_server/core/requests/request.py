@@ -439,3 +439,7 @@ class Request:
             decode_ms=_ms(first, now_ns),
             total_ms=_ms(self.arrival_ns, now_ns),
         )
+
+
+Emitted = list[tuple[Request, Event]]
+"""Events to deliver, each with its request, in order (what a scheduler step returns)."""

@@ -2,23 +2,26 @@
 bound, the tenant's bound) and stamps arrival and seed; the queue keeps arrival order; next()
 says which queued request a free slot goes to (core.scheduling.tenants.FairShare: tenants' shares,
 priority, aging); a request whose KV the disk tier is reading waits in `restoring`, holding no
-slot, and re-enters at the head of the queue when the I/O thread answers. Pure Python; the
-Scheduler owns it on the engine thread (only the disk answers arrive from elsewhere)."""
+slot, and re-enters at the head of the queue when the I/O thread answers; a preempted one
+re-enters at the head (requeue), and admissions pause until a request ends (ended). The queue,
+`restoring`, `timed` and the pause change here only. Pure Python; the Scheduler owns it on the
+engine thread (only the disk answers arrive from elsewhere)."""
 
 from __future__ import annotations
 
 import random
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 from llama_grpc_server import errors
 from llama_grpc_server.core.kv import prefix_cache
-from llama_grpc_server.core.kv.manager import KvCacheManager, Loaded
+from llama_grpc_server.core.kv.disk import Loaded
+from llama_grpc_server.core.kv.manager import KvCacheManager
 from llama_grpc_server.core.requests import context_fit, embedding
 from llama_grpc_server.core.requests.request import GenerationRequest, Request, RequestState
 from llama_grpc_server.core.scheduling.limits import SchedulerLimits
-from llama_grpc_server.core.scheduling.slot import Slot
+from llama_grpc_server.core.scheduling.slot import SlotTable
 from llama_grpc_server.core.scheduling.tenants import FairShare, TenantLimits
 from llama_grpc_server.core.stats import Counters
 
@@ -31,7 +34,7 @@ class Admission:
     def __init__(
         self,
         limits: SchedulerLimits,
-        slots: Sequence[Slot],
+        slots: SlotTable,
         kv: KvCacheManager,
         counters: Counters,
         clock_ns: Callable[[], int],
@@ -54,9 +57,9 @@ class Admission:
         self._disk_lock = threading.Lock()
         self._disk_tickets = 0
         self.wakeup: Callable[[], None] = _nothing
-        self.is_paused = False  # a preemption stops admissions until a request ends
+        self._is_paused = False  # a preemption stops admissions until a request ends
         # Keys of live requests with a deadline or a time limit (the Scheduler skips its expiry
-        # scan while there are none and no stall bound); Endings.release forgets them.
+        # scan while there are none and no stall bound); ended() forgets them.
         self.timed: set[str] = set()
 
     # -- intake -----------------------------------------------------------------------------------
@@ -159,15 +162,39 @@ class Admission:
             return False
         slot = self._slots[placement.slot_id]
         kept = self._kv.prepare(slot, request, placement)
-        slot.request, slot.idle_cache, slot.persisted_tokens = request, [], 0
-        slot.cache_scope, slot.session_id = spec.cache_scope, spec.session_id
-        request.slot_id, request.num_computed = slot.slot_id, kept
+        self._slots.assign(slot, request)
+        request.num_computed = kept
         request.state = RequestState.PREFILLING
         request.last_served_tick = tick
         if request.restoring_tokens:
             return True  # its cached tokens are counted when the runner reports the restore
         if not (spec.cache_prompt and self._kv.wait_for_shared_prefix(request, slot)):
             self._counters.count_cached(request, kept)
+        return True
+
+    def requeue(self, request: Request) -> None:
+        """A preempted request (its slot evicted, its KV dropped) back at the head of the queue:
+        it resumes by re-prefilling prompt + output so far (its sampler and text state are
+        kept). Admissions pause until a request ends: the same pressure would return."""
+        request.num_computed = 0
+        request.state = RequestState.QUEUED
+        request.num_preemptions += 1
+        self._counters.preemptions += 1
+        self.queue.appendleft(request)
+        self._is_paused = True
+
+    def ended(self, request: Request) -> None:
+        """A request ended (finished, failed or cancelled): it has no deadline to watch, and
+        its slot (if it held one) may be taken again."""
+        self.timed.discard(request.key)
+        self._is_paused = False
+
+    def is_open(self) -> bool:
+        """Whether queued requests may take idle slots now: not after a preemption while any
+        request still runs (the same pressure would return), until one ends (ended)."""
+        if self._is_paused and self._slots.requests():
+            return False
+        self._is_paused = False
         return True
 
     def running(self) -> Counter[str]:

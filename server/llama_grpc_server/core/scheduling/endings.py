@@ -1,12 +1,12 @@
-"""Endings: how a request leaves its slot. finish() and end_failed() end it (its computed KV
-stays as prefix cache unless an engine error makes it suspect; its sampler closes in the next
-plan; it counts as finished, cancelled, deadline exceeded or failed); preempt() puts it back at
-the head of the queue under KV pressure (it resumes by re-prefilling, its sampler and text state
-kept). Pure Python; the Scheduler's, on the engine thread."""
+"""Endings: how a request leaves its slot for good. finish() and end_failed() end it (its computed
+KV stays as prefix cache unless an engine error makes it suspect; its sampler closes in the next
+plan; it counts as finished, cancelled, deadline exceeded or failed); fail_pass() ends the
+requests of a forward pass llama_decode failed. (A preempted request leaves its slot but not the
+engine: SlotTable.evict, Admission.requeue.) Pure Python; the Scheduler's, on the engine thread."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llama_grpc_server import errors
@@ -14,7 +14,7 @@ from llama_grpc_server.core.kv.manager import KvCacheManager
 from llama_grpc_server.core.requests.embedding import Vectors
 from llama_grpc_server.core.requests.outputs import Outputs
 from llama_grpc_server.core.requests.request import (
-    Event,
+    Emitted,
     Failed,
     Finished,
     FinishReason,
@@ -23,18 +23,19 @@ from llama_grpc_server.core.requests.request import (
     TokenDelta,
 )
 from llama_grpc_server.core.scheduling.admission import Admission
-from llama_grpc_server.core.scheduling.slot import Slot
+from llama_grpc_server.core.scheduling.plan import StepPlan
+from llama_grpc_server.core.scheduling.slot import SlotTable
 from llama_grpc_server.core.speculation.drafts import Drafts
 from llama_grpc_server.core.stats import Counters
-
-Emitted = list[tuple[Request, Event]]
 
 
 @dataclass(slots=True)
 class Endings:
-    """The scheduler's parts an ending touches, and the samplers it leaves to close."""
+    """Where an ending request's state lives, each told to let it go (the slot table frees its
+    slot, the KV manager drops KV not kept, outputs, drafts and admission forget it), and the
+    samplers it leaves to close."""
 
-    slots: Sequence[Slot]
+    slots: SlotTable
     kv: KvCacheManager
     outputs: Outputs
     drafts: Drafts
@@ -45,22 +46,15 @@ class Endings:
 
     def release(self, request: Request, *, keep_cache: bool) -> None:
         """Free the request's slot; its computed KV stays as prefix cache when allowed."""
-        if request.slot_id >= 0:
-            slot = self.slots[request.slot_id]
-            if slot.request is request:
-                slot.request = None
-                slot.last_used_ns = self.clock_ns()
-                if keep_cache and request.spec.cache_prompt:
-                    slot.idle_cache = request.tokens[: request.num_computed]
-                else:
-                    slot.idle_cache = []
-                    self.kv.clear(slot)
+        keep = keep_cache and request.spec.cache_prompt
+        slot = self.slots.free(request, keep_cache=keep)
+        if slot is not None and not keep:
+            self.kv.clear(slot)
         if self.outputs.close(request.key) or request.spec.is_embedding:
             self.samplers_to_close.append(request.key)  # an embedding's rows in the runner
         self.drafts.forget(request.key)
-        self.admission.timed.discard(request.key)
+        self.admission.ended(request)
         request.state = RequestState.FINISHED
-        self.admission.is_paused = False
 
     def finish(
         self,
@@ -106,19 +100,10 @@ class Endings:
             self.counters.failed += 1
         return [(request, Failed(error))]
 
-    def preempt(self, request: Request) -> None:
-        """Drop the request's KV and put it back at the head of the queue; it resumes by
-        re-prefilling prompt + output so far (its sampler and text state are kept)."""
-        slot = self.slots[request.slot_id]
-        slot.request, slot.idle_cache = None, []
-        self.kv.clear(slot)
-        request.num_computed = 0
-        request.slot_id = -1
-        request.state = RequestState.QUEUED
-        request.num_preemptions += 1
-        self.counters.preemptions += 1
-        self.admission.queue.appendleft(request)
-        self.admission.is_paused = True  # until a request ends: the same pressure would return
+    def take_samplers(self) -> tuple[str, ...]:
+        """The samplers of requests ended since the last plan, for the next one to close."""
+        keys, self.samplers_to_close = tuple(self.samplers_to_close), []
+        return keys
 
     def fail_constraint(self, request: Request, why: str, *, field: str | None = None) -> Emitted:
         """The runner found no token the request's constraint allows: end it with the reason
@@ -130,3 +115,22 @@ class Endings:
             f"{why} (after {request.num_output} generated tokens)", field=field
         )
         return self.end_failed(request, error)
+
+    def fail_pass(self, plan: StepPlan, status: int) -> Emitted:
+        """llama_decode failed: the requests of the pass end with an EngineError (their KV is
+        dropped). A failed embedding pass fails its embedding requests only: the decode rows
+        that rode in it are fed again in a later pass (nothing was sampled for them, their
+        requests are where they were) and their KV from that position on is dropped (llama.cpp
+        removes a failed ubatch's positions itself; this covers a pass split into ubatches of
+        which an earlier one was computed)."""
+        out: Emitted = []
+        for chunk in plan.chunks:
+            request = self.slots[chunk.slot_id].request
+            if request is None or (plan.is_embedding and request.key != chunk.request_id):
+                continue
+            if plan.is_embedding and chunk.embedding is None:
+                self.kv.discard_tail(chunk.slot_id, request.num_computed)
+            else:
+                error = errors.EngineError(f"llama_decode failed with status {status}")
+                out += self.end_failed(request, error)
+        return out

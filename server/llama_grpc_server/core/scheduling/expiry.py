@@ -1,34 +1,35 @@
 """Expiry: the requests whose deadline, time limit or reader stall bound has passed, and how long
 until the next one passes for the requests that wait on something other than the engine (a disk
 read, a slow reader: the idle engine sleeps until then). Pure functions over the scheduler's
-queue, slots and restoring requests; the Scheduler ends what they return."""
+admission (queued and restoring requests), slots and readers; the Scheduler ends what they
+return."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 
 from llama_grpc_server import errors
 from llama_grpc_server.core.requests.request import FinishReason, Request
+from llama_grpc_server.core.scheduling.admission import Admission
 from llama_grpc_server.core.scheduling.backpressure import BackPressure
 from llama_grpc_server.core.scheduling.slot import Slot
 
 Ending = errors.ServiceError | FinishReason  # ended with an error, or finished for a reason
 
 
-def expired(  # noqa: PLR0917  # the scheduler's collections and its clocks' readings
-    queue: deque[Request],
+def expired(
+    admission: Admission,
     slots: Sequence[Slot],
-    restoring: dict[str, Request],
     back_pressure: BackPressure,
     now: float,
     now_ns: int,
 ) -> list[tuple[Request, Ending]]:
     """What has expired, in queue, slot, restoring order; queued and restoring ones are taken
-    out of `queue` and `restoring` (a restoring one's read answer, when it comes, is dropped)."""
+    out of the admission's queue and `restoring` (a restoring one's read answer, when it
+    comes, is dropped)."""
     out: list[tuple[Request, Ending]] = []
-    for queued in [r for r in queue if r.deadline_passed(now)]:
-        queue.remove(queued)
+    for queued in [r for r in admission.queue if r.deadline_passed(now)]:
+        admission.take(queued.key)
         out.append((queued, errors.DeadlineExceeded("deadline passed in queue")))
     for request in [s.request for s in slots if s.request is not None]:
         if request.deadline_passed(now):
@@ -37,8 +38,8 @@ def expired(  # noqa: PLR0917  # the scheduler's collections and its clocks' rea
             out.append((request, FinishReason.TIME_LIMIT))
         elif back_pressure.stalled(request, now_ns):
             out.append((request, back_pressure.stall_error(request)))
-    for waiting in [r for r in restoring.values() if r.deadline_passed(now)]:
-        del restoring[waiting.key]
+    for waiting in [r for r in admission.restoring.values() if r.deadline_passed(now)]:
+        admission.take(waiting.key)
         error = errors.DeadlineExceeded(
             "deadline exceeded while reading the request's KV cache from the disk tier"
         )

@@ -20,8 +20,8 @@ from llama_grpc_server.auth import scoped_cache_scope
 from llama_grpc_server.core.api import ModelInfo
 from llama_grpc_server.core.kv.events import (
     BLOCK_SIZE,
+    AllBlocksCleared,
     BlocksStored,
-    CacheCleared,
     EventBatch,
     KvEvent,
     LoadRecord,
@@ -228,7 +228,7 @@ def engine_load(load: LoadRecord, sample: int, *, load_only: bool) -> cpb.Engine
 def _kv_event(
     event: KvEvent, salt: Callable[[str], str | None], event_id: int
 ) -> cpb.KvCacheEvent | None:
-    if isinstance(event, CacheCleared):
+    if isinstance(event, AllBlocksCleared):
         return cpb.KvCacheEvent(event_id=event_id, cleared=cpb.KvCacheCleared())
     scope_salt_ = salt(event.scope)
     if scope_salt_ is None:
