@@ -137,9 +137,10 @@ serve: run
 
 # llama.cpp's own test data (vocabulary GGUFs with their test vectors, real chat templates) from
 # the pinned llama-cpp-python sdist, fetched once into ~/.cache/llama-grpc/llama.cpp-VERSION
-# (bench/llama_sdist.py): the tokenizer tests and the synthetic model families use it.
+# (testkit/llama_grpc_testkit/llama_sdist.py): the tokenizer tests and the synthetic model
+# families use it.
 test-data: $(STAMP)
-	$(PY) bench/llama_sdist.py
+	$(PY) -m llama_grpc_testkit.llama_sdist
 
 # TEST_WORKERS=2 (the default, and CI's): two pytest processes (pytest-xdist), each module in
 # one of them (--dist loadfile: its module-scoped servers start once), in collection order

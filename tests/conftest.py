@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import structlog
 from deploy.cluster import free_port  # noqa: F401 (re-exported: the tests import it from here)
 from prometheus_client.parser import text_string_to_metric_families
+
+from llama_grpc_testkit import synth_gguf
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -82,23 +82,13 @@ TEST_THREADS = 1
 
 
 def tiny_model_file() -> Path:
-    """bench/synth_gguf.py's counting model (a Gemma 3 128 wide, 2 layers, a 1,024-token
+    """llama_grpc_testkit.synth_gguf's counting model (a Gemma 3 128 wide, 2 layers, a 1,024-token
     synthetic vocabulary): a forward pass costs microseconds where the embedded model's costs
     tens of milliseconds, and its greedy next token is always `synth_gguf.successor` of the last
     one by several nats, whatever the batch (never EOS: a stream runs to max_tokens). For the
     tests of statuses, token flow, cancellation, limits, streams and metrics, which do not read
     the words. Written once per machine under ~/.cache/llama-grpc/test-models/."""
-    return _synth_gguf().counting_model()
-
-
-def _synth_gguf() -> ModuleType:
-    """bench/synth_gguf.py (bench/ is not a package: put on the path)."""
-    bench = str(Path(__file__).resolve().parents[1] / "bench")
-    if bench not in sys.path:
-        sys.path.insert(0, bench)
-    import synth_gguf
-
-    return synth_gguf
+    return synth_gguf.counting_model()
 
 
 TINY_N_VOCAB = 1024  # synth_gguf.SHAPES["counting"].n_vocab (a test checks they agree)
@@ -107,10 +97,9 @@ TINY_BOS = 2  # synth_gguf.BOS
 
 def counting(after: int, n: int) -> list[int]:
     """The tiny model's greedy output: the n tokens that follow token `after`."""
-    successor = _synth_gguf().successor
-    out = [successor(after, TINY_N_VOCAB)]
+    out = [synth_gguf.successor(after, TINY_N_VOCAB)]
     while len(out) < n:
-        out.append(successor(out[-1], TINY_N_VOCAB))
+        out.append(synth_gguf.successor(out[-1], TINY_N_VOCAB))
     return out[:n]
 
 

@@ -35,8 +35,8 @@ from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_pat
 from llama_grpc_server.models.pool import ModelSpec, model_specs, settings_for
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
+from llama_grpc_testkit.pool_server import pool_server
 from tests.support.fault_support import collect, reference, server_process, start
-from tests.support.pool_server import pool_server
 
 from ..conftest import TEST_THREADS, TINY_BOS, counting, free_port, scrape, tiny_model_file, value
 from .conftest import settings

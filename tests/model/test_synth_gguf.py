@@ -1,11 +1,10 @@
-"""bench/synth_gguf.py: a random-weight Gemma 3 GGUF that llama.cpp loads, quantizes and serves
-(the GPU benchmark makes its models this way on a machine that can fetch none)."""
+"""llama_grpc_testkit.synth_gguf: a random-weight Gemma 3 GGUF that llama.cpp loads, quantizes and
+serves (the GPU benchmark makes its models this way on a machine that can fetch none)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from llama_grpc_server.core.requests.request import (
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.models.gguf_header import read_header
+from llama_grpc_testkit import synth_gguf
 from tests.support.families import (
     CORPUS,
     FAMILIES,
@@ -32,10 +32,6 @@ from tests.support.families import (
     llama_sdist,
     template_source,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import synth_gguf
 
 from ..conftest import TINY_BOS, TINY_N_VOCAB, counting, tiny_model_file
 from .conftest import make_tiny_engine, run, run_all
