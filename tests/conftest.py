@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import structlog
-from deploy.cluster import free_port  # noqa: F401 (re-exported: the tests import it from here)
 from prometheus_client.parser import text_string_to_metric_families
 
 from llama_grpc_testkit import synth_gguf

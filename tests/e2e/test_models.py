@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from deploy.cluster import free_port
 
 from llama_grpc import (
     AsyncClient,
@@ -38,7 +39,7 @@ from llama_grpc_server.rpc.server import start_server
 from llama_grpc_testkit.pool_server import pool_server
 from tests.support.fault_support import collect, reference, server_process, start
 
-from ..conftest import TEST_THREADS, TINY_BOS, counting, free_port, scrape, tiny_model_file, value
+from ..conftest import TEST_THREADS, TINY_BOS, counting, scrape, tiny_model_file, value
 from .conftest import settings
 
 Q8 = "q8"

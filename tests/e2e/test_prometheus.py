@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
+from deploy.cluster import free_port
 
 from llama_grpc import (
     AsyncClient,
@@ -38,7 +39,7 @@ from llama_grpc_server.rpc.server import start_server
 from tests.support.crashing_strategy import CRASH_NOW
 from tests.support.dashboard import load_dashboard, panels
 
-from ..conftest import free_port, tiny_model_file
+from ..conftest import tiny_model_file
 from .conftest import settings
 
 PROMETHEUS = shutil.which("prometheus")

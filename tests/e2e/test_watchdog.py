@@ -16,12 +16,13 @@ import signal
 import urllib.request
 
 import pytest
+from deploy.cluster import free_port
 
 from llama_grpc import AsyncClient, Done, UnavailableError
 from llama_grpc_server.watchdog import FLOOR_S, MARGIN, START_MIN_S
 from tests.support.fault_support import ServerProcess, json_lines, poll, server_process, support_env
 
-from ..conftest import TINY_BOS, free_port, tiny_model_file
+from ..conftest import TINY_BOS, tiny_model_file
 
 WATCHDOG_S = "2"
 # The hang test's passes before the hung one each take this much more (a pass of the counting
