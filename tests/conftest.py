@@ -67,16 +67,6 @@ def second_model_path() -> Path:
     return second_model_file()
 
 
-# -- llama.cpp threads ----------------------------------------------------------------------------
-
-# The tests' in-process engines run llama.cpp on one thread unless a test is about the thread
-# count: the test process's own event loop and gRPC threads (and, on a shared machine, everything
-# else) compete with llama.cpp's helpers, whose spin barriers then stall every forward pass (the
-# embedded model's 64-token greedy decode on the loaded 2-core dev box: 7-10 s on one thread,
-# 77-92 s on two).
-TEST_THREADS = 1
-
-
 # -- a tiny synthetic model -----------------------------------------------------------------------
 
 

@@ -20,8 +20,7 @@ from llama_grpc_server.core.requests.request import SamplingParams
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
-
-from ..conftest import TEST_THREADS
+from llama_grpc_testkit.threads import TEST_THREADS
 
 GREEDY = SamplingParams(temperature=0.0)
 # Replica options for a gateway module that never stops a replica while it is routed to: no

@@ -18,8 +18,9 @@ from deploy.cluster import Cluster
 from llama_grpc import AsyncClient, Delta, LlamaGrpcError
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
+from llama_grpc_testkit.threads import TEST_THREADS
 
-from ..conftest import TEST_THREADS, tiny_model_file
+from ..conftest import tiny_model_file
 
 # The tiny counting model (tests/conftest.py): what is tested here is routing, caching and
 # failure, not words, and its passes cost microseconds, so three replicas and sixteen callers

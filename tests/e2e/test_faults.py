@@ -24,6 +24,7 @@ import pytest_asyncio
 from llama_grpc import AsyncClient, DeadlineExceededError, Delta, Stats, UnavailableError
 from llama_grpc_server import errors
 from llama_grpc_server.config import SchedulerSettings
+from llama_grpc_testkit.server_process import server_process
 from tests.support.fault_support import (
     ProbedServer,
     Reference,
@@ -35,7 +36,6 @@ from tests.support.fault_support import (
     probed_server,
     reference,
     request_id,
-    server_process,
     start,
     until,
 )

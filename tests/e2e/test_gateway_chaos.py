@@ -29,9 +29,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc import AsyncClient, Delta
 from llama_grpc_server.core.kv.events import chain
+from llama_grpc_testkit.threads import TEST_THREADS
 from tests.support.vllm_engine_fake import kv_until, stored_blocks
 
-from ..conftest import TEST_THREADS, tiny_model_file
+from ..conftest import tiny_model_file
 
 pytestmark = pytest.mark.slow
 

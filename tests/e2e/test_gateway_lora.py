@@ -22,9 +22,9 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from llama_grpc import AsyncClient, Delta
 from llama_grpc_server.rpc.vllm_convert import BASE_MODEL_SALT
 from llama_grpc_testkit import synth_lora
+from llama_grpc_testkit.threads import TEST_THREADS
 from tests.support.vllm_engine_fake import announces, kv_until, stored_blocks
 
-from ..conftest import TEST_THREADS
 from .conftest import NO_DRAIN
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from llama_grpc import AsyncClient
-from tests.support.fault_support import Outcome, ServerProcess, collect, server_process
+from llama_grpc_testkit.server_process import ServerProcess, server_process
+from tests.support.fault_support import Outcome, collect
 
 from ..conftest import tiny_model_file
 

@@ -37,9 +37,11 @@ from llama_grpc_server.models.pool import ModelSpec, model_specs, settings_for
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
 from llama_grpc_testkit.pool_server import pool_server
-from tests.support.fault_support import collect, reference, server_process, start
+from llama_grpc_testkit.server_process import server_process
+from llama_grpc_testkit.threads import TEST_THREADS
+from tests.support.fault_support import collect, reference, start
 
-from ..conftest import TEST_THREADS, TINY_BOS, counting, scrape, tiny_model_file, value
+from ..conftest import TINY_BOS, counting, scrape, tiny_model_file, value
 from .conftest import settings
 
 Q8 = "q8"

@@ -15,8 +15,7 @@ from llama_grpc_server.config import ModelSettings, ServerSettings, Settings
 from llama_grpc_server.core.kv.prefix_cache import common_prefix_length
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.server import start_server
-
-from ..conftest import TEST_THREADS
+from llama_grpc_testkit.threads import TEST_THREADS
 
 SYSTEM = (
     "You are the support assistant of a small bakery. Answer politely and briefly, in plain "

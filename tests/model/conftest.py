@@ -23,8 +23,9 @@ from llama_grpc_server.core.requests.request import (
 )
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.engine.loop import EngineLoop
+from llama_grpc_testkit.threads import TEST_THREADS
 
-from ..conftest import TEST_THREADS, tiny_model_file
+from ..conftest import tiny_model_file
 
 _ids = itertools.count()
 
