@@ -146,7 +146,8 @@ test-data: $(STAMP)
 # one of them (--dist loadfile: its module-scoped servers start once), in collection order
 # (--no-loadscope-reorder: end-to-end first, the many short unit tests last, so the workers
 # finish together). Every test engine, server and replica runs llama.cpp on one thread
-# (tests/conftest.py TEST_THREADS), so two workers fill two cores without spin-barrier fights
+# (llama_grpc_testkit.threads.TEST_THREADS), so two workers fill two cores without spin-barrier
+# fights
 # (docs/install.md has the timings). Not --dist loadgroup: pytest-xdist 3.8 groups by a suffix it
 # writes into item._nodeid, which pytest 9 no longer reads (Node.nodeid is str(self._id)), so
 # every test was its own unit and a module's servers started in both workers.

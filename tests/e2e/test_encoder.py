@@ -27,8 +27,8 @@ from llama_grpc_server.config import PoolSettings
 from llama_grpc_server.models import cli as models_cli
 from llama_grpc_server.models.files import default_model_path
 from llama_grpc_server.rpc.lifecycle import RunningServer
+from llama_grpc_testkit import synth_gguf
 from llama_grpc_testkit.pool_server import pool_server
-from tests.support.families import synth_gguf
 from tests.support.servicer_fake import details
 
 from .conftest import settings

@@ -33,7 +33,7 @@ NAMES = ("Anna", "Boris", "Chen", "Dmitri", "Emma", "Farid", "Greta", "Hiro", "I
 
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
 async def client(tiny_model_path: Path) -> AsyncIterator[AsyncClient]:
-    # default flags but the model and llama.cpp's threads (tests/conftest.py's TEST_THREADS)
+    # default flags but the model and llama.cpp's threads (TEST_THREADS)
     model = ModelSettings(model_path=str(tiny_model_path), n_threads=TEST_THREADS)
     conf = Settings(model=model, server=ServerSettings(port=0, grace_s=1.0))
     async with start_server(conf, lambda: build_engine(conf)) as running:

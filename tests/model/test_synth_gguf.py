@@ -22,14 +22,13 @@ from llama_grpc_server.core.requests.request import (
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.models.gguf_header import read_header
-from llama_grpc_testkit import synth_gguf
+from llama_grpc_testkit import llama_sdist, synth_gguf
 from tests.support.families import (
     CORPUS,
     FAMILIES,
     Family,
     Reference,
     family_model,
-    llama_sdist,
     template_source,
 )
 
