@@ -26,7 +26,7 @@ returns, --watchdog-s auto: the time from the hang to the stream's UNAVAILABLE (
 --slow-token-s slower (so that the pass is long on the tiny model: the bound is 10 x the pass's
 predicted cost), with the bound the server named.
 
-The replicas run the tiny counting model (tests/conftest.py; --model FILE for another) under
+The replicas run the tiny counting model (llama_grpc_testkit.models; --model FILE for another) under
 llama_grpc_testkit.hanging_runner with every pass --paced-pass-s slower, so that streams are in
 flight when the kill comes; one llama.cpp thread each."""
 
@@ -50,10 +50,10 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import grpc
 from common import finish_facts, machine_facts, progress, write_json
 from deploy.cluster import Cluster, wait_for
-from tests.conftest import TINY_BOS, counting, tiny_model_file
 from tests.support.wire import WireRecorder, positions
 
 from llama_grpc import AsyncClient, Delta, Done, UnavailableError
+from llama_grpc_testkit.models import TINY_BOS, counting, tiny_model_file
 from llama_grpc_testkit.server_process import server_env, server_process
 
 SEEDED: dict[str, Any] = {"temperature": 4.0, "top_k": 5, "top_p": 1.0, "min_p": 0.0}

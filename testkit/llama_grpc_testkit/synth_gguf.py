@@ -636,7 +636,7 @@ def families_table() -> str:
 
 
 def models_dir() -> Path:
-    """Where built test models are kept between sessions (tests/conftest.py's built_models_dir)."""
+    """Where built test models are kept between sessions (models.built_models_dir)."""
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "llama-grpc" / "test-models"
 

@@ -14,10 +14,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from llama_grpc import AsyncClient
+from llama_grpc_testkit.models import tiny_model_file
 from llama_grpc_testkit.server_process import ServerProcess, server_process
 from tests.support.fault_support import Outcome, collect
-
-from ..conftest import tiny_model_file
 
 ARGS = ("--n-ctx", "2048", "--n-parallel", "1", "--grace-s", "10")
 HISTORY = (

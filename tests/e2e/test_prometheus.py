@@ -37,9 +37,9 @@ from llama_grpc_server.observability.telemetry import Bus, Telemetry
 from llama_grpc_server.rpc.lifecycle import RunningServer
 from llama_grpc_server.rpc.server import start_server
 from llama_grpc_testkit.crashing_strategy import CRASH_NOW
+from llama_grpc_testkit.models import tiny_model_file
 from tests.support.dashboard import load_dashboard, panels
 
-from ..conftest import tiny_model_file
 from .conftest import settings
 
 PROMETHEUS = shutil.which("prometheus")

@@ -5,7 +5,7 @@ or one whose engine hangs (the watchdog declares it), costs no stream: each of i
 resumed on another replica and ends complete, every answer position carried once on the wire
 (GenerationDelta.index, tests/support/wire.py), the tokens those of an undisturbed run.
 
-The replicas run the tiny counting model (tests/conftest.py) under llama_grpc_testkit.
+The replicas run the tiny counting model (llama_grpc_testkit.models) under llama_grpc_testkit.
 hanging_runner: every forward pass takes PACED_PASS_S more (a pass of the counting model alone
 costs about a millisecond, so streams would end before anything could happen to them), and a
 replica hangs on demand (HANG_FILE). The rolling restart under load is tests/e2e/
@@ -29,11 +29,10 @@ from deploy.cluster import Cluster, health_status, wait_for
 from llama_grpc import AsyncClient, Delta, Done, UnavailableError
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
+from llama_grpc_testkit.models import TINY_BOS, counting, tiny_model_file
 from llama_grpc_testkit.server_process import server_env
 from llama_grpc_testkit.threads import TEST_THREADS
 from tests.support.wire import WireRecorder, check_once_each
-
-from ..conftest import TINY_BOS, counting, tiny_model_file
 
 N = 1200  # tokens a stream
 STREAMS = 12

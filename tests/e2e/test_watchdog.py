@@ -1,5 +1,5 @@
 """The engine watchdog in a real server process: the tiny counting model (the tests count
-passes and statuses, not words: tests/conftest.py) and the real runner with a fault injected
+passes and statuses, not words: llama_grpc_testkit.models) and the real runner with a fault injected
 (hanging_runner.py). A forward pass that never returns ends every stream in flight or queued
 with UNAVAILABLE (ENGINE_HUNG) naming the bound, turns health NOT_SERVING, counts the trip in
 GetStats and /metrics, logs the engine thread's stack and exits 71 after --grace-s. Passes
@@ -20,10 +20,9 @@ from deploy.cluster import free_port
 
 from llama_grpc import AsyncClient, Done, UnavailableError
 from llama_grpc_server.watchdog import FLOOR_S, MARGIN, START_MIN_S
+from llama_grpc_testkit.models import TINY_BOS, tiny_model_file
 from llama_grpc_testkit.server_process import ServerProcess, json_lines, server_env, server_process
 from tests.support.fault_support import poll
-
-from ..conftest import TINY_BOS, tiny_model_file
 
 WATCHDOG_S = "2"
 HANGING_RUNNER = "llama_grpc_testkit.hanging_runner"  # the server, with faults on demand
