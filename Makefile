@@ -137,15 +137,17 @@ serve: run
 
 # llama.cpp's own test data (vocabulary GGUFs with their test vectors, real chat templates) from
 # the pinned llama-cpp-python sdist, fetched once into ~/.cache/llama-grpc/llama.cpp-VERSION
-# (bench/llama_sdist.py): the tokenizer tests and the synthetic model families use it.
+# (testkit/llama_grpc_testkit/llama_sdist.py): the tokenizer tests and the synthetic model
+# families use it.
 test-data: $(STAMP)
-	$(PY) bench/llama_sdist.py
+	$(PY) -m llama_grpc_testkit.llama_sdist
 
 # TEST_WORKERS=2 (the default, and CI's): two pytest processes (pytest-xdist), each module in
 # one of them (--dist loadfile: its module-scoped servers start once), in collection order
 # (--no-loadscope-reorder: end-to-end first, the many short unit tests last, so the workers
 # finish together). Every test engine, server and replica runs llama.cpp on one thread
-# (tests/conftest.py TEST_THREADS), so two workers fill two cores without spin-barrier fights
+# (llama_grpc_testkit.threads.TEST_THREADS), so two workers fill two cores without spin-barrier
+# fights
 # (docs/install.md has the timings). Not --dist loadgroup: pytest-xdist 3.8 groups by a suffix it
 # writes into item._nodeid, which pytest 9 no longer reads (Node.nodeid is str(self._id)), so
 # every test was its own unit and a module's servers started in both workers.

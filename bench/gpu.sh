@@ -6,8 +6,8 @@
 #   2. install the carried wheels (bench/gpu/requirements.txt) for whatever python3 is there,
 #      into a folder on PYTHONPATH; llama-cpp-python's Python package comes from the bundle and
 #      loads this build's libraries (LLAMA_CPP_LIB_PATH)
-#   3. make the random-weight Gemma 3 models (bench/synth_gguf.py, quantized to Q4_K_M by this
-#      build's llama-quantize)
+#   3. make the random-weight Gemma 3 models (llama_grpc_testkit.synth_gguf, quantized to
+#      Q4_K_M by this build's llama-quantize)
 #   4. bench/gpu_bench.py: raw loop, llama-grpc (overlap on/off) and llama-server at
 #      B = 1..64, TTFT of a 512-token prompt, a py-spy profile: OUTDIR/gpu.json
 # Everything is logged to OUTDIR/gpu_sh.log; any failure says which step failed and why.
@@ -86,7 +86,7 @@ if [ "$(cat "$SITE/.requirements" 2>/dev/null)" != "$(cksum < "$REPO/bench/gpu/r
         || { tail -20 "$LOG" >&2; fail "pip could not install bench/gpu/requirements.txt from the carried wheels for $("$PY" --version 2>&1) (a wheel for this Python missing? see $LOG)"; }
     cksum < "$REPO/bench/gpu/requirements.txt" > "$SITE/.requirements"
 fi
-export PYTHONPATH=$SITE:$SRC:$REPO/client:$REPO/server:$REPO/bench${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$SITE:$SRC:$REPO/client:$REPO/server:$REPO/testkit:$REPO/bench${PYTHONPATH:+:$PYTHONPATH}
 export PATH=$SITE/bin:$PATH PYTHONUNBUFFERED=1
 
 step models-f16
@@ -98,7 +98,7 @@ for shape in ${SHAPES//,/ }; do
     MODELS+=(--model "$shape=$q")
     [ -s "$q" ] && continue
     f16=$WORK/models/synth-$shape-f16.gguf
-    "$PY" "$REPO/bench/synth_gguf.py" --shape "$shape" --out "$f16" >> "$LOG" 2>&1 &
+    "$PY" -m llama_grpc_testkit.synth_gguf --shape "$shape" --out "$f16" >> "$LOG" 2>&1 &
     PENDING+=("$shape:$!")
 done
 

@@ -6,9 +6,9 @@ llama-batched-bench, no sampling at all), B = 1, 4, 8, 16, 32, 64 concurrent gre
 41 prompt tokens and 64 generated ones (bench/concurrency.py's workload), the four rotating
 within every repetition; then time to first token of a 512-token prompt, alone.
 
-The models have random weights (bench/synth_gguf.py): a forward pass costs the same whatever the
-weights, so the timings stand for a real model of the same shape; outputs are noise, so every
-request uses ignore_eos and token-id prompts.
+The models have random weights (llama_grpc_testkit.synth_gguf): a forward pass costs the same
+whatever the weights, so the timings stand for a real model of the same shape; outputs are noise, so
+every request uses ignore_eos and token-id prompts.
 
 One JSON (--out), rewritten after every step, so a run cut off by its time limit keeps what it
 measured; steps that no longer fit before --deadline-s are listed as skipped."""
@@ -44,16 +44,16 @@ from common import (
 )
 from peers import LlamaServerBackend, peer_process
 from raw_limit import RawLoop
-from synth_gguf import FIRST_PIECE
 
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
+from llama_grpc_testkit.synth_gguf import FIRST_PIECE
 
 N_CTX = 8192
 N_BATCH, N_UBATCH = 2048, 512
 TTFT_PROMPT = 512
 NOTE = (
-    "Random weights (bench/synth_gguf.py): timing does not depend on the weights, outputs are "
-    "noise; every request is greedy with ignore_eos and a token-id prompt."
+    "Random weights (llama_grpc_testkit.synth_gguf): timing does not depend on the weights, "
+    "outputs are noise; every request is greedy with ignore_eos and a token-id prompt."
 )
 GRPC_VARIANTS = {"llama-grpc": "on", "llama-grpc-no-overlap": "off"}
 

@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from common import machine_facts, progress, spread, write_json
-from tests.conftest import second_model_file
+
+from llama_grpc_testkit.models import second_model_file
 
 VARIANTS = ("stall", "fix", "passive", "spin10k", "norepack", "threads1")
 ENV = {"passive": {"OMP_WAIT_POLICY": "passive"}, "spin10k": {"GOMP_SPINCOUNT": "10000"}}

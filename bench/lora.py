@@ -3,13 +3,13 @@ Instruct (the catalog's Q4_K_M) with no adapter (base), all on one adapter (lora
 adapters interleaved (lora2, lora4: stream i applies adapter i mod k), on llama-grpc and on
 llama.cpp's llama-server with the same adapters, in the same run.
 
-The adapters are random (bench/synth_lora.py's write_lora: rank 8, alpha 16, attn_q, attn_v and
-ffn_up of every layer, seeds 0..3, A and B of std ADAPTER_STD), written into a temp dir at the
-start: not a fine-tune's words, a real rank-8 adapter's cost. Both servers load all four at
-start: llama-grpc `--lora aN=PATH`; llama-server `--lora PATH ... --lora-init-without-apply`,
-then every global scale set to 0 (POST /lora-adapters), and each request lists every adapter,
-its own at scale 1 and the others at 0 (this llama-server gives a request without a `lora`
-field every adapter at its global scale, which --lora-init-without-apply leaves at 1).
+The adapters are random (llama_grpc_testkit.synth_lora's write_lora: rank 8, alpha 16, attn_q,
+attn_v and ffn_up of every layer, seeds 0..3, A and B of std ADAPTER_STD), written into a temp dir
+at the start: not a fine-tune's words, a real rank-8 adapter's cost. Both servers load all four at
+start: llama-grpc `--lora aN=PATH`; llama-server `--lora PATH ... --lora-init-without-apply`, then
+every global scale set to 0 (POST /lora-adapters), and each request lists every adapter, its own at
+scale 1 and the others at 0 (this llama-server gives a request without a `lora` field every adapter
+at its global scale, which --lora-init-without-apply leaves at 1).
 
 Workload: each stream a fixed 64-token prompt (token ids, the same on both servers, in every
 configuration and rep) and 64 greedy tokens with ignore_eos; no prompt cache (llama-grpc
@@ -453,7 +453,7 @@ async def measure(
 
 
 def write_adapters(base: Path, n: int, directory: Path, std: float | None) -> list[Path]:
-    import synth_lora
+    from llama_grpc_testkit import synth_lora
 
     paths = []
     for seed in range(n):

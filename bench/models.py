@@ -43,11 +43,11 @@ from common import (
     write_json,
 )
 from overhead import thread_cpu
-from tests.conftest import second_model_file
 
 from llama_grpc import Client, Delta
 from llama_grpc_server.engine.thread_names import DECODE_THREAD_NAME, ENGINE_THREAD_NAME
 from llama_grpc_server.models.files import default_model_path
+from llama_grpc_testkit.models import second_model_file
 
 SMALL, Q8 = "q4", "q8"
 PROMPT = "Write a short story about a lighthouse keeper and a storm."

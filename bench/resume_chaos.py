@@ -20,14 +20,14 @@ the victim's files: they index another replica's within a second); an in-flight
 answer's own cache is never written, so the resumed tokens are computed again either way).
 Medians over --reps.
 
-Hang: one replica (tests/support/hanging_runner.py, HANG_FILE) whose next forward pass never
+Hang: one replica (llama_grpc_testkit.hanging_runner, HANG_FILE) whose next forward pass never
 returns, --watchdog-s auto: the time from the hang to the stream's UNAVAILABLE (ENGINE_HUNG), in a
 1-token decode pass (the floor bound) and in a --long-prompt-token prefill pass, each token
 --slow-token-s slower (so that the pass is long on the tiny model: the bound is 10 x the pass's
 predicted cost), with the bound the server named.
 
-The replicas run the tiny counting model (tests/conftest.py; --model FILE for another) under
-tests/support/hanging_runner.py with every pass --paced-pass-s slower, so that streams are in
+The replicas run the tiny counting model (llama_grpc_testkit.models; --model FILE for another) under
+llama_grpc_testkit.hanging_runner with every pass --paced-pass-s slower, so that streams are in
 flight when the kill comes; one llama.cpp thread each."""
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import grpc
 from common import finish_facts, machine_facts, progress, write_json
 from deploy.cluster import Cluster, wait_for
-from tests.conftest import TINY_BOS, counting, tiny_model_file
-from tests.support.fault_support import server_process, support_env
 from tests.support.wire import WireRecorder, positions
 
 from llama_grpc import AsyncClient, Delta, Done, UnavailableError
+from llama_grpc_testkit.models import TINY_BOS, counting, tiny_model_file
+from llama_grpc_testkit.server_process import server_env, server_process
 
 SEEDED: dict[str, Any] = {"temperature": 4.0, "top_k": 5, "top_p": 1.0, "min_p": 0.0}
 BOUND = re.compile(r"past the watchdog's ([0-9.]+) s")
@@ -249,12 +249,12 @@ async def kill_config(args: argparse.Namespace, disk: bool, model: str) -> dict[
     extra = ["--n-ctx", str(4096 * slots), "--n-parallel", str(slots), "--grace-s", "15"]
     if disk:
         extra += ["--kv-cache-dir", str(args.scratch / "kv"), "--session-idle-s", "1"]
-    env = support_env(SLOW_PASS_S=str(args.paced_pass_s))
+    env = server_env(SLOW_PASS_S=str(args.paced_pass_s))
     with Cluster(
         3,
         server_args=(*extra, "--model", model),
         threads=1,
-        module="hanging_runner",
+        module="llama_grpc_testkit.hanging_runner",
         env=env,
     ) as cluster:
         rows = [await kill_rep(cluster, args, disk) for _ in range(args.reps)]
@@ -275,12 +275,13 @@ async def kill_config(args: argparse.Namespace, disk: bool, model: str) -> dict[
 async def hang_once(args: argparse.Namespace, model: str, long: bool) -> dict[str, Any]:
     """Seconds from the hang to the stream's UNAVAILABLE, and the bound the server named."""
     hang_file = args.scratch / f"hang-{uuid.uuid4().hex[:6]}"
-    env = support_env(HANG_FILE=str(hang_file), SLOW_TOKEN_S=str(args.slow_token_s))
+    env = server_env(HANG_FILE=str(hang_file), SLOW_TOKEN_S=str(args.slow_token_s))
     extra = ["--n-ctx", "8192", "--n-parallel", "2", "--grace-s", "1"]
     if long:
         extra += ["--chunk-size", str(args.long_prompt_tokens)]
     async with server_process(
-        "--model", model, *extra, "--threads", "1", env=env, module="hanging_runner"
+        "--model", model, *extra, "--threads", "1", env=env,
+        module="llama_grpc_testkit.hanging_runner",
     ) as proc:  # fmt: skip
         async with AsyncClient(f"127.0.0.1:{proc.port}", timeout=600, resume_attempts=0) as c:
             # both kinds of pass timed (the bound follows them), then the hang

@@ -8,7 +8,7 @@
   rather than saturated for good. Only the requests restoring from it (RESTORING) may wait for
   it; the engine thread never does.
 - HANG_AT_PASS=N: forward pass N (the warm-up's is the first) blocks for ever, a llama_decode
-  that never returns: the watchdog must trip (the mechanism of tests/support/hanging_runner.py).
+  that never returns: the watchdog must trip (the mechanism of llama_grpc_testkit.hanging_runner).
 
 It runs as a script from bench/, which is on no package's path: the server package cannot import
 it, and a server started without it has no fault at all."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -41,20 +42,16 @@ START_TIMEOUT_S = 180.0
 REPLICA_STOP_S = 30.0  # a replica's drain and grace on SIGTERM, then SIGKILL
 
 
-# free_port() hands out ports below the kernel's ephemeral range: a port from bind(("", 0)) is
-# free only until something else binds it, and every outgoing connection on the machine takes
-# its source port from that same range. Two pytest-xdist workers each starting servers lost
-# that race (a test's /metrics port, picked free, was some other connection's source port by
-# the time the server bound it: EADDRINUSE, three errors in one run). Below the range only
-# another free_port() caller can take it, and a port one caller picked is held for the others
-# (RESERVED_S, in a machine-wide file): a gateway's port is picked seconds before SMG binds it,
-# after the replicas start, and once, with random picks alone, a replica of the other test
-# worker had bound it first (SMG's readiness probe read that gRPC server's HTTP/2 frames).
+# free_port() is for the ports a child must be told before it starts (Envoy's listener and
+# admin, written into its config; SMG's HTTP and Prometheus ports; a server's --metrics-port).
+# The replicas bind port 0 and log the port they got (Replica.wait_listening), so nothing here is
+# shared between processes. The picks come from below the kernel's ephemeral range: a port from
+# bind(("", 0)) is free only until something else binds it, and every outgoing connection and
+# every replica takes its port from that same range (two pytest-xdist workers each starting
+# servers lost that race: EADDRINUSE). Below the range only another free_port() caller's pick,
+# not yet bound, can take it.
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _random = random.Random()
-RESERVED_S = 300.0  # how long a port free_port() handed out is not handed out again
-LOCK_WAIT_S = 2.0  # the longest free_port() waits for the reservations file's lock
-_RESERVATIONS = Path(tempfile.gettempdir()) / "llama-grpc-free-ports.json"
 
 
 def _free_port_range() -> tuple[int, int]:
@@ -65,64 +62,38 @@ def _free_port_range() -> tuple[int, int]:
     return max(1024, low - 12288), low
 
 
-@contextlib.contextmanager
-def _reservations() -> Iterator[dict[str, float]]:
-    """The ports free_port() handed out in the last RESERVED_S seconds on this machine ({port:
-    when}), read and written back under an exclusive lock on the file. A file that cannot be
-    used (another user's, a read-only /tmp) reserves nothing: the random pick alone remains."""
-    import fcntl
-    import json
-
-    try:
-        handle = _RESERVATIONS.open("a+", encoding="utf-8")
-    except OSError:
-        yield {}
-        return
-    with handle:
-        deadline = time.monotonic() + LOCK_WAIT_S
-        while True:  # a holder takes milliseconds; one stopped (SIGSTOP) must not hang us
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released at close
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    yield {}
-                    return
-                time.sleep(0.01)
-        handle.seek(0)
-        try:
-            held = {k: float(v) for k, v in json.loads(handle.read() or "{}").items()}
-        except (ValueError, TypeError, AttributeError):
-            held = {}
-        now = time.time()
-        held = {port: when for port, when in held.items() if now - when < RESERVED_S}
-        yield held
-        with contextlib.suppress(OSError):  # a full disk: this pick goes unrecorded
-            handle.seek(0)
-            handle.truncate()
-            handle.write(json.dumps(held))
-            handle.flush()
-
-
 def free_port() -> int:
-    """A port on 127.0.0.1 that was free a moment ago, outside the ephemeral range and not
-    handed out by another free_port() call on this machine in the last RESERVED_S (above)."""
+    """A port on 127.0.0.1 that was free a moment ago, outside the ephemeral range."""
     first, end = _free_port_range()
-    with _reservations() as held:
-        for _ in range(200 if first < end else 0):  # none below a range that starts at 1024
-            port = _random.randrange(first, end)
-            if str(port) in held:
+    for _ in range(200 if first < end else 0):  # none below a range that starts at 1024
+        port = _random.randrange(first, end)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
                 continue
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            held[str(port)] = time.time()
-            return port
+        return port
     with socket.socket() as s:  # that range is full: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def listening_port(log_path: Path, offset: int = 0) -> int:
+    """The port a llama-grpc server logged that it listens on (its JSON "listening" line) in
+    `log_path` after byte `offset`, or 0 while it has not: only whole lines are read."""
+    with log_path.open("rb") as log:
+        log.seek(offset)
+        text = log.read().decode("utf-8", errors="replace")
+    for line in text.splitlines(keepends=True):
+        if not line.endswith("\n"):
+            break  # being written
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("event") == "listening":
+            return int(entry["port"])
+    return 0
 
 
 def venv_binary(name: str, comes_with: str) -> str:
@@ -164,6 +135,9 @@ def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.
 @dataclass
 class Replica:
     index: int
+    # 0 until it first listens: the server binds a free port itself and logs it (its args
+    # give --log-format json, as Cluster's and Gateway's do); a restart keeps that port, the
+    # one Envoy's config and SMG's worker list name
     port: int
     args: Sequence[str]
     log_path: Path
@@ -172,6 +146,7 @@ class Replica:
     # environment (None: this process's)
     module: str = "llama_grpc_server"
     env: Mapping[str, str] | None = None
+    log_offset: int = 0  # the log's size when this process started: its own lines come after
 
     @property
     def target(self) -> str:
@@ -180,15 +155,34 @@ class Replica:
     def start(self) -> None:
         cmd = [sys.executable, "-m", self.module, "--port", str(self.port), *self.args]
         with self.log_path.open("ab") as log:
+            self.log_offset = log.seek(0, os.SEEK_END)
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
 
+    def wait_listening(self, timeout_s: float = START_TIMEOUT_S) -> int:
+        """The port, once the process has bound it (read from its log when started on 0)."""
+
+        def bound() -> bool:
+            if not self.port:
+                self._check_running()
+                self.port = listening_port(self.log_path, self.log_offset)
+            return bool(self.port)
+
+        wait_for(bound, timeout_s, f"replica {self.index} logged no 'listening' port")
+        return self.port
+
     def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        self.wait_listening(timeout_s)
+
         def ready() -> bool:
-            if self.proc is None or self.proc.poll() is not None:
-                raise RuntimeError(f"replica {self.index} exited; see {self.log_path}")
+            self._check_running()
             return health_status(self.target) == "SERVING"
 
-        wait_for(ready, timeout_s, f"replica {self.index} not SERVING")
+        wait_for(ready, deadline - time.monotonic(), f"replica {self.index} not SERVING")
+
+    def _check_running(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            raise RuntimeError(f"replica {self.index} exited; see {self.log_path}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int | None:
         """Signal it and wait for its exit code (None: it was not running)."""
@@ -278,7 +272,7 @@ class Cluster(Started):
         self.members = [
             Replica(
                 i,
-                free_port(),
+                0,  # each binds a free port and logs it
                 args,
                 self.workdir / f"replica-{i}.log",
                 module=self.module,

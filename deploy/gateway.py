@@ -272,7 +272,7 @@ class Gateway(Started):
             for i in range(self.replicas):
                 index = len(self.adapter_members)
                 log = self.workdir / f"replica-{name}-{i}.log"
-                replica = Replica(index, free_port(), [*base, "--engine-lora", spec], log)
+                replica = Replica(index, 0, [*base, "--engine-lora", spec], log)  # a free port
                 self.adapter_members.append(replica)
                 replica.start()
 

@@ -4,17 +4,15 @@ as `from ..conftest import ...`)."""
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import structlog
-from deploy.cluster import free_port  # noqa: F401 (re-exported: the tests import it from here)
 from prometheus_client.parser import text_string_to_metric_families
+
+from llama_grpc_testkit.models import second_model_file, tiny_model_file
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -37,81 +35,12 @@ def restore_logging() -> Iterator[None]:
     root.setLevel(level)
 
 
-# -- a second real model ---------------------------------------------------------------------------
-
-SECOND_MODEL_TYPE = "Q8_0"
-
-
-def built_models_dir() -> Path:
-    """Where built test models are kept between sessions (one build per machine)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "llama-grpc" / "test-models"
-
-
-def second_model_file() -> Path:
-    """The embedded model re-quantized to Q8_0 by llama.cpp: a second real model, with its own
-    file, size, sha256 and quantization (same architecture and vocabulary). Built once per
-    machine (1.6 s on the 2-core dev box), cached under ~/.cache/llama-grpc/test-models/ by
-    the source's sha256; the write is atomic. The tests' fixture and the benchmarks use it."""
-    from llama_grpc_server.engine.quantize import quantize
-    from llama_grpc_server.models.files import default_model_path, file_sha256
-
-    source = default_model_path()
-    path = built_models_dir() / f"embedded-{file_sha256(source)[:16]}-{SECOND_MODEL_TYPE}.gguf"
-    if not path.is_file():
-        quantize(source, path, SECOND_MODEL_TYPE)
-    return path
+# -- the test models (llama_grpc_testkit.models builds them) --------------------------------------
 
 
 @pytest.fixture(scope="session")
 def second_model_path() -> Path:
     return second_model_file()
-
-
-# -- llama.cpp threads ----------------------------------------------------------------------------
-
-# The tests' in-process engines run llama.cpp on one thread unless a test is about the thread
-# count: the test process's own event loop and gRPC threads (and, on a shared machine, everything
-# else) compete with llama.cpp's helpers, whose spin barriers then stall every forward pass (the
-# embedded model's 64-token greedy decode on the loaded 2-core dev box: 7-10 s on one thread,
-# 77-92 s on two).
-TEST_THREADS = 1
-
-
-# -- a tiny synthetic model -----------------------------------------------------------------------
-
-
-def tiny_model_file() -> Path:
-    """bench/synth_gguf.py's counting model (a Gemma 3 128 wide, 2 layers, a 1,024-token
-    synthetic vocabulary): a forward pass costs microseconds where the embedded model's costs
-    tens of milliseconds, and its greedy next token is always `synth_gguf.successor` of the last
-    one by several nats, whatever the batch (never EOS: a stream runs to max_tokens). For the
-    tests of statuses, token flow, cancellation, limits, streams and metrics, which do not read
-    the words. Written once per machine under ~/.cache/llama-grpc/test-models/."""
-    return _synth_gguf().counting_model()
-
-
-def _synth_gguf() -> ModuleType:
-    """bench/synth_gguf.py (bench/ is not a package: put on the path)."""
-    bench = str(Path(__file__).resolve().parents[1] / "bench")
-    if bench not in sys.path:
-        sys.path.insert(0, bench)
-    import synth_gguf
-
-    return synth_gguf
-
-
-TINY_N_VOCAB = 1024  # synth_gguf.SHAPES["counting"].n_vocab (a test checks they agree)
-TINY_BOS = 2  # synth_gguf.BOS
-
-
-def counting(after: int, n: int) -> list[int]:
-    """The tiny model's greedy output: the n tokens that follow token `after`."""
-    successor = _synth_gguf().successor
-    out = [successor(after, TINY_N_VOCAB)]
-    while len(out) < n:
-        out.append(successor(out[-1], TINY_N_VOCAB))
-    return out[:n]
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,8 @@
       llama-cpp-python 0.3.36 sdist, cut to what a build of libllama/libggml (CUDA or CPU),
       llama-server, llama-batched-bench and llama-quantize needs, plus the sdist's `llama_cpp`
       Python package (it loads the libraries of that build through LLAMA_CPP_LIB_PATH)
-  bench/gpu/carry/wheels/   the Python wheels llama-grpc and bench/synth_gguf.py need beyond
-      what the GPU image has, for CPython 3.10-3.13 (bench/gpu/requirements.txt)
+  bench/gpu/carry/wheels/   the Python wheels llama-grpc and llama_grpc_testkit.synth_gguf need
+      beyond what the GPU image has, for CPython 3.10-3.13 (bench/gpu/requirements.txt)
 
 bench/gpu/carry/ is git-ignored: name it in the device tool's `carry`.
 

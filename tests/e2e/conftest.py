@@ -20,8 +20,7 @@ from llama_grpc_server.core.requests.request import SamplingParams
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
 from llama_grpc_server.rpc.plumbing.server import start_server
-
-from ..conftest import TEST_THREADS
+from llama_grpc_testkit.threads import TEST_THREADS
 
 GREEDY = SamplingParams(temperature=0.0)
 # Replica options for a gateway module that never stops a replica while it is routed to: no
@@ -70,8 +69,8 @@ async def client(server: RunningServer) -> AsyncIterator[AsyncClient]:
 
 @pytest_asyncio.fixture(loop_scope="session", scope="session")
 async def tiny_server(tiny_model_path: Path) -> AsyncIterator[RunningServer]:
-    """The same server on the tiny synthetic model (tests/conftest.py's tiny_model_file): for the
-    tests that do not read the words."""
+    """The same server on the tiny synthetic model (llama_grpc_testkit.models.tiny_model_file): for
+    the tests that do not read the words."""
     async with loaded_server(settings(str(tiny_model_path), n_parallel=4, max_queue=64)) as running:
         yield running
 

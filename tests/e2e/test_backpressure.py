@@ -1,4 +1,4 @@
-"""Back-pressure over real channels, on the tiny counting model (tests/conftest.py: what is
+"""Back-pressure over real channels, on the tiny counting model (llama_grpc_testkit.models: what is
 tested is flow control, and its greedy output is known and wide at every step): a client that
 stops reading mid-stream while others run. The others finish with their exact greedy tokens; the
 paused request stops decoding with exactly --stream-buffer-tokens unread on the server (never
@@ -16,9 +16,9 @@ from llama_grpc import AsyncClient, Delta
 from llama_grpc.errors import LlamaGrpcError
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.plumbing.server import start_server
+from llama_grpc_testkit.models import tiny_model_file
 from tests.support.fault_support import Outcome, collect, poll, reference
 
-from ..conftest import tiny_model_file
 from .conftest import settings
 
 BOUND = 16

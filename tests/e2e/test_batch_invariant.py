@@ -19,7 +19,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from llama_grpc import AsyncClient, Delta, Done
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
-from tests.support.fault_support import ServerProcess, server_process
+from llama_grpc_testkit.server_process import ServerProcess, server_process
 
 # long enough for flash attention's tiled path (64 rows in one micro-batch without the mode) and,
 # with 64 tokens generated and other requests' cells, a KV view of 512 cells (its split path)

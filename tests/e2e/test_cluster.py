@@ -18,10 +18,10 @@ from deploy.cluster import Cluster
 from llama_grpc import AsyncClient, Delta, LlamaGrpcError
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
+from llama_grpc_testkit.models import tiny_model_file
+from llama_grpc_testkit.threads import TEST_THREADS
 
-from ..conftest import TEST_THREADS, tiny_model_file
-
-# The tiny counting model (tests/conftest.py): what is tested here is routing, caching and
+# The tiny counting model (llama_grpc_testkit.models): what is tested here is routing, caching and
 # failure, not words, and its passes cost microseconds, so three replicas and sixteen callers
 # leave the machine to the rest of the suite. 8 slots a replica: more than the sessions a replica
 # gets, so a session's idle slot keeps its cache until it comes back; 4,096 positions each, for

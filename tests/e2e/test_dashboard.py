@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import yaml
+from deploy.cluster import free_port
 
 from llama_grpc import AsyncClient
 from llama_grpc_server.engine.build import build_engine
@@ -25,7 +26,7 @@ from llama_grpc_server.observability.telemetry import Bus, Telemetry
 from llama_grpc_server.rpc.plumbing.server import start_server
 from tests.support.dashboard import DASHBOARD, load_dashboard, panels
 
-from ..conftest import free_port, scrape
+from ..conftest import scrape
 from .conftest import settings
 
 P = "llama_grpc:"

@@ -1,6 +1,6 @@
-"""Embed on every synthetic decoder family (bench/synth_gguf.py's FAMILIES: tiny random-weight
-models of the family's architecture and real vocabulary; gemma3, the embedded model, is
-tests/model/test_embeddings.py's): a real server per family answers with the model's dimension,
+"""Embed on every synthetic decoder family (llama_grpc_testkit.synth_gguf's FAMILIES: tiny
+random-weight models of the family's architecture and real vocabulary; gemma3, the embedded model,
+is tests/model/test_embeddings.py's): a real server per family answers with the model's dimension,
 each vector equal to llama-cpp-python's own `Llama.embed` (mean pooling, the default of a model
 without a pooling of its own), alone and in a batch."""
 

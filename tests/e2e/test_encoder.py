@@ -1,10 +1,9 @@
 """An encoder-only embedding model (a random-weight BERT with the real bert-bge vocabulary,
-bench/synth_gguf.py's bert_model) served as the default model beside the embedded Gemma 3 in
-the pool (`--model`): Embed equals llama-cpp-python's own `Llama.embed` with every pooling,
-alone and in a batch of 64 mixed lengths; an input longer than the context (the trained 512
-positions: one pass holds a whole input) is refused or truncated; every generation RPC is
-refused with FAILED_PRECONDITION naming the model and why, and the server keeps serving both
-models."""
+llama_grpc_testkit.synth_gguf's bert_model) served as the default model beside the embedded Gemma 3
+in the pool (`--model`): Embed equals llama-cpp-python's own `Llama.embed` with every pooling, alone
+and in a batch of 64 mixed lengths; an input longer than the context (the trained 512 positions: one
+pass holds a whole input) is refused or truncated; every generation RPC is refused with
+FAILED_PRECONDITION naming the model and why, and the server keeps serving both models."""
 
 from __future__ import annotations
 
@@ -28,8 +27,8 @@ from llama_grpc_server.config import PoolSettings
 from llama_grpc_server.models import cli as models_cli
 from llama_grpc_server.models.files import default_model_path
 from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
-from tests.support.families import synth_gguf
-from tests.support.pool_server import pool_server
+from llama_grpc_testkit import synth_gguf
+from llama_grpc_testkit.pool_server import pool_server
 from tests.support.servicer_fake import details
 
 from .conftest import settings

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from llama_grpc import AsyncClient, Done, InternalError, UnavailableError
-from tests.support.fault_support import ServerProcess, json_lines, server_process, support_env
+from llama_grpc_testkit.server_process import ServerProcess, json_lines, server_env, server_process
 
 SECRET = "zebra-violet-secret-marker"
 EXIT_ENGINE_FAILED = 70
@@ -21,10 +21,11 @@ EXIT_ENGINE_FAILED = 70
 
 @pytest.fixture
 async def crashing_server(request: pytest.FixtureRequest) -> AsyncIterator[ServerProcess]:
-    env = support_env(CRASH_AT_CALL="30")
+    env = server_env(CRASH_AT_CALL="30")
     async with server_process(
         "--n-ctx", "2048", "--n-parallel", "2", "--temperature", "0",
-        "--batch-strategy", "crashing_strategy:from_env", *request.param, env=env,
+        "--batch-strategy", "llama_grpc_testkit.crashing_strategy:from_env", *request.param,
+        env=env,
     ) as proc:  # fmt: skip
         yield proc
 

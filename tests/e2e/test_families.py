@@ -1,10 +1,11 @@
-"""Every v1 door on every model family (issue 39): a real server per family (bench/synth_gguf.py's
-tiny random-weight models with the family's real vocabulary and chat template; gemma3 is the
-embedded model), one at a time. Tokenize and Detokenize equal llama.cpp's own tokenizer on the
-same file; the prompt the server builds from `messages` is, id for id, the family's template
-rendered here and tokenized by llama.cpp; GenerateTokens runs a token-id prompt; GetModelInfo
-names llama.cpp's special tokens; each end-of-turn token, chosen with logit_bias after a text a
-grammar dictates (the output is noise otherwise), ends the stream there as EOS, unseen."""
+"""Every v1 door on every model family (issue 39): a real server per family
+(llama_grpc_testkit.synth_gguf's tiny random-weight models with the family's real vocabulary and
+chat template; gemma3 is the embedded model), one at a time. Tokenize and Detokenize equal
+llama.cpp's own tokenizer on the same file; the prompt the server builds from `messages` is, id for
+id, the family's template rendered here and tokenized by llama.cpp; GenerateTokens runs a token-id
+prompt; GetModelInfo names llama.cpp's special tokens; each end-of-turn token, chosen with
+logit_bias after a text a grammar dictates (the output is noise otherwise), ends the stream there as
+EOS, unseen."""
 
 from __future__ import annotations
 

@@ -2,14 +2,14 @@
 expiring in every phase, SIGTERM with streams in flight, KV exhaustion, and a client that stops
 reading. Each test gets its own server with the settings it needs.
 
-Greedy outputs are compared with solo runs of the same request token for token over the prefix
-where the solo run's top-2 margin is wide (fault_support.Reference): the prompts count by one,
-whose every step has a margin of several nats on the embedded Gemma 3 270M, so that prefix is in
-practice the whole output. The tests whose timing does not hang on the model's speed (random
-cancellations, SIGTERM with streams in flight, KV exhaustion, a stopped reader) run the tiny
-counting model (tests/conftest.py: every step wide by construction, passes of microseconds; the
-SIGTERM test sizes its streams by the ticks it measures); deadlines in each phase are measured
-against the embedded model's passes."""
+Greedy outputs are compared with solo runs of the same request token for token over the prefix where
+the solo run's top-2 margin is wide (fault_support.Reference): the prompts count by one, whose every
+step has a margin of several nats on the embedded Gemma 3 270M, so that prefix is in practice the
+whole output. The tests whose timing does not hang on the model's speed (random cancellations,
+SIGTERM with streams in flight, KV exhaustion, a stopped reader) run the tiny counting model
+(llama_grpc_testkit.models: every step wide by construction, passes of microseconds; the SIGTERM
+test sizes its streams by the ticks it measures); deadlines in each phase are measured against the
+embedded model's passes."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ import pytest_asyncio
 from llama_grpc import AsyncClient, DeadlineExceededError, Delta, Stats, UnavailableError
 from llama_grpc_server import errors
 from llama_grpc_server.config import SchedulerSettings
+from llama_grpc_testkit.models import tiny_model_file
+from llama_grpc_testkit.server_process import server_process
 from tests.support.fault_support import (
     ProbedServer,
     Reference,
@@ -35,12 +37,10 @@ from tests.support.fault_support import (
     probed_server,
     reference,
     request_id,
-    server_process,
     start,
     until,
 )
 
-from ..conftest import tiny_model_file
 from .conftest import settings
 
 pytestmark = pytest.mark.slow

@@ -48,9 +48,9 @@ from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSet
 from llama_grpc_server.core.requests.request import SamplingParams
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.plumbing.server import start_server
+from llama_grpc_testkit.models import TINY_N_VOCAB, tiny_model_file
+from llama_grpc_testkit.threads import TEST_THREADS
 from tests.support.pb_strategies import messages, wire_string
-
-from ..conftest import TEST_THREADS, TINY_N_VOCAB, tiny_model_file
 
 SERVICE = pb.DESCRIPTOR.services_by_name["LlmService"]
 METHODS = list(SERVICE.methods)

@@ -24,8 +24,9 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc import AsyncClient, Delta
+from llama_grpc_testkit.threads import TEST_THREADS
 
-from ..conftest import PERSON_SCHEMA, TEST_THREADS, check_person
+from ..conftest import PERSON_SCHEMA, check_person
 from .conftest import NO_DRAIN
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"

@@ -29,17 +29,18 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc import AsyncClient, Delta
 from llama_grpc_server.core.kv.events import chain
+from llama_grpc_testkit.models import tiny_model_file
+from llama_grpc_testkit.threads import TEST_THREADS
 from tests.support.vllm_engine_fake import kv_until, stored_blocks
-
-from ..conftest import TEST_THREADS, tiny_model_file
 
 pytestmark = pytest.mark.slow
 
 CALL_TIMEOUT_S = 120.0
-# The replicas run the tiny counting model (tests/conftest.py): routing, retries and draining do
-# not read the words, and its passes cost microseconds, so calls must be long to be in flight
-# when a replica dies: 2,000 tokens are a second or more on a quiet box. The kill test's streams
-# would take far longer than the test (it closes them): 2,000 were once all done by the kill.
+# The replicas run the tiny counting model (llama_grpc_testkit.models): routing, retries and
+# draining do not read the words, and its passes cost microseconds, so calls must be long to be
+# in flight when a replica dies: 2,000 tokens are a second or more on a quiet box. The kill
+# test's streams would take far longer than the test (it closes them): 2,000 were once all done
+# by the kill.
 OPEN_STREAM_TOKENS = 30_000
 PLAIN_TOKENS = 2000
 ROLL_TOKENS = 400  # the rolling restart's calls: ~0.1-0.5 s each, not a busy loop of calls

@@ -12,8 +12,8 @@ from deploy.cluster import free_port
 from deploy.gateway import NO_WARM_UP, QUICK_EXIT, Gateway
 
 from llama_grpc import AsyncClient
+from llama_grpc_testkit.threads import TEST_THREADS
 
-from ..conftest import TEST_THREADS
 from .conftest import NO_DRAIN
 
 pytestmark = pytest.mark.slow

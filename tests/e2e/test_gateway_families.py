@@ -1,6 +1,6 @@
 """Every model family through `make gateway` (deploy/gateway.py): the OpenAI SDK through SMG to a
-llama-grpc replica serving that family's model (bench/synth_gguf.py's FAMILIES: random weights,
-the real architecture, vocabulary and chat template), SMG tokenizing with the tokenizer the
+llama-grpc replica serving that family's model (llama_grpc_testkit.synth_gguf's FAMILIES: random
+weights, the real architecture, vocabulary and chat template), SMG tokenizing with the tokenizer the
 replica exports and reading tool calls with the parser `make gateway` picked from the template.
 
 The synthetic models write noise, so what the text must be is forced with constraints SMG
@@ -10,9 +10,7 @@ vllm_engine.rs sets none), so that cannot steer here."""
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,12 +18,9 @@ from deploy.cluster import free_port
 from deploy.gateway import NO_WARM_UP, QUICK_EXIT, Gateway
 
 from llama_grpc import AsyncClient
+from llama_grpc_testkit import synth_gguf
+from llama_grpc_testkit.threads import TEST_THREADS
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import synth_gguf
-
-from ..conftest import TEST_THREADS
 from .conftest import NO_DRAIN
 
 pytestmark = pytest.mark.slow

@@ -1,16 +1,14 @@
 """A LoRA adapter through the SMG gateway as a model of its own. The vLLM engine protocol has no
 LoRA field (nor a model name): deploy.gateway's `loras` starts a replica with `--engine-lora a`,
 which applies adapter a to every engine-protocol request and reports itself as model `base+a`
-(GetModelInfo); SMG registers each worker under the name it reports and routes a request's
-`model` to that name's workers. The synthetic f32 llama base and adapter a of bench/synth_lora.py
+(GetModelInfo); SMG registers each worker under the name it reports and routes a request's `model`
+to that name's workers. The synthetic f32 llama base and adapter a of llama_grpc_testkit.synth_lora
 (test_lora.py checks that their greedy output is the merged model's); one replica per model."""
 
 from __future__ import annotations
 
-import sys
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,14 +21,11 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from llama_grpc import AsyncClient, Delta
 from llama_grpc_server.rpc.vllm.convert import BASE_MODEL_SALT
+from llama_grpc_testkit import synth_lora
+from llama_grpc_testkit.threads import TEST_THREADS
 from tests.support.vllm_engine_fake import announces, kv_until, stored_blocks
 
-from ..conftest import TEST_THREADS
 from .conftest import NO_DRAIN
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import synth_lora  # bench/ is not a package: on sys.path just above
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from llama_grpc import AsyncClient
-from tests.support.fault_support import Outcome, ServerProcess, collect, server_process
-
-from ..conftest import tiny_model_file
+from llama_grpc_testkit.models import tiny_model_file
+from llama_grpc_testkit.server_process import ServerProcess, server_process
+from tests.support.fault_support import Outcome, collect
 
 ARGS = ("--n-ctx", "2048", "--n-parallel", "1", "--grace-s", "10")
 HISTORY = (

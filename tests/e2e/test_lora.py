@@ -1,15 +1,14 @@
 """LoRA adapters over gRPC on a real llama.cpp model, no download: a synthetic llama-architecture
-model in f32 (bench/synth_lora.py), random adapters in convert_lora_to_gguf.py's layout, and the
-same low-rank updates merged into copies of the base. Greedy output with adapter X at scale s is
-the merged model's, token for token, alone and in a batch beside base-model streams and another
-adapter's; a prefix computed under one adapter set is never served to another (slots and the
-RAM tier), and is reused for its own; adapters load, list, count and unload over the admin RPCs."""
+model in f32 (llama_grpc_testkit.synth_lora), random adapters in convert_lora_to_gguf.py's layout,
+and the same low-rank updates merged into copies of the base. Greedy output with adapter X at scale
+s is the merged model's, token for token, alone and in a batch beside base-model streams and another
+adapter's; a prefix computed under one adapter set is never served to another (slots and the RAM
+tier), and is reused for its own; adapters load, list, count and unload over the admin RPCs."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,13 +20,9 @@ from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.config.settings import LoraSpec
 from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_testkit import synth_gguf, synth_lora
 
 from .conftest import loaded_server, settings
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import synth_gguf  # bench/ is not a package: on sys.path just above
-import synth_lora
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from deploy.cluster import free_port
 
 from llama_grpc import (
     AsyncClient,
@@ -35,10 +36,13 @@ from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_pat
 from llama_grpc_server.models.pool import ModelSpec, model_specs, settings_for
 from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
 from llama_grpc_server.rpc.plumbing.server import start_server
-from tests.support.fault_support import collect, reference, server_process, start
-from tests.support.pool_server import pool_server
+from llama_grpc_testkit.models import TINY_BOS, counting, tiny_model_file
+from llama_grpc_testkit.pool_server import pool_server
+from llama_grpc_testkit.server_process import server_process
+from llama_grpc_testkit.threads import TEST_THREADS
+from tests.support.fault_support import collect, reference, start
 
-from ..conftest import TEST_THREADS, TINY_BOS, counting, free_port, scrape, tiny_model_file, value
+from ..conftest import scrape, value
 from .conftest import settings
 
 Q8 = "q8"
@@ -128,8 +132,8 @@ async def test_a_stream_keeps_going_while_another_model_loads(second_model_path:
     """q8 loads (in a thread) while a stream runs on the default model: deltas keep arriving
     during the load, at their pace, and every token the stream sent is its model's next one
     (none lost or repeated). The default model here is the tiny counting model, whose stream
-    outlasts any load and whose every token is known (tests/conftest.py `counting`); the load
-    is the real q8 file's. llama.cpp runs on its default threads (one per CPU), not
+    outlasts any load and whose every token is known (llama_grpc_testkit.models `counting`); the
+    load is the real q8 file's. llama.cpp runs on its default threads (one per CPU), not
     TEST_THREADS: a load beside a stream takes a thread from its passes (engine/cpu_share.py),
     which one thread would not show.
 

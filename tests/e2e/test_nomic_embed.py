@@ -24,10 +24,10 @@ from deploy.gateway import NO_WARM_UP, QUICK_EXIT, Gateway
 
 from llama_grpc import AsyncClient, FailedPreconditionError
 from llama_grpc_server.models import trained
+from llama_grpc_testkit.threads import TEST_THREADS
 from tests.model.test_tokenizer_vocabs import LlamaVocab
 from tests.support.trained import trained_model_path
 
-from ..conftest import TEST_THREADS
 from .conftest import NO_DRAIN
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from llama_grpc import AsyncClient, Delta, Done, UnauthenticatedError
-
-from ..conftest import TEST_THREADS
+from llama_grpc_testkit.threads import TEST_THREADS
 
 
 async def test_sigterm_drains_in_flight_stream_and_exits_zero() -> None:

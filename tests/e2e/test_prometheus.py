@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
+from deploy.cluster import free_port
 
 from llama_grpc import (
     AsyncClient,
@@ -35,10 +36,10 @@ from llama_grpc_server.observability.metrics import Metrics
 from llama_grpc_server.observability.telemetry import Bus, Telemetry
 from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
 from llama_grpc_server.rpc.plumbing.server import start_server
-from tests.support.crashing_strategy import CRASH_NOW
+from llama_grpc_testkit.crashing_strategy import CRASH_NOW
+from llama_grpc_testkit.models import tiny_model_file
 from tests.support.dashboard import load_dashboard, panels
 
-from ..conftest import free_port, tiny_model_file
 from .conftest import settings
 
 PROMETHEUS = shutil.which("prometheus")
@@ -184,7 +185,7 @@ async def scraped_server(tmp_path: Path) -> AsyncIterator[tuple[RunningServer, P
         n_ctx=LONG + 1024,
         kv_cache_dir=str(tmp_path / "kv"),
         session_idle_s=0.3,
-        batch_strategy="tests.support.crashing_strategy:on_demand",
+        batch_strategy="llama_grpc_testkit.crashing_strategy:on_demand",
     )
     conf = replace(base, server=replace(base.server, metrics_port=free_port()))
     CRASH_NOW.clear()

@@ -21,10 +21,11 @@ import pytest_asyncio
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
 from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
+from llama_grpc_testkit.models import TINY_N_VOCAB, counting
 from tests.support.servicer_fake import details
 from tests.support.trained import QWEN_05B, trained_model_path
 
-from ..conftest import PERSON_SCHEMA, TINY_N_VOCAB, check_person, counting
+from ..conftest import PERSON_SCHEMA, check_person
 from .conftest import loaded_server, settings
 
 PROMPT = "The three primary colors are"

@@ -5,8 +5,8 @@ or one whose engine hangs (the watchdog declares it), costs no stream: each of i
 resumed on another replica and ends complete, every answer position carried once on the wire
 (GenerationDelta.index, tests/support/wire.py), the tokens those of an undisturbed run.
 
-The replicas run the tiny counting model (tests/conftest.py) under tests/support/
-hanging_runner.py: every forward pass takes PACED_PASS_S more (a pass of the counting model alone
+The replicas run the tiny counting model (llama_grpc_testkit.models) under llama_grpc_testkit.
+hanging_runner: every forward pass takes PACED_PASS_S more (a pass of the counting model alone
 costs about a millisecond, so streams would end before anything could happen to them), and a
 replica hangs on demand (HANG_FILE). The rolling restart under load is tests/e2e/
 test_cluster.py's."""
@@ -29,10 +29,10 @@ from deploy.cluster import Cluster, health_status, wait_for
 from llama_grpc import AsyncClient, Delta, Done, UnavailableError
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
-from tests.support.fault_support import support_env
+from llama_grpc_testkit.models import TINY_BOS, counting, tiny_model_file
+from llama_grpc_testkit.server_process import server_env
+from llama_grpc_testkit.threads import TEST_THREADS
 from tests.support.wire import WireRecorder, check_once_each
-
-from ..conftest import TEST_THREADS, TINY_BOS, counting, tiny_model_file
 
 N = 1200  # tokens a stream
 STREAMS = 12
@@ -58,10 +58,14 @@ SEEDED: dict[str, Any] = {"temperature": 4.0, "top_k": 5, "top_p": 1.0, "min_p":
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     hang_file = tmp_path_factory.mktemp("hang") / "pid"
-    env = support_env(SLOW_PASS_S=PACED_PASS_S, HANG_FILE=str(hang_file))
+    env = server_env(SLOW_PASS_S=PACED_PASS_S, HANG_FILE=str(hang_file))
     args = (*SERVER_ARGS, "--model", str(tiny_model_file()))
     with Cluster(
-        3, server_args=args, threads=TEST_THREADS, module="hanging_runner", env=env
+        3,
+        server_args=args,
+        threads=TEST_THREADS,
+        module="llama_grpc_testkit.hanging_runner",
+        env=env,
     ) as running:
         yield running
 

@@ -15,8 +15,7 @@ from llama_grpc_server.config import ModelSettings, ServerSettings, Settings
 from llama_grpc_server.core.kv.prefix_cache import common_prefix_length
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.plumbing.server import start_server
-
-from ..conftest import TEST_THREADS
+from llama_grpc_testkit.threads import TEST_THREADS
 
 SYSTEM = (
     "You are the support assistant of a small bakery. Answer politely and briefly, in plain "
@@ -34,7 +33,7 @@ NAMES = ("Anna", "Boris", "Chen", "Dmitri", "Emma", "Farid", "Greta", "Hiro", "I
 
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
 async def client(tiny_model_path: Path) -> AsyncIterator[AsyncClient]:
-    # default flags but the model and llama.cpp's threads (tests/conftest.py's TEST_THREADS)
+    # default flags but the model and llama.cpp's threads (TEST_THREADS)
     model = ModelSettings(model_path=str(tiny_model_path), n_threads=TEST_THREADS)
     conf = Settings(model=model, server=ServerSettings(port=0, grace_s=1.0))
     async with start_server(conf, lambda: build_engine(conf)) as running:

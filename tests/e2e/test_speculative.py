@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from deploy.cluster import free_port
 
 from llama_grpc import AsyncClient, Delta, Done
 from llama_grpc.errors import InvalidArgumentError
@@ -25,7 +26,7 @@ from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
 from llama_grpc_server.rpc.plumbing.server import start_server
 from tests.support.grpcurl import grpcurl_run
 
-from ..conftest import free_port, scrape, value
+from ..conftest import scrape, value
 from .conftest import settings
 
 PARAGRAPH = (

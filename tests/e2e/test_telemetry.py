@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest_asyncio
 import structlog
+from deploy.cluster import free_port
 
 from llama_grpc import AsyncClient, Delta
 from llama_grpc_server.engine.build import build_engine
@@ -29,7 +30,7 @@ from llama_grpc_server.observability.telemetry import (
 from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
 from llama_grpc_server.rpc.plumbing.server import start_server
 
-from ..conftest import Samples, free_port, scrape, value
+from ..conftest import Samples, scrape, value
 from .conftest import settings
 
 PROMPT = "The history of the printing press begins"

@@ -1,5 +1,5 @@
 """The engine watchdog in a real server process: the tiny counting model (the tests count
-passes and statuses, not words: tests/conftest.py) and the real runner with a fault injected
+passes and statuses, not words: llama_grpc_testkit.models) and the real runner with a fault injected
 (hanging_runner.py). A forward pass that never returns ends every stream in flight or queued
 with UNAVAILABLE (ENGINE_HUNG) naming the bound, turns health NOT_SERVING, counts the trip in
 GetStats and /metrics, logs the engine thread's stack and exits 71 after --grace-s. Passes
@@ -16,14 +16,16 @@ import signal
 import urllib.request
 
 import pytest
+from deploy.cluster import free_port
 
 from llama_grpc import AsyncClient, Done, UnavailableError
 from llama_grpc_server.watchdog import FLOOR_S, MARGIN, START_MIN_S
-from tests.support.fault_support import ServerProcess, json_lines, poll, server_process, support_env
-
-from ..conftest import TINY_BOS, free_port, tiny_model_file
+from llama_grpc_testkit.models import TINY_BOS, tiny_model_file
+from llama_grpc_testkit.server_process import ServerProcess, json_lines, server_env, server_process
+from tests.support.fault_support import poll
 
 WATCHDOG_S = "2"
+HANGING_RUNNER = "llama_grpc_testkit.hanging_runner"  # the server, with faults on demand
 # The hang test's passes before the hung one each take this much more (a pass of the counting
 # model alone costs about a millisecond): all four requests arrive before the second pass, as
 # on the embedded model, so two decode and two wait whatever the machine's pace.
@@ -80,7 +82,7 @@ async def test_hung_forward_pass_fails_every_caller_and_exits_71() -> None:
         "--model", str(tiny_model_file()), "--n-ctx", "2048", "--n-parallel", "2",
         "--temperature", "0", "--watchdog-s", WATCHDOG_S, "--grace-s", GRACE_S,
         "--metrics-port", str(metrics_port), *THREADS,
-        env=support_env(HANG_AT_PASS="8", SLOW_PASS_S=PACED_PASS_S), module="hanging_runner",
+        env=server_env(HANG_AT_PASS="8", SLOW_PASS_S=PACED_PASS_S), module=HANGING_RUNNER,
     ) as proc:  # fmt: skip
         async with AsyncClient(f"127.0.0.1:{proc.port}", timeout=60) as client:
             results = await asyncio.wait_for(
@@ -107,7 +109,7 @@ async def test_a_hung_decode_pass_is_declared_at_its_own_bound_not_the_start_bou
         "--model", str(tiny_model_file()), "--n-ctx", "2048", "--n-parallel", "2",
         "--temperature", "0", "--grace-s", GRACE_S, "--metrics-port", str(metrics_port),
         *THREADS,
-        env=support_env(HANG_AT_PASS="8", SLOW_PASS_S=PACED_PASS_S), module="hanging_runner",
+        env=server_env(HANG_AT_PASS="8", SLOW_PASS_S=PACED_PASS_S), module=HANGING_RUNNER,
     ) as proc:  # fmt: skip
         async with AsyncClient(f"127.0.0.1:{proc.port}", timeout=60) as client:
             results = await asyncio.wait_for(
@@ -169,7 +171,7 @@ async def test_slow_legitimate_passes_do_not_trip_the_watchdog() -> None:
     async with server_process(
         "--model", str(tiny_model_file()), "--n-ctx", "2048", "--n-parallel", "2",
         "--temperature", "0", "--watchdog-s", str(SLOW_WATCHDOG_S), *THREADS,
-        env=support_env(SLOW_PASS_S=str(SLOW_PASS_S)), module="hanging_runner",
+        env=server_env(SLOW_PASS_S=str(SLOW_PASS_S)), module=HANGING_RUNNER,
     ) as proc:  # fmt: skip
         async with AsyncClient(f"127.0.0.1:{proc.port}", timeout=120) as client:
             results = await asyncio.gather(
@@ -197,7 +199,7 @@ async def test_a_long_prompt_pass_past_the_floor_is_not_cut() -> None:
     async with server_process(
         "--model", str(tiny_model_file()), "--n-ctx", "4096", "--n-parallel", "1",
         "--chunk-size", str(LONG_PROMPT), "--temperature", "0", *THREADS,
-        env=support_env(SLOW_TOKEN_S=str(SLOW_TOKEN_S)), module="hanging_runner",
+        env=server_env(SLOW_TOKEN_S=str(SLOW_TOKEN_S)), module=HANGING_RUNNER,
     ) as proc:  # fmt: skip
         async with AsyncClient(f"127.0.0.1:{proc.port}", timeout=120) as client:
             short = await client.generate("Count to 3:", max_tokens=4, ignore_eos=True)

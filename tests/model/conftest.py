@@ -23,8 +23,8 @@ from llama_grpc_server.core.requests.request import (
 )
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.engine.loop import EngineLoop
-
-from ..conftest import TEST_THREADS, tiny_model_file
+from llama_grpc_testkit.models import tiny_model_file
+from llama_grpc_testkit.threads import TEST_THREADS
 
 _ids = itertools.count()
 
@@ -82,7 +82,7 @@ def engine() -> Iterator[EngineLoop]:
 
 
 def make_tiny_engine(*, draft_model: str = "", **scheduler: object) -> EngineLoop:
-    """An engine on the tiny synthetic model (tests/conftest.py's tiny_model_file): for the
+    """An engine on the tiny synthetic model (llama_grpc_testkit.models.tiny_model_file): for the
     tests of token flow, limits and cancellation, which do not read the words."""
     return make_engine(str(tiny_model_file()), draft_model=draft_model, **scheduler)
 

@@ -27,8 +27,8 @@ from llama_grpc_server.engine.draft import DraftModel
 from llama_grpc_server.engine.llama import ModelLoadError
 from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.models.files import default_model_path
+from llama_grpc_testkit.models import TINY_BOS, counting, tiny_model_file
 
-from ..conftest import TINY_BOS, counting, tiny_model_file
 from .conftest import Outcome, make_engine, make_tiny_engine, request, run, run_all, wait_idle
 
 DRAFT_MAX = 4

@@ -23,9 +23,10 @@ from llama_grpc_server.core.requests.request import (
 )
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.engine.loop import EngineLoop
+from llama_grpc_testkit.threads import TEST_THREADS
 from tests.support.greedy import assert_greedy_equal
 
-from ..conftest import PERSON_SCHEMA, TEST_THREADS, YES_NO, check_person
+from ..conftest import PERSON_SCHEMA, YES_NO, check_person
 from .conftest import request, run, run_all
 
 PROMPT = "The capital of France is"

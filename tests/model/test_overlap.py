@@ -1,17 +1,17 @@
 """--overlap-decode: a tick's events are published and delivered while the next forward pass runs
-(loop.EngineLoop._tick). On this CPU build nothing overlaps, but the switch must change no
-output: the same plans, the same greedy tokens, whatever the delivery timing. On the tiny
-counting model (tests/conftest.py), whose output is known whatever the batch: on the real model
-a loaded box once split a burst over two passes (the engine thread ticked between two
-submissions), and a near-tie then flipped a token."""
+(loop.EngineLoop._tick). On this CPU build nothing overlaps, but the switch must change no output:
+the same plans, the same greedy tokens, whatever the delivery timing. On the tiny counting model
+(llama_grpc_testkit.models), whose output is known whatever the batch: on the real model a loaded
+box once split a burst over two passes (the engine thread ticked between two submissions), and a
+near-tie then flipped a token."""
 
 from __future__ import annotations
 
 import asyncio
 
 from llama_grpc_server.engine.loop import EngineLoop
+from llama_grpc_testkit.models import counting
 
-from ..conftest import counting
 from .conftest import Outcome, make_tiny_engine, request, run_all
 
 PROMPTS = [

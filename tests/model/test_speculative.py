@@ -30,9 +30,9 @@ from llama_grpc_server.core.requests.request import (
     TokenDelta,
 )
 from llama_grpc_server.engine.loop import EngineLoop
+from llama_grpc_testkit.models import TINY_BOS, counting
 from tests.support.greedy import assert_greedy_equal
 
-from ..conftest import TINY_BOS, counting
 from .conftest import Outcome, make_engine, make_tiny_engine, request, run, run_all, wait_idle
 
 ON = SpeculativeParams(SpeculativeMode.ON)

@@ -1,11 +1,10 @@
-"""bench/synth_gguf.py: a random-weight Gemma 3 GGUF that llama.cpp loads, quantizes and serves
-(the GPU benchmark makes its models this way on a machine that can fetch none)."""
+"""llama_grpc_testkit.synth_gguf: a random-weight Gemma 3 GGUF that llama.cpp loads, quantizes and
+serves (the GPU benchmark makes its models this way on a machine that can fetch none)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,21 +22,17 @@ from llama_grpc_server.core.requests.request import (
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.models.gguf_header import read_header
+from llama_grpc_testkit import llama_sdist, synth_gguf
+from llama_grpc_testkit.models import TINY_BOS, TINY_N_VOCAB, counting, tiny_model_file
 from tests.support.families import (
     CORPUS,
     FAMILIES,
     Family,
     Reference,
     family_model,
-    llama_sdist,
     template_source,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import synth_gguf
-
-from ..conftest import TINY_BOS, TINY_N_VOCAB, counting, tiny_model_file
 from .conftest import make_tiny_engine, run, run_all
 
 
@@ -49,8 +44,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_tests_tiny_model_is_the_tiny_shape_written_once() -> None:
-    """tests/conftest.py's tiny model: the `tiny` shape (its vocabulary size as the tests know
-    it), cached: a second call returns the same file, not rewritten."""
+    """llama_grpc_testkit.models' tiny model: the `tiny` shape (its vocabulary size as the tests
+    know it), cached: a second call returns the same file, not rewritten."""
     path = tiny_model_file()
     assert path == synth_gguf.counting_model() and path.parent == synth_gguf.models_dir()
     mtime = path.stat().st_mtime_ns

@@ -1,17 +1,16 @@
-"""The tokenizer export on every vocabulary llama.cpp ships test data for (the vocabulary-only
-GGUFs of bench/llama_sdist.py: SentencePiece, byte-level BPE with each family's pre-tokenizer,
+"""The tokenizer export on every vocabulary llama.cpp ships test data for (the vocabulary-only GGUFs
+of llama_grpc_testkit.llama_sdist: SentencePiece, byte-level BPE with each family's pre-tokenizer,
 Gemma 4's BPE, T5; BERT's WordPiece is BERT's own tokenizer, tested in test_tokenizer_wordpiece.py):
-llama.cpp's own test-tokenizer-0 vectors give 0 differing ids, seeded
-random strings (the vocabulary's special tokens written among them) give `llama_tokenize`'s ids
-with and without BOS, with special tokens parsed or not, and decode to the engine's text;
-llama.cpp's attributes (EOG set, control and user-defined tokens, add_bos) carry over. A
-vocabulary that cannot be exact is refused with its reason, checked word for word."""
+llama.cpp's own test-tokenizer-0 vectors give 0 differing ids, seeded random strings (the
+vocabulary's special tokens written among them) give `llama_tokenize`'s ids with and without BOS,
+with special tokens parsed or not, and decode to the engine's text; llama.cpp's attributes (EOG set,
+control and user-defined tokens, add_bos) carry over. A vocabulary that cannot be exact is refused
+with its reason, checked word for word."""
 
 from __future__ import annotations
 
 import ctypes
 import json
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from tokenizers import Tokenizer
 from llama_grpc_server.models import tokenizer_export
 from llama_grpc_server.models.bpe_pretokenizers import PRE_NAMES, PRE_TYPES
 from llama_grpc_server.models.tokenizer_export import TokenizerExportError
+from llama_grpc_testkit import llama_sdist
 from tests.support.gguf_files import ARRAY, FLOAT32, INT32, STRING, UINT32, Value, gguf_bytes
 from tests.support.tokenizer_corpus import (
     CJK,
@@ -38,10 +38,6 @@ from tests.support.tokenizer_corpus import (
 from tests.support.tokenizer_corpus import (
     hf_ids as _hf_ids,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import llama_sdist
 
 REFUSED = {
     "nomic-bert-moe": (

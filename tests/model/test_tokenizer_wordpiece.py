@@ -8,7 +8,6 @@ every place llama.cpp's own tokenizer differs is one of four known reasons, coun
 from __future__ import annotations
 
 import json
-import sys
 import unicodedata
 from collections import Counter
 from collections.abc import Iterator
@@ -19,13 +18,10 @@ from tokenizers import Tokenizer
 
 from llama_grpc_server.models import tokenizer_export, tokenizer_wordpiece
 from llama_grpc_server.models.tokenizer_wordpiece import WordPieceTokenizer
+from llama_grpc_testkit import llama_sdist
 from tests.model.test_tokenizer_vocabs import LlamaVocab
 from tests.support.bert_reference import BertReference
 from tests.support.tokenizer_corpus import multilingual_texts
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import llama_sdist
 
 N_RANDOM = 300
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")

@@ -1,14 +1,13 @@
-"""The model families of bench/synth_gguf.py (`FAMILIES`, `family_model`) and what the tests
-compare the server with: llama.cpp's own tokenizer on the same file (`Reference`, loaded
-vocabulary-only by the test, not through the engine) and the family's chat template rendered
-here with jinja2 (`render_chat`), as llama-cpp-python's Jinja2ChatFormatter and HuggingFace
-transformers render chat templates."""
+"""The model families of llama_grpc_testkit.synth_gguf (`FAMILIES`, `family_model`) and what the
+tests compare the server with: llama.cpp's own tokenizer on the same file (`Reference`, loaded
+vocabulary-only by the test, not through the engine) and the family's chat template rendered here
+with jinja2 (`render_chat`), as llama-cpp-python's Jinja2ChatFormatter and HuggingFace transformers
+render chat templates."""
 
 from __future__ import annotations
 
 import ctypes
 import json
-import sys
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -19,10 +18,7 @@ import jinja2.ext
 import llama_cpp
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import llama_sdist  # bench/ is not a package: on sys.path just above
-import synth_gguf
+from llama_grpc_testkit import llama_sdist, synth_gguf
 
 FAMILIES = synth_gguf.FAMILIES
 Family = synth_gguf.Family

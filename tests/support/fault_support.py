@@ -9,12 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
-import os
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from llama_grpc import AsyncClient, Delta, Done, LlamaGrpcError, Stats
@@ -27,7 +23,6 @@ from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.engine.loop import EngineLoop
 from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
 from llama_grpc_server.rpc.plumbing.server import start_server
-from tests.conftest import TEST_THREADS
 
 # llama.py measured logits moving by up to ~1.0 with the batch/cache layout: a top-2 logprob gap
 # of 2.0 cannot close, so greedy tokens before the first narrower gap are layout-independent.
@@ -262,89 +257,3 @@ async def until(predicate: Callable[[], bool], polls: int = POLLS) -> bool:
             return True
         await asyncio.sleep(POLL_S)
     return predicate()
-
-
-# -- a server process -----------------------------------------------------------------------------
-
-
-@dataclass
-class ServerProcess:
-    """`python -m llama_grpc_server` with its stdout drained into `lines` (a full pipe would
-    block its logging)."""
-
-    proc: asyncio.subprocess.Process
-    port: int
-    lines: list[str]
-    _drain: asyncio.Task[None] | None = None
-
-    async def wait(self, timeout_s: float) -> int:
-        code = await asyncio.wait_for(self.proc.wait(), timeout_s)
-        if self._drain is not None:
-            await self._drain
-        return code
-
-    def kill(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.kill()
-
-
-SUPPORT_DIR = Path(__file__).parent
-
-
-def support_env(**extra: str) -> dict[str, str]:
-    """The environment for a server subprocess that loads a fault plugin of this package as a
-    top-level module (`--batch-strategy crashing_strategy:from_env`, `module="hanging_runner"`):
-    this directory first on PYTHONPATH, then `extra`."""
-    path = os.pathsep.join([str(SUPPORT_DIR), os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": path, **extra}
-
-
-@contextlib.asynccontextmanager
-async def server_process(
-    *args: str, env: dict[str, str] | None = None, module: str = "llama_grpc_server"
-) -> AsyncIterator[ServerProcess]:
-    """Start the server (`python -m module`, which takes the serve options) on a free port, with
-    tests/conftest.py's TEST_THREADS llama.cpp threads unless args say; yield once it logs
-    "ready"; kill it if still running."""
-    threads = () if "--threads" in args else ("--threads", str(TEST_THREADS))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", module, "--port", "0", "--log-format", "json", *threads, *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    reader = proc.stdout
-    running = ServerProcess(proc, 0, [])
-    try:
-        while True:  # "listening" (with the port) comes first, "ready" once the model is warm
-            line = await asyncio.wait_for(reader.readline(), 120)
-            assert line, f"server exited early: {running.lines}"
-            running.lines.append(line.decode())
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            running.port = entry.get("port", running.port)
-            if entry.get("event") == "ready":
-                break
-        assert running.port > 0
-
-        async def drain() -> None:
-            while line := await reader.readline():
-                running.lines.append(line.decode())
-
-        running._drain = asyncio.create_task(drain())
-        yield running
-    finally:
-        running.kill()
-        await proc.wait()
-
-
-def json_lines(proc: ServerProcess) -> list[dict[str, object]]:
-    """The server's JSON log lines so far (anything else it printed is skipped)."""
-    out = []
-    for line in proc.lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out

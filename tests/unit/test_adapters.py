@@ -1,11 +1,10 @@
 """models.adapters: a LoRA adapter's header checked against its base model's as llama.cpp's loader
-checks it (and for what would abort llama.cpp instead), with the exact message for each
-mismatch; and bench/synth_lora.py's adapters and merged models. Tiny GGUF files written with the
+checks it (and for what would abort llama.cpp instead), with the exact message for each mismatch;
+and llama_grpc_testkit.synth_lora's adapters and merged models. Tiny GGUF files written with the
 gguf package into tmp_path, no llama.cpp."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,7 @@ from llama_grpc_server.models.adapters import (
     read_adapter,
 )
 from llama_grpc_server.models.gguf_header import GGUFError
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import synth_lora
+from llama_grpc_testkit import synth_lora
 
 N_EMBD, N_KV, N_FF, N_VOCAB, N_LAYER = 8, 4, 16, 32, 2
 Q = "blk.0.attn_q.weight"

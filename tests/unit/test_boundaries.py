@@ -1,6 +1,6 @@
 """Architecture boundaries: core/ is pure, only engine/ imports llama_cpp, only rpc/ speaks gRPC,
-rpc/v1 and rpc/vllm never import each other (what both use is rpc/shared's), and the client
-package stands alone."""
+rpc/v1 and rpc/vllm never import each other (what both use is rpc/shared's), the client package
+stands alone, and test tooling (llama_grpc_testkit) is never shipped code's."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = ROOT / "server" / "llama_grpc_server"
 CLIENT = ROOT / "client" / "llama_grpc"
+TESTKIT = ROOT / "testkit" / "llama_grpc_testkit"
 GRPC = {"grpc", "grpc_health", "grpc_reflection", "grpc_status"}
 
 
@@ -62,6 +63,18 @@ def test_client_never_imports_the_server_package() -> None:
     assert len(files) >= 5
     for path in files:
         assert "llama_grpc_server" not in imported_modules(path), path
+
+
+def test_neither_package_imports_the_testkit_and_the_testkit_imports_no_test() -> None:
+    """The server and client packages never import llama_grpc_testkit (test tooling), and the
+    testkit never imports the tests (the tests and bench/ import it, not the other way)."""
+    shipped = [*SERVER.rglob("*.py"), *CLIENT.rglob("*.py")]
+    for path in shipped:
+        assert "llama_grpc_testkit" not in imported_modules(path), path
+    tooling = list(TESTKIT.rglob("*.py"))
+    assert len(tooling) >= 4
+    for path in tooling:
+        assert not imported_modules(path) & {"tests", "bench"}, path
 
 
 def test_importing_the_client_loads_no_server_code() -> None:

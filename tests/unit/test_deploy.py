@@ -3,10 +3,10 @@ parse and are wired together (ports, probes, the drain, the headless Service).""
 
 from __future__ import annotations
 
-import json
+import os
 import re
 import subprocess
-import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -173,79 +173,62 @@ def test_free_ports_come_from_below_the_ephemeral_range(
     assert all(low <= p < high for p in ports), ports
 
 
-def test_a_port_handed_out_is_not_handed_out_again_on_this_machine(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """free_port() keeps the ports it handed out (for RESERVED_S) in a file every process on
-    the machine shares: with a range of 8 ports, 8 calls (half of them in another process) get
-    8 different ports, and a ninth finds none left below the ephemeral range, so the kernel
-    picks. Once the reservations are older than RESERVED_S, the range is free again."""
-    from deploy import cluster
-
-    start = cluster._free_port_range()[0]
-    reservations = tmp_path / "ports.json"
-    monkeypatch.setattr(cluster, "_RESERVATIONS", reservations)
-    monkeypatch.setattr(cluster, "_free_port_range", lambda: (start, start + 8))
-    ours = [cluster.free_port() for _ in range(4)]
-    script = (
-        "import sys; from pathlib import Path; from deploy import cluster; "
-        f"cluster._RESERVATIONS = Path({str(reservations)!r}); "
-        f"cluster._free_port_range = lambda: ({start}, {start + 8}); "
-        "print(*[cluster.free_port() for _ in range(4)])"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", script], check=True, capture_output=True, text=True, cwd=ROOT
-    )
-    theirs = [int(p) for p in out.stdout.split()]
-    taken = [*ours, *theirs]
-    in_range = [p for p in taken if start <= p < start + 8]
-    # a port of the 8 that something else on the machine holds is skipped, never repeated
-    assert len(set(taken)) == 8 and len(in_range) == len(set(in_range)), taken
-    assert cluster.free_port() not in in_range
-    aged = {
-        port: when - cluster.RESERVED_S
-        for port, when in json.loads(reservations.read_text()).items()
-    }
-    reservations.write_text(json.dumps(aged))
-    again = {cluster.free_port() for _ in range(4)}
-    assert again & set(in_range), (again, in_range)
+# a stand-in for `python -m llama_grpc_server --port N ...`: binds N (0: any) and logs the port
+# as the server's JSON "listening" line, after a line that is not JSON
+FAKE_SERVER = """
+import json, socket, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+with socket.socket() as s:
+    s.bind(("127.0.0.1", port))
+    print("starting", flush=True)
+    print(json.dumps({"event": "listening", "port": s.getsockname()[1]}), flush=True)
+    time.sleep(60)
+"""
 
 
-def test_an_unusable_reservations_file_leaves_the_random_pick(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A reservations path that cannot be opened (here a directory) or holds no JSON: free_port
-    still hands out free ports below the ephemeral range."""
-    from deploy import cluster
+def test_a_replica_on_port_0_reads_the_port_it_got_from_its_log(tmp_path: Path) -> None:
+    """A replica started on port 0 learns its port from its own log lines (not an earlier
+    process's in the same file); restarted, it asks for that port again."""
+    from deploy.cluster import Replica, listening_port, terminate
 
-    monkeypatch.setattr(cluster, "_RESERVATIONS", tmp_path)
-    first, end = cluster._free_port_range()
-    assert first <= cluster.free_port() < end
-    garbage = tmp_path / "ports.json"
-    garbage.write_text("not json [")
-    monkeypatch.setattr(cluster, "_RESERVATIONS", garbage)
-    port = cluster.free_port()
-    assert first <= port < end
-    assert json.loads(garbage.read_text()).keys() == {str(port)}
+    (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    log = tmp_path / "replica.log"
+    log.write_text('{"event": "listening", "port": 1}\n')  # an earlier process's
+    replica = Replica(0, 0, (), log, module="fake_server", env=env)
+    replica.start()
+    try:
+        port = replica.wait_listening(timeout_s=30)
+        assert port > 1 and replica.target == f"127.0.0.1:{port}"
+        assert replica.stop(timeout_s=10) is not None
+        replica.start()
+        assert replica.wait_listening(timeout_s=30) == port
+        for _ in range(300):  # the restarted process's own line, with the same port
+            if listening_port(log, replica.log_offset):
+                break
+            time.sleep(0.1)
+        assert listening_port(log, replica.log_offset) == port
+    finally:
+        terminate(replica.proc)
 
 
-def test_a_reservations_lock_held_elsewhere_does_not_hang_the_pick(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Another holder of the file's lock (here a second open file in this process, as a stopped
-    process would hold it): free_port gives up on the lock after LOCK_WAIT_S and hands out a
-    random free port without recording it; once the lock is free, it records again."""
-    import fcntl
+def test_the_listening_port_is_read_from_whole_json_lines_only(tmp_path: Path) -> None:
+    from deploy.cluster import listening_port
 
-    from deploy import cluster
+    log = tmp_path / "replica.log"
+    log.write_text('starting\n{"event": "ready"}\n{"event": "listening", "port": 4')
+    assert listening_port(log) == 0  # the line is still being written
+    with log.open("a") as f:
+        f.write("1234}\n")
+    assert listening_port(log) == 41234
 
-    reservations = tmp_path / "ports.json"
-    monkeypatch.setattr(cluster, "_RESERVATIONS", reservations)
-    monkeypatch.setattr(cluster, "LOCK_WAIT_S", 0.3)
-    first, end = cluster._free_port_range()
-    with reservations.open("a+") as holder:
-        fcntl.flock(holder, fcntl.LOCK_EX)
-        port = cluster.free_port()
-    assert first <= port < end
-    assert reservations.read_text() == ""
-    assert str(cluster.free_port()) in json.loads(reservations.read_text())
+
+def test_a_replica_that_exits_before_listening_fails_its_wait(tmp_path: Path) -> None:
+    from deploy.cluster import Replica
+
+    (tmp_path / "exits.py").write_text("raise SystemExit(3)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    replica = Replica(0, 0, (), tmp_path / "replica.log", module="exits", env=env)
+    replica.start()
+    with pytest.raises(RuntimeError, match="replica 0 exited"):
+        replica.wait_serving(timeout_s=30)

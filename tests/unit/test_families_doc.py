@@ -1,20 +1,19 @@
-"""docs/families.md's table is generated from bench/synth_gguf.py's FAMILIES (`python
-bench/synth_gguf.py --families-table`): a family added or changed cannot leave the page behind."""
+"""docs/families.md's table is generated from llama_grpc_testkit.synth_gguf's FAMILIES (`python -m
+llama_grpc_testkit.synth_gguf --families-table`): a family added or changed cannot leave the page
+behind."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import synth_gguf
+from llama_grpc_testkit import synth_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_docs_families_md_holds_the_generated_table() -> None:
-    """Paste `python bench/synth_gguf.py --families-table` into docs/families.md when this fails."""
+    """Paste `python -m llama_grpc_testkit.synth_gguf --families-table` into docs/families.md when
+    this fails."""
     page = (ROOT / "docs" / "families.md").read_text(encoding="utf-8")
     assert synth_gguf.families_table() in page
     assert synth_gguf.doors_table() in page

@@ -10,6 +10,7 @@ import json
 from collections.abc import AsyncIterator
 
 import pytest
+from deploy.cluster import free_port
 
 from llama_grpc import (
     AsyncClient,
@@ -26,8 +27,6 @@ from llama_grpc_server.rpc.plumbing.lifecycle import RunningServer
 from llama_grpc_server.rpc.plumbing.server import serve, start_server
 from llama_grpc_server.testing import EOS_ID, N_VOCAB, FakeEngine, HangingRunner, fake_model_info
 from llama_grpc_server.watchdog import EXIT_ENGINE_HUNG
-
-from ..conftest import free_port
 
 SETTINGS = Settings(
     model=dataclasses.replace(Settings().model, model_path="/models/a.gguf", model_name="a"),

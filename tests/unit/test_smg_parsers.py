@@ -1,5 +1,5 @@
-"""deploy/smg_parsers.py: the SMG tool-call and reasoning parsers `make gateway` picks from the
-chat templates of real models (llama.cpp's own copies, bench/llama_sdist.py), each one a name
+"""deploy/smg_parsers.py: the SMG tool-call and reasoning parsers `make gateway` picks from the chat
+templates of real models (llama.cpp's own copies, llama_grpc_testkit.llama_sdist), each one a name
 SMG's own argument parser accepts; and deploy.gateway's check of a model before it starts."""
 
 from __future__ import annotations
@@ -13,10 +13,7 @@ from deploy import smg_parsers
 from deploy.gateway import check_model
 
 from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import llama_sdist
+from llama_grpc_testkit import llama_sdist
 
 # llama.cpp's template file -> (tool parser, reasoning parser)
 EXPECTED = {

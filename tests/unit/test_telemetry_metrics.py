@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
+from deploy.cluster import free_port
 
 from llama_grpc.v1 import llm_service_pb2 as pb
 from llama_grpc.v1 import llm_service_pb2_grpc as pb_grpc
@@ -29,7 +30,7 @@ from llama_grpc_server.rpc.plumbing.wiring import ServerStartError
 from llama_grpc_server.testing import FakeEngine
 from tests.support.convert import make_snapshot
 
-from ..conftest import free_port, samples, scrape, value
+from ..conftest import samples, scrape, value
 
 
 def done_event(**overrides: Any) -> RequestEvent:

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -29,10 +27,7 @@ from llama_grpc_server.core.tools.formats.deepseek import (
 )
 from llama_grpc_server.core.tools.streaming import JsonScanner
 from llama_grpc_server.core.tools.types import Parsed, ToolCall, ToolCallDelta, ToolSpec
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import llama_sdist
+from llama_grpc_testkit import llama_sdist
 
 WEATHER = ToolSpec(
     "get_weather",

@@ -12,10 +12,11 @@ W x + s * alpha / rank * B (A x) (A, B as numpy holds them: (rank, n_in), (n_out
 for an f32 base, the same function as base + adapter at scale s up to float32 rounding. (With
 f16 weights llama.cpp's CPU matmul rounds the activations to f16 for W x but not for the f32
 adapter's B (A x), so the two would compute different things.) Hence `lora_base_model()`: the
-synthetic `llama3` family model (bench/synth_gguf.py) with every tensor converted to f32,
+synthetic `llama3` family model (synth_gguf.py) with every tensor converted to f32,
 written once per machine, and `lora_adapter` / `lora_merged`, cached beside it.
 
-    python bench/synth_lora.py --base X.gguf --rank 8 --out a.gguf [--merged m.gguf --scale 1]
+    python -m llama_grpc_testkit.synth_lora --base X.gguf --rank 8 --out a.gguf \\
+        [--merged m.gguf --scale 1]
 
 A base's shapes come from its tensor table, whatever its quantization (the Qwen 2.5 Coder
 0.5B's Q8_0 or Q4 files take an adapter as its f16 would); `--merged` needs f16/f32 weights.
@@ -39,9 +40,7 @@ from typing import Any
 
 import numpy as np
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # run as a script: synth_gguf beside it
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-import synth_gguf
+from llama_grpc_testkit import synth_gguf
 
 LORA_BASE_FAMILY = "llama3"  # architecture `llama`: attn_q/k/v/output, ffn_gate/up/down
 DEFAULT_TARGETS = ("attn_q", "attn_v", "ffn_up")
@@ -342,7 +341,7 @@ def _source_key() -> str:
     """This file's and synth_gguf.py's sources and the pinned llama.cpp's version (what the
     family models are keyed by), read once: a process keeps the key of the code it runs, so one
     that imported an older version cannot write its output under a newer version's key."""
-    import llama_sdist
+    from llama_grpc_testkit import llama_sdist
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
     digest.update(Path(synth_gguf.__file__).read_bytes())

@@ -8,9 +8,9 @@ The vocabulary is synthetic but complete for llama.cpp's SentencePiece ("llama")
 out like Gemma 3's: <pad> 0, <eos> 1, <bos> 2, <unk> 3, the 256 byte tokens, then pieces "▁a",
 "▁b", ..., with descending scores, so text tokenizes (bytes at worst) and every id detokenizes.
 
-    python bench/synth_gguf.py --shape 270m --out /tmp/g270m-f16.gguf \\
+    python -m llama_grpc_testkit.synth_gguf --shape 270m --out /tmp/g270m-f16.gguf \\
         --quantize build/bin/llama-quantize            # -> /tmp/g270m-q4_k_m.gguf
-    python bench/synth_gguf.py --shape tiny --out /tmp/tiny.gguf   # for tests
+    python -m llama_grpc_testkit.synth_gguf --shape tiny --out /tmp/tiny.gguf   # for tests
 
 Shapes: `270m` is the embedded Gemma 3 270M's (hyperparameters read off its GGUF), `1b` Gemma 3
 1B's (~1.0 B parameters, 262,144-token vocabulary), `tiny` a few hundred kB for tests.
@@ -22,21 +22,21 @@ that compare outputs token for token, or need streams in flight, get exact answe
 microseconds a pass. Its vocabulary ends with "▁" and the letters, so the tokenizer export
 (SMG) takes it:
 
-    python bench/synth_gguf.py --counting --out /tmp/counting.gguf
+    python -m llama_grpc_testkit.synth_gguf --counting --out /tmp/counting.gguf
 
 Families (`FAMILIES`): tiny random-weight models of real model families, each with its llama.cpp
 architecture (tensor names and hyperparameter keys of the pinned llama.cpp's
 `src/models/<arch>.cpp`), every `tokenizer.ggml.*` key of the family's real vocabulary GGUF and
-its real chat template (both from llama.cpp's own test data, `bench/llama_sdist.py`).
+its real chat template (both from llama.cpp's own test data, `llama_sdist.py` beside this module).
 `family_model(name)` writes one once per machine under ~/.cache/llama-grpc/test-models/:
 
-    python bench/synth_gguf.py --family qwen3 --out /tmp/qwen3.gguf
+    python -m llama_grpc_testkit.synth_gguf --family qwen3 --out /tmp/qwen3.gguf
 
 An encoder (`bert_model(pooling)`, cached the same way): a tiny random-weight BERT (arch
 `bert`, non-causal, `bert.pooling_type`) with the real `ggml-vocab-bert-bge.gguf` vocabulary,
 an encoder-only embedding model for the tests:
 
-    python bench/synth_gguf.py --bert cls --out /tmp/bert.gguf"""
+    python -m llama_grpc_testkit.synth_gguf --bert cls --out /tmp/bert.gguf"""
 
 from __future__ import annotations
 
@@ -514,7 +514,7 @@ def _gguf_writer(path: Path, arch: str) -> Any:
     array takes seconds)."""
     import gguf
 
-    class Writer(gguf.GGUFWriter):  # type: ignore[misc]  # gguf is untyped
+    class Writer(gguf.GGUFWriter):
         def _pack_val(self, val: Any, vtype: Any, add_vtype: bool, sub_type: Any = None) -> bytes:
             if isinstance(val, RawValue):
                 return (self._pack("I", vtype) if add_vtype else b"") + bytes(val)
@@ -539,7 +539,8 @@ def _copy_tokenizer(writer: Any, vocab: Path) -> int:
 def write_family(family: Family, path: Path, seed: int = 0) -> None:
     """A tiny random-weight model of `family` (not gemma3: that one is the embedded model)."""
     import gguf
-    import llama_sdist
+
+    from llama_grpc_testkit import llama_sdist
 
     if not family.vocabulary:
         raise ValueError(f"{family.name} is the embedded model: nothing to write")
@@ -589,10 +590,7 @@ def doors_table() -> str:
     """Which door each family goes through, as docs/families.md's second table: ✔, or what
     holds instead (Family.limits; ✘ where it does not), and the SMG parsers `make gateway`
     picks from its template (deploy/smg_parsers.py)."""
-    root = str(Path(__file__).resolve().parents[1])
-    if root not in sys.path:  # run as a script: deploy/ is beside bench/
-        sys.path.insert(0, root)
-    from deploy import smg_parsers
+    from deploy import smg_parsers  # the repository root's deploy/: run from the root
 
     from llama_grpc_server.core.reasoning.formats import reasoning_format_for
     from llama_grpc_server.core.requests.chat import BUILTIN_TEMPLATES
@@ -607,7 +605,7 @@ def doors_table() -> str:
     for f in FAMILIES.values():
         template = BUILTIN_TEMPLATES[f.server_template] if f.server_template else None
         if template is None:
-            import llama_sdist
+            from llama_grpc_testkit import llama_sdist
 
             template = llama_sdist.template(f.template)
         parsers = smg_parsers.choose(template)
@@ -638,7 +636,7 @@ def families_table() -> str:
 
 
 def models_dir() -> Path:
-    """Where built test models are kept between sessions (tests/conftest.py's built_models_dir)."""
+    """Where built test models are kept between sessions (models.built_models_dir)."""
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "llama-grpc" / "test-models"
 
@@ -665,7 +663,7 @@ def shape_model(name: str) -> Path:
 def _cached(stem: str, write_to: Callable[[Path], None]) -> Path:
     """models_dir()/<stem>-<key>.gguf, written by `write_to` (into a temp file, then renamed)
     unless there; the key is this generator's source and the pinned llama.cpp's version."""
-    import llama_sdist
+    from llama_grpc_testkit import llama_sdist
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
     digest.update(llama_sdist.VERSION.encode())
@@ -719,7 +717,8 @@ def write_bert(path: Path, pooling: str = "cls", seed: int = 0) -> None:
     """A tiny random-weight BERT (arch `bert`, non-causal, `bert.pooling_type` = `pooling`) with
     the real bert-bge vocabulary: an encoder-only embedding model."""
     import gguf
-    import llama_sdist
+
+    from llama_grpc_testkit import llama_sdist
 
     writer = _gguf_writer(path, "bert")
     writer.add_name("synthetic bert-bge (random weights)")

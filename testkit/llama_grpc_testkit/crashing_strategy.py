@@ -1,7 +1,8 @@
 """Custom batch strategies that kill the engine thread. `from_env` (loaded by `--batch-strategy
-crashing_strategy:from_env` with this directory on PYTHONPATH) raises on its Nth allocate()
+llama_grpc_testkit.crashing_strategy:from_env` in a server process) raises on its Nth allocate()
 call, N = $CRASH_AT_CALL: a buggy plugin that kills the engine thread mid-run. `on_demand`
-(`tests.support.crashing_strategy:on_demand`, in-process) raises once a test sets CRASH_NOW."""
+(`llama_grpc_testkit.crashing_strategy:on_demand`, in-process) raises once a test sets
+CRASH_NOW."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""A real server process whose real runner (engine.runner.Runner over the embedded model)
-hangs or slows down on demand: `python -m hanging_runner [serve options]` with this directory on
-PYTHONPATH. HANG_AT_PASS=N: forward pass N (the warm-up's is the first) blocks for ever, a
-llama_decode that never returns; SLOW_PASS_S=S: every pass after the warm-up takes S seconds
-more, slow but legitimate; SLOW_TOKEN_S=S: every pass after the warm-up takes S seconds more for
-each token it feeds, slow in proportion to its work as a long prefill is; HANG_FILE=PATH: once
-that file holds this process's pid, the next forward pass blocks for ever (a hang on demand, in
-one replica of several sharing the environment)."""
+"""A real server process whose real runner (engine.runner.Runner over the embedded model) hangs or
+slows down on demand: `python -m llama_grpc_testkit.hanging_runner [serve options]`
+(server_process's and deploy.cluster.Replica's `module`). HANG_AT_PASS=N: forward pass N (the
+warm-up's is the first) blocks for ever, a llama_decode that never returns; SLOW_PASS_S=S: every
+pass after the warm-up takes S seconds more, slow but legitimate; SLOW_TOKEN_S=S: every pass after
+the warm-up takes S seconds more for each token it feeds, slow in proportion to its work as a long
+prefill is; HANG_FILE=PATH: once that file holds this process's pid, the next forward pass blocks
+for ever (a hang on demand, in one replica of several sharing the environment)."""
 
 from __future__ import annotations
 

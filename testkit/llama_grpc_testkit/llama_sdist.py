@@ -15,7 +15,7 @@ under `~/.cache/llama-grpc/llama.cpp-<version>/` (beside the wheelhouse; ~40 MB)
 folder; later calls only check it. The synthetic model generator (`synth_gguf.py`) takes its
 vocabularies and templates from here, and the tests take their vectors.
 
-    python bench/llama_sdist.py          # fetch if missing, print the folder
+    python -m llama_grpc_testkit.llama_sdist       # fetch if missing, print the folder
 """
 
 from __future__ import annotations
