@@ -36,6 +36,8 @@ CATALOG_FILE = "catalog.toml"
 SUFFIX = ".gguf"
 EMBEDDED, CATALOG, DIRECTORY, PATH = "embedded", "catalog", "directory", "path"
 TRAINED = "trained"
+# the first line of a catalog.toml `add` creates
+_HEADER = "Written by `llama-grpc models add`: model name -> GGUF file."
 # A name never looks like a path or a NAME=PATH pair, so `resolve` can tell them apart.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -187,7 +189,7 @@ def _load_document(models_dir: Path) -> tomlkit.TOMLDocument:
         return tomlkit.parse((models_dir / CATALOG_FILE).read_text(encoding="utf-8"))
     except FileNotFoundError:
         document = tomlkit.document()
-        document.add(tomlkit.comment("Written by `llama-grpc models add`: name -> GGUF file."))
+        document.add(tomlkit.comment(_HEADER))
         document.add(tomlkit.nl())
         return document
 
