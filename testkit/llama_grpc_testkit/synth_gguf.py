@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -466,8 +467,19 @@ def _hyperparameters(writer: Any, arch: str, s: Shape) -> None:
         writer.add_uint32(f"{arch}.full_attention_interval", 2)
 
 
-_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# GGUF metadata value types (gguf.GGUFValueType: not imported here, the module imports gguf
+# lazily): strings and arrays; the others are fixed-size scalars, sized by _gguf_scalar_bytes.
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+@functools.cache
+def _gguf_scalar_bytes() -> dict[int, int]:
+    """Each fixed-size GGUF value type's size in bytes, from gguf's numpy type for it."""
+    import gguf
+
+    assert (_GGUF_STRING, _GGUF_ARRAY) == (gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY)
+    scalars = gguf.GGUFReader.gguf_scalar_to_np.items()
+    return {kind.value: np.dtype(scalar).itemsize for kind, scalar in scalars}
 
 
 class RawValue(bytes):
@@ -479,12 +491,12 @@ def _skip_value(data: memoryview, pos: int, kind: int) -> int:
     if kind == _GGUF_STRING:
         return pos + 8 + int.from_bytes(data[pos : pos + 8], "little")
     if kind != _GGUF_ARRAY:
-        return pos + _GGUF_SCALAR_BYTES[kind]
+        return pos + _gguf_scalar_bytes()[kind]
     element = int.from_bytes(data[pos : pos + 4], "little")
     count = int.from_bytes(data[pos + 4 : pos + 12], "little")
     pos += 12
     if element not in (_GGUF_STRING, _GGUF_ARRAY):
-        return pos + count * _GGUF_SCALAR_BYTES[element]
+        return pos + count * _gguf_scalar_bytes()[element]
     for _ in range(count):
         pos = _skip_value(data, pos, element)
     return pos

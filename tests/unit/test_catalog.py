@@ -104,6 +104,37 @@ def test_names_with_toml_specials_round_trip(tmp_path: Path, models: Path) -> No
     assert catalog.read_catalog(models) == {"odd.name_1": odd}
 
 
+def test_add_keeps_comments_order_and_unknown_keys(tmp_path: Path, models: Path) -> None:
+    """`add` edits a hand-written catalog.toml in place: its comments, its order, a key the
+    catalog does not know and a table it does not know survive adding a name and replacing
+    another's path (--force); only the path line changes."""
+    path = models / catalog.CATALOG_FILE
+    text = (
+        "# my models, hand-kept\n"
+        "\n"
+        "[models.zeta]  # the big one\n"
+        'path = "a-model.gguf"\n'
+        'note = "keep me"  # an unknown key\n'
+        "\n"
+        "[mirrors]  # an unknown table\n"
+        'url = "https://example.invalid"\n'
+        "\n"
+        "[models.alpha]\n"
+        'path = "b-model.gguf"\n'
+    )
+    path.write_text(text)
+    other = write_model(tmp_path / "other.gguf")
+    catalog.add("mid", other, models)
+    catalog.add("zeta", other, models, force=True)
+    written = path.read_text()
+    assert written == text.replace('path = "a-model.gguf"', f'path = "{other}"').replace(
+        "\n[mirrors]", f'\n[models.mid]\npath = "{other}"\n\n[mirrors]'
+    )
+    assert catalog.read_catalog(models) == {
+        "zeta": other, "mid": other, "alpha": models / "b-model.gguf",
+    }  # fmt: skip
+
+
 def test_write_failure_keeps_the_old_catalog(models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     catalog.add("first", models / "a-model.gguf", models)
     before = (models / catalog.CATALOG_FILE).read_text()

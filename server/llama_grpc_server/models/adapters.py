@@ -34,6 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from gguf import GGUFValueType
+
 from llama_grpc_server.models.gguf_header import (
     MAGIC,
     STRING,
@@ -44,7 +46,7 @@ from llama_grpc_server.models.gguf_header import (
     _Reader,  # the header reader's bounds-checked cursor: one parser of GGUF's encoding
 )
 
-FLOAT32 = 6  # GGUF metadata value type of adapter.lora.alpha
+FLOAT32 = GGUFValueType.FLOAT32.value  # the metadata value type of adapter.lora.alpha
 DEFAULT_ALIGNMENT = 32  # general.alignment when the file does not say
 MAX_DIMS = 4  # GGML_MAX_DIMS
 LORA_A, LORA_B = ".lora_a", ".lora_b"

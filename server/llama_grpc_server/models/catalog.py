@@ -8,7 +8,9 @@ catalog.toml, which `llama-grpc models add` writes:
     [models.my-model]
     path = "/abs/path/to/my-model.gguf"
 
-When two sources give the same name, the first wins: embedded, then catalog.toml, then files.
+`add` edits catalog.toml with tomlkit, so a user's comments, ordering and keys or tables it
+does not know survive. When two sources give the same name, the first wins: embedded, then
+catalog.toml, then files.
 A name none of them gives may be a trained model of models/trained.py: `lookup` fetches it into
 the per-machine cache on first use (models/assemble.py); `list_models` leaves them out."""
 
@@ -18,9 +20,12 @@ import os
 import re
 import tempfile
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomlkit
+from tomlkit.items import InlineTable
 
 from llama_grpc_server.models import assemble, trained
 from llama_grpc_server.models.files import DEFAULT_MODEL_NAME, default_model_path
@@ -31,6 +36,8 @@ CATALOG_FILE = "catalog.toml"
 SUFFIX = ".gguf"
 EMBEDDED, CATALOG, DIRECTORY, PATH = "embedded", "catalog", "directory", "path"
 TRAINED = "trained"
+# the first line of a catalog.toml `add` creates
+_HEADER = "Written by `llama-grpc models add`: model name -> GGUF file."
 # A name never looks like a path or a NAME=PATH pair, so `resolve` can tell them apart.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -169,42 +176,56 @@ def add(name: str, path: Path, models_dir: Path, *, force: bool = False) -> Path
             f"{name!r} already names {taken[name].path} ({taken[name].source}); "
             "use --force to replace it"
         )
-    catalog = read_catalog(models_dir)
-    catalog[name] = path
-    write_catalog(models_dir, catalog)
+    document = _load_document(models_dir)
+    _set_path(document, name, path)
+    write_catalog(models_dir, document)
     return path
 
 
-def write_catalog(models_dir: Path, catalog: Mapping[str, Path]) -> None:
+def _load_document(models_dir: Path) -> tomlkit.TOMLDocument:
+    """catalog.toml as tomlkit's document (comments and layout included; read_catalog has
+    already checked it), or a new one that says who wrote it."""
+    try:
+        return tomlkit.parse((models_dir / CATALOG_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        document = tomlkit.document()
+        document.add(tomlkit.comment(_HEADER))
+        document.add(tomlkit.nl())
+        return document
+
+
+def _set_path(document: tomlkit.TOMLDocument, name: str, path: Path) -> None:
+    """[models.NAME] path = PATH: an entry already there keeps its other keys and its place, a
+    new one goes after the last models entry (as [models.NAME], or into `models = {...}` when
+    that is written inline)."""
+    if "models" not in document:
+        document["models"] = tomlkit.table(is_super_table=True)
+    models = document["models"]  # a Table, an InlineTable, or tomlkit's proxy of a split one
+    assert isinstance(models, MutableMapping)  # read_catalog refused anything else
+    entry = models.get(name)
+    if isinstance(entry, MutableMapping):
+        entry["path"] = str(path)
+        return
+    if isinstance(models, InlineTable):
+        models[name] = tomlkit.inline_table()
+        models[name]["path"] = str(path)
+        return
+    new = tomlkit.table()
+    new["path"] = str(path)
+    new.add(tomlkit.nl())  # a blank line before whatever table follows
+    models[name] = new
+
+
+def write_catalog(models_dir: Path, document: tomlkit.TOMLDocument) -> None:
     """Write catalog.toml atomically (a temporary file in the same directory, then os.replace),
     so a reader never sees half a file and a crash keeps the old one."""
-    lines = ["# Written by `llama-grpc models add`: model name -> GGUF file.", ""]
-    for name in sorted(catalog):
-        lines += [
-            f"[models.{_toml_string(name)}]",
-            f"path = {_toml_string(str(catalog[name]))}",
-            "",
-        ]
     fd, tmp = tempfile.mkstemp(prefix=".catalog-", suffix=".toml.tmp", dir=models_dir)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines))
+            f.write(tomlkit.dumps(document))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, models_dir / CATALOG_FILE)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def _toml_string(text: str) -> str:
-    """A TOML basic string: backslash, quote and control characters escaped."""
-    out = []
-    for ch in text:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:  # noqa: PLR2004
-            out.append(f"\\u{ord(ch):04X}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'

@@ -10,12 +10,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gguf import Keys, TokenType
+
 from llama_grpc_server.models.bpe_pretokenizers import PRE_NAMES
 from llama_grpc_server.models.gguf_header import GGUFError, read_header
 
-# llama.cpp's token types (tokenizer.ggml.token_type; llama_token_type in llama.h)
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-TYPES = frozenset({NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE})
+# llama.cpp's token types (tokenizer.ggml.token_type; llama_token_type in llama.h), as ints
+NORMAL, UNKNOWN, CONTROL = TokenType.NORMAL.value, TokenType.UNKNOWN.value, TokenType.CONTROL.value
+USER_DEFINED, UNUSED = TokenType.USER_DEFINED.value, TokenType.UNUSED.value
+BYTE = TokenType.BYTE.value
+TYPES = frozenset(kind.value for kind in TokenType)
 ADDED = frozenset({CONTROL, UNKNOWN, USER_DEFINED})  # llama.cpp's cache_special_tokens
 
 # Texts llama.cpp marks as end-of-generation whatever the file says; it makes each a control
@@ -94,13 +98,6 @@ class GGUFVocab:
         return None if token_id is None else self.tokens[token_id]
 
 
-def _keys() -> Any:
-    """gguf's names of the tokenizer keys (gguf imports numpy: only when exporting)."""
-    import gguf
-
-    return gguf.Keys.Tokenizer
-
-
 def _token_id(meta: Mapping[str, Any], key: str, n_tokens: int, default: int | None) -> int | None:
     value = meta.get(key, default)
     if value is None or isinstance(value, bool) or not isinstance(value, int):
@@ -165,7 +162,7 @@ def _arrays(
 ) -> tuple[tuple[str, ...], tuple[float, ...], tuple[int, ...], tuple[str, ...]]:
     """tokens, scores, types and merges; llama.cpp reads scores and types as zeros and NORMAL
     where the file has none (SentencePiece and Unigram need the scores)."""
-    keys = _keys()
+    keys = Keys.Tokenizer
     listed = meta.get(keys.LIST)
     if not isinstance(listed, tuple) or not all(isinstance(t, str) for t in listed):
         raise TokenizerExportError(f"{path}: {keys.LIST} is not a list of strings")
@@ -200,7 +197,7 @@ def read_vocab(path: str | os.PathLike[str]) -> GGUFVocab:
     whole): gguf.GGUFReader takes ~23 s to open a 262k-token vocabulary, this ~0.3 s.
     llama.cpp's defaults apply in its order: the tokenizer model's, the pre-tokenizer name's,
     then the file's keys."""
-    keys = _keys()
+    keys = Keys.Tokenizer
     try:
         header = read_header(path, full=(keys.LIST, keys.SCORES, keys.TOKEN_TYPE, keys.MERGES))
     except GGUFError as exc:
