@@ -52,9 +52,9 @@ from llama_grpc_server.config import ModelSettings, SchedulerSettings, ServerSet
 from llama_grpc_server.core.requests.request import SamplingParams
 from llama_grpc_server.engine.build import build_engine
 from llama_grpc_server.rpc.plumbing.server import start_server
+from llama_grpc_server.rpc.vllm.engine import VLLM_SERVICE_NAME  # the vLLM servicer: only here
 from llama_grpc_testkit.models import TINY_N_VOCAB, tiny_model_file
 from llama_grpc_testkit.threads import TEST_THREADS
-from llama_grpc_server.rpc.vllm.engine import VLLM_SERVICE_NAME  # the vLLM servicer: only here
 from tests.support.pb_strategies import messages, wire_string
 from tests.support.regex_grammar import REGEX_CASES
 
