@@ -1,7 +1,7 @@
 """What a prompt-lookup step costs (core.speculation.ngram.NgramIndex): a 4,000-token prompt indexed
 once, then 1,000 steps of one new token + a lookup, as in decoding. Per-step microseconds, the
-median of 5 runs (was a timed assertion in tests/unit/test_speculative.py: ~10 us measured, bounded
-at 200 us). Run: python bench/ngram_lookup.py"""
+median of 5 runs (was a timed assertion in tests/unit/core/test_speculative.py: ~10 us measured,
+bounded at 200 us). Run: python bench/ngram_lookup.py"""
 
 from __future__ import annotations
 

@@ -1133,7 +1133,7 @@ class _Surface:
     """The call surface of Client and AsyncClient, defined once: per public method, the call it
     makes (stub method, request built from its arguments, options) and how the response becomes
     its return value. Each client method is a shell that runs its call here, sync or async
-    (tests/unit/test_client_parity.py checks that the two classes' methods match)."""
+    (tests/unit/client/test_client_parity.py checks that the two classes' methods match)."""
 
     @staticmethod
     def generate(

@@ -84,7 +84,7 @@ async def test_pooling_none_dimensions_and_unnormalized(client: AsyncClient) -> 
 
 async def test_input_over_the_context_is_refused_naming_it(client: AsyncClient) -> None:
     """An input over the context is refused by default, naming it and both numbers (the
-    truncate_left path: tests/unit/test_embed_validation.py; embedding a whole 4,096-token
+    truncate_left path: tests/unit/rpc/test_embed_validation.py; embedding a whole 4,096-token
     context here would take a minute on the shared CPU)."""
     info = await client.model_info()
     long_ids = [1000 + i % 50 for i in range(info.n_ctx + 10)]

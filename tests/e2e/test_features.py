@@ -216,7 +216,7 @@ async def test_the_embedded_model_chats_with_gemmas_template_by_default(
     """The embedded base model has no template of its own; its family (gemma3) has a built-in,
     which it gets with none configured: GetModelInfo says "gemma", and messages without a
     chat_template render exactly as with chat_template="gemma". (A model with neither is
-    FAILED_PRECONDITION naming messages: tests/unit/test_generation_features.py.)"""
+    FAILED_PRECONDITION naming messages: tests/unit/core/test_generation_features.py.)"""
     info = await client.model_info()
     assert (info.chat_template, info.has_chat_template) == ("gemma", False)
     expected = await client.tokenize(CHAT_PROMPT, add_special=False, parse_special=True)

@@ -1,6 +1,6 @@
 """A Client over grpc_testing (no server): the channel, client and executor fixtures and
 UnaryScript, which answers a unary call the way a test scripts it. Shared by several test modules
-(until now in tests/unit/test_client.py)."""
+(until now in tests/unit/client/test_client.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Engine snapshots and Finished events as the servicer converts them: make_snapshot, finished, and
 the TIMINGS / USAGE they carry. Shared by several test modules (until now in
-tests/unit/test_convert.py)."""
+tests/unit/rpc/test_convert.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A KV event subscriber that replays a KvEventLog into the set of blocks it announces (Subscriber,
 Blocks), to compare with what the scheduler really holds. Shared by several test modules (until now
-in tests/unit/test_kv_events.py)."""
+in tests/unit/core/test_kv_events.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """An EngineLoop over the fake runner (make_loop) and reading its last event (last_event). Shared by
-several test modules (until now in tests/unit/test_loop.py)."""
+several test modules (until now in tests/unit/engine/test_loop.py)."""
 
 from __future__ import annotations
 

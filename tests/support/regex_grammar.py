@@ -1,6 +1,6 @@
 """The regex cases (a pattern and the body of its grammar's root rule) that the unit tests of the
 regex-to-grammar compiler and the vLLM engine e2e tests both run. Shared by several test modules
-(until now in tests/unit/test_regex_grammar.py)."""
+(until now in tests/unit/core/test_regex_grammar.py)."""
 
 from __future__ import annotations
 

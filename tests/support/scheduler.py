@@ -1,7 +1,7 @@
 """Driving a Scheduler over the fake runner, no model: make (a scheduler with a fake Clock), req (a
 greedy request), drive (tick until idle), and reading the events (outputs, finals, alone: a
 request's tokens when it runs by itself). Shared by several test modules (until now in
-tests/unit/test_scheduler.py)."""
+tests/unit/core/test_scheduler.py)."""
 
 from __future__ import annotations
 

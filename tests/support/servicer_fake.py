@@ -1,6 +1,6 @@
 """Calling the servicer over a FakeEngine: the Settings the tests serve with, collecting a stream
 (collect, read_all) and reading a status's details (details). Shared by several test modules (until
-now in tests/unit/test_servicer_fake.py)."""
+now in tests/unit/rpc/test_servicer_fake.py)."""
 
 from __future__ import annotations
 

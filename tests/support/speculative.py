@@ -1,5 +1,5 @@
 """Tick costs measured on the 2-core box (BOX: rows -> ms) for the speculative policy's tests.
-Shared by several test modules (until now in tests/unit/test_speculative.py)."""
+Shared by several test modules (until now in tests/unit/core/test_speculative.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A scheduler that speculates (make, ON) over a fake model that mostly repeats its context
 (echo_model: drafts get accepted, but for a noisy position now and then), and its requests (req,
 prompt_of). Shared by several test modules (until now in
-tests/unit/test_speculative_scheduler.py)."""
+tests/unit/core/test_speculative_scheduler.py)."""
 
 from __future__ import annotations
 

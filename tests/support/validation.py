@@ -1,6 +1,6 @@
 """A text request as the servicer validates it (text_request) and the limits it is checked against
 (N_CTX, LIMITS, INFO). Shared by several test modules (until now in
-tests/unit/test_validation.py)."""
+tests/unit/rpc/test_validation.py)."""
 
 from __future__ import annotations
 

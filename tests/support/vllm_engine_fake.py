@@ -1,6 +1,6 @@
 """Reading the vLLM engine protocol's KV event stream: kv_until (batches until one matches),
 stored_blocks, announces (a predicate on a token list), is_cleared. Shared by several test modules
-(until now in tests/unit/test_vllm_engine_fake.py)."""
+(until now in tests/unit/rpc/test_vllm_engine_fake.py)."""
 
 from __future__ import annotations
 

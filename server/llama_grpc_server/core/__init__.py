@@ -1,1 +1,2 @@
-"""Pure scheduling logic. Never imports llama_cpp or grpc (tests/unit/test_boundaries.py checks)."""
+"""Pure scheduling logic. Never imports llama_cpp or grpc (tests/unit/project/test_boundaries.py
+checks)."""

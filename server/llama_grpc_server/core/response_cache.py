@@ -43,7 +43,7 @@ KEY_VERSION = 1  # part of every key: bump it when the canonical form changes
 
 # The fields of each request value that go into the key, in order. Nested values are keyed
 # field by field with their own entry here. Written out: a field added to one of these types
-# fails tests/unit/test_response_cache.py until it is listed here or in UNKEYED.
+# fails tests/unit/core/test_response_cache.py until it is listed here or in UNKEYED.
 KEYED: Mapping[type, tuple[str, ...]] = {
     GenerationRequest: (
         "prompt_tokens",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from llama_grpc_testkit import synth_gguf
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_docs_families_md_holds_the_generated_table() -> None:

@@ -16,7 +16,7 @@ from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GENERATED = ROOT / "client" / "llama_grpc" / "v1"
 
 

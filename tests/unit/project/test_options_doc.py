@@ -9,7 +9,7 @@ from pathlib import Path
 
 from llama_grpc_server.config.options import OPTIONS, RENAMED
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 OPTIONS_DOC = runpy.run_path(str(ROOT / "tools" / "options_doc.py"), run_name="options_doc")
 render, main = OPTIONS_DOC["render"], OPTIONS_DOC["main"]
 

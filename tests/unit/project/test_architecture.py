@@ -9,7 +9,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SERVER = ROOT / "server" / "llama_grpc_server"
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
 TABLE_HEADER = "| module | concept |"
@@ -110,3 +110,27 @@ def test_the_table_reader_sees_dotted_names_and_stops_at_the_table_end() -> None
     rows = "| `a/b.py`, `llama_grpc_server.c.d` | x |\n\n| `e.py` | y |"
     text = f"{TABLE_HEADER}\n| --- | --- |\n{rows}"
     assert table_names(text) == ["a/b.py", "c/d.py"]
+
+
+# the unit tests' rooms: the server's packages, the client, and what lies outside the packages
+UNIT_ROOMS = {
+    "bench",
+    "client",
+    "config",
+    "core",
+    "deploy",
+    "engine",
+    "models",
+    "observability",
+    "project",
+    "rpc",
+}
+
+
+def test_unit_tests_are_grouped_like_the_code() -> None:
+    unit = ROOT / "tests" / "unit"
+    assert sorted(p.name for p in unit.glob("test_*.py")) == []  # none left in the flat room
+    rooms = {p.parent.name for p in unit.glob("*/test_*.py")}
+    assert rooms == UNIT_ROOMS
+    server = {p.name for p in (ROOT / "server" / "llama_grpc_server").iterdir() if p.is_dir()}
+    assert UNIT_ROOMS - {"bench", "client", "deploy", "project"} <= server

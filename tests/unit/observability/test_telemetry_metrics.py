@@ -30,7 +30,7 @@ from llama_grpc_server.rpc.plumbing.wiring import ServerStartError
 from llama_grpc_server.testing import FakeEngine
 from tests.support.convert import make_snapshot
 
-from ..conftest import samples, scrape, value
+from ...conftest import samples, scrape, value
 
 
 def done_event(**overrides: Any) -> RequestEvent:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SERVER = ROOT / "server" / "llama_grpc_server"
 CLIENT = ROOT / "client" / "llama_grpc"
 TESTKIT = ROOT / "testkit" / "llama_grpc_testkit"

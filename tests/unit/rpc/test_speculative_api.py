@@ -39,7 +39,7 @@ from tests.support.validation import text_request
 
 __all__ = ["channel", "client", "executor", "unary"]  # fixtures
 
-from ..conftest import samples, value
+from ...conftest import samples, value
 
 
 def speculative(**fields: Any) -> dict[str, Any]:

@@ -49,8 +49,8 @@ from llama_grpc_server.rpc.v1.servicer import _Chat
 from llama_grpc_server.testing import EOS_ID, N_VOCAB, PIECES, FakeEngine, FakeRunner, encode
 from tests.support.scheduler import Clock, drive
 from tests.support.servicer_fake import SETTINGS, collect, details
-from tests.unit.test_tool_formats import CORPUS as TOOL_CORPUS
-from tests.unit.test_tool_formats import TOOLS as TOOL_CORPUS_TOOLS
+from tests.unit.core.test_tool_formats import CORPUS as TOOL_CORPUS
+from tests.unit.core.test_tool_formats import TOOLS as TOOL_CORPUS_TOOLS
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = (1, *encode("Q: "))

@@ -16,9 +16,9 @@ from deploy.cluster import envoy_binary
 from deploy.envoy import render
 from deploy.gateway import CPU_LIVENESS_ARGS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
-K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+K8S = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
 
 
 def manifests(name: str) -> dict[str, dict[str, Any]]:

@@ -106,7 +106,7 @@ def test_make_gateway_stops_at_once_naming_the_reason(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "deploy.gateway", "--replicas", "1", "--", "--model", str(model)],
         check=False, capture_output=True, text=True, timeout=120,
-        cwd=Path(__file__).resolve().parents[2], env={"XDG_CACHE_HOME": str(tmp_path),
+        cwd=Path(__file__).resolve().parents[3], env={"XDG_CACHE_HOME": str(tmp_path),
                                                      "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert done.returncode == 1, done.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "gpu"))
 
 import make_bundle
 
