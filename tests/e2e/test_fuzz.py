@@ -109,10 +109,6 @@ ABOUT_A_FIELD = {
     grpc.StatusCode.FAILED_PRECONDITION,
 }
 VLLM_ABOUT_A_FIELD = {grpc.StatusCode.INVALID_ARGUMENT}
-# VllmEngine answers while the default model is unloaded (LlmService's UnloadModel) with the model
-# pool's FAILED_PRECONDITION, which names LlmService's `model` field: no VllmEngine request has
-# one. A flaw this fuzz found, tolerated here until the servicer drops or renames the field.
-VLLM_FOREIGN_FIELDS = frozenset({"model"})
 # methods refused whatever the request: profiling (the vLLM protocol's) is not supported
 UNSUPPORTED = frozenset({"VllmEngine.StartProfile", "VllmEngine.StopProfile"})
 SEEN: Counter[tuple[str, str]] = Counter()  # (method, status) over the whole module
@@ -328,10 +324,6 @@ def check(
         is_unparsable and not typed.field
     ):
         assert typed.field, f"{status.name} names no field: {error.details()}"
-    foreign = vllm and status == grpc.StatusCode.FAILED_PRECONDITION
-    if foreign and typed.field in VLLM_FOREIGN_FIELDS:
-        FIELDS[f"{name} {typed.field} (foreign)"] += 1
-        return
     if typed.field:
         assert resolves(outcome.method.input_type, typed.field), typed.field
         FIELDS[name + " " + re.sub(r"\[[^\]]*\]", "[]", typed.field)] += 1

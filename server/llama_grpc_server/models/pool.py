@@ -279,14 +279,15 @@ class ModelPool:
             log.info("models_discovered", names=[e.name for e in added])
         return bool(added)
 
-    def resident(self, name: str) -> EngineApi:
-        """The engine of a loaded model, without loading it: ModelNotLoaded otherwise."""
+    def resident(self, name: str, *, field: str | None = "model") -> EngineApi:
+        """The engine of a loaded model, without loading it: ModelNotLoaded otherwise, naming
+        `field` (None: a protocol whose request has no model field, the vLLM engine's)."""
         entry = self._find(name)
         if entry.state is not ModelState.LOADED or entry.engine is None:
             raise errors.ModelNotLoaded(
                 f"model {entry.name!r} is {entry.state.value}, not loaded; a generation request "
                 "or LoadModel loads it",
-                field="model",
+                field=field,
                 metadata={"model": entry.name, "state": entry.state.value},
             )
         return entry.engine

@@ -430,6 +430,24 @@ async def test_health_model_server_info_and_loads(vllm: Any, stub: Any, engine: 
     assert load.token_usage == 0.0  # nothing runs (report.kv_cache_usage counts kept prefixes)
 
 
+async def test_an_unloaded_default_model_names_no_field_of_the_engine_protocol(
+    vllm: Any, stub: Any
+) -> None:
+    """After v1's UnloadModel, the engine protocol's calls that need the resident model answer
+    FAILED_PRECONDITION saying so, naming no field: its requests have no `model` (found by the
+    fuzz test, which checks that every named field resolves in the request)."""
+    await stub.UnloadModel(pb.UnloadModelRequest())
+    for call, request in (
+        (vllm.GetModelInfo, vpb.GetModelInfoRequest()),
+        (vllm.FlushCache, cpb.FlushCacheRequest()),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call(request)
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "not loaded" in (caught.value.details() or "")
+        assert "BadRequest" not in details(caught.value)
+
+
 async def test_token_usage_counts_running_requests_not_kept_prefixes(
     vllm: Any, stub: Any, engine: FakeEngine
 ) -> None:

@@ -352,7 +352,7 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
         self, request: vpb.GetModelInfoRequest, context: Context
     ) -> vpb.GetModelInfoResponse:
         async with ErrorsToStatus(context, current_request_id()):
-            engine = self._ready_pool().resident("")
+            engine = self._ready_pool().resident("", field=None)
             limits = self._settings.scheduler
             return convert.model_info(
                 engine.model_info,
@@ -393,7 +393,7 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
         """ClearCache of the default model (admin only): idle slots' prefixes and the RAM, disk
         and response caches; running requests are never touched, so timeout_s is not needed."""
         async with ErrorsToStatus(context, current_request_id()):
-            engine = self._ready_pool().resident("")
+            engine = self._ready_pool().resident("", field=None)
             cleared = await engine.clear_cache()
             fields = dataclasses.asdict(cleared)
             log.info("cache_cleared", model=engine.model_info.model_name, **fields)
@@ -406,7 +406,7 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
         """The default model's tokenizer files as one zip, in chunks; the last carries the
         archive's sha256."""
         async with ErrorsToStatus(context, current_request_id()):
-            engine = self._ready_pool().resident("")
+            engine = self._ready_pool().resident("", field=None)
             make = self._tokenizer_zip or exported_tokenizer(engine.model_info)
             try:
                 data = await asyncio.to_thread(make)
@@ -431,7 +431,7 @@ class VllmEngineServicer(PoolServicer, vpb_grpc.VllmEngineServicer):  # type: ig
         KV_HEARTBEAT_S while nothing else goes out. A subscriber sees its own tenant's blocks
         only. Ends when the server drains."""
         async with ErrorsToStatus(context, current_request_id()):
-            engine = self._ready_pool().resident("")
+            engine = self._ready_pool().resident("", field=None)
             log = engine.kv_events
             # the scope of this replica's own engine-protocol requests goes out unsalted
             plain = scoped("", self._engine_adapters(engine, check_tenant=False))
