@@ -159,7 +159,7 @@ def build_engine(
     # the cost of a pass of N rows has another shape with AVX-512 (core.speculation.policy)
     avx512 = "AVX512 = 1" in system_info()
     scheduler.set_pass_prior(PRIOR_AVX512 if avx512 else PRIOR_X86_64_V3)
-    scheduler.spec.drafter = drafter
+    scheduler.set_drafter(drafter)
 
     def close() -> None:
         if lora is not None:
@@ -178,7 +178,7 @@ def build_engine(
             warm_up(
                 model,
                 runner,
-                scheduler.spec.costs
+                scheduler.pass_costs
                 if sched.speculative != "off" and not model.is_encoder
                 else None,
                 min(sched.draft_max + 2, model.n_batch),
@@ -187,7 +187,7 @@ def build_engine(
         if drafter is not None:  # a drafted token's first price, before any draft pass
             text = model.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
             token_ms = drafter.warm_up(text[: model.n_batch])
-            scheduler.spec.draft_costs.calibrate(token_ms)
+            scheduler.set_drafter(drafter, token_ms)
             log.info("draft_model_calibrated", token_ms=round(token_ms, 2))
 
     engine = EngineLoop(

@@ -41,8 +41,9 @@ from llama_grpc_server.core.scheduling.slot import SlotTable
 from llama_grpc_server.core.scheduling.starts import Starts
 from llama_grpc_server.core.scheduling.strategies import BatchStrategy, DecodeMaximal
 from llama_grpc_server.core.scheduling.tenants import TenantLimits
+from llama_grpc_server.core.speculation.draft_model import DraftSource
 from llama_grpc_server.core.speculation.drafts import DraftLimits, Drafts
-from llama_grpc_server.core.speculation.policy import PriorShape
+from llama_grpc_server.core.speculation.policy import PriorShape, TickCostModel
 from llama_grpc_server.core.speculation.speculator import Speculator
 
 __all__ = ["Scheduler", "SchedulerLimits"]  # SchedulerLimits lives in core.scheduling.limits
@@ -326,7 +327,7 @@ class Scheduler:
             self.kv.disk.stats() if self.kv.disk is not None else None,
         )
 
-    # --- the engine loop's view (engine/loop*) ---
+    # --- the engine's view (engine/loop*, engine/build.py) ---
 
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         """What the disk tier's I/O thread calls when a read comes back: wake the engine thread."""
@@ -335,6 +336,18 @@ class Scheduler:
     def set_pass_prior(self, prior: PriorShape) -> None:
         """The llama.cpp build's shape of a pass's cost by its rows (core.speculation.policy)."""
         self.spec.costs.prior = prior
+
+    def set_drafter(self, drafter: DraftSource | None, token_ms: float | None = None) -> None:
+        """The draft model (--draft-model) the speculator drafts with, and a drafted token's
+        first price (ms, measured at warm-up) before any draft pass teaches it."""
+        self.spec.drafter = drafter
+        if token_ms is not None:
+            self.spec.draft_costs.calibrate(token_ms)
+
+    @property
+    def pass_costs(self) -> TickCostModel:
+        """The speculator's cost model of a pass by its rows, which the warm-up times."""
+        return self.spec.costs
 
     def check_fits(self, spec: GenerationRequest) -> None:
         """On the submitting thread: reject at once what can never fit (Admission.check_fits)."""
