@@ -150,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="py-spy the replica in each setting's first SMG run (bench/results/aiperf_pyspy_*)",
     )
     parser.add_argument(
+        "--client-nice",
+        type=int,
+        default=0,
+        help="run aiperf under `nice -n N` (0: as is). Its timing_manager takes ~95 %% of a core "
+        "for a whole run (client_cpu_s): on 2 cores it competes with the servers",
+    )
+    parser.add_argument(
         "--replica-args",
         default="",
         help="more llama-grpc serve options for the replica (space-separated)",
@@ -443,9 +450,11 @@ async def replica_counters(stub: Any, pid: int) -> dict[str, float]:
 # -- the runs ----------------------------------------------------------------------------------
 
 
-def run_aiperf(cmd: list[str], out: Path) -> tuple[dict[str, Any], float]:
-    """Run aiperf (HF_HUB_OFFLINE unset: it then loads a local tokenizer directory); its export
-    JSON and the CPU seconds it took."""
+def run_aiperf(cmd: list[str], out: Path, nice: int = 0) -> tuple[dict[str, Any], float]:
+    """Run aiperf (HF_HUB_OFFLINE unset: it then loads a local tokenizer directory), under
+    `nice -n nice` if not 0; its export JSON and the CPU seconds it took."""
+    if nice:
+        cmd = ["nice", "-n", str(nice), *cmd]
     env = {
         k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
     }
@@ -553,6 +562,7 @@ class Up:
     stub: Any = None
     tick_log: bool = False  # the replica logs its ticks (debug): summarise them per run
     py_spy: bool = False  # profile the replica during each setting's first SMG run
+    client_nice: int = 0  # aiperf runs under nice -n this
     log_offset: int = 0
 
     @property
@@ -575,7 +585,7 @@ class Up:
             cmd = aiperf_command(
                 url, "gemma-3-270m", self.tokenizer, setting, seed=seed, out=out, extra_inputs=extra
             )
-            export, run["client_cpu_s"] = run_aiperf(cmd, out)
+            export, run["client_cpu_s"] = run_aiperf(cmd, out, self.client_nice)
             after = llama_server_counters(self.ls_port, self.ls_pid)
             run["result"] = summarise_aiperf(export, setting.requests)
             run["aiperf_errors"] = (export.get("error_summary") or [])[:5]
@@ -591,7 +601,7 @@ class Up:
             if self.py_spy and rep == 0:
                 profile = RESULTS / f"aiperf_pyspy_{out.name}.txt"
             with py_spy(self.replica_pid, profile):
-                export, run["client_cpu_s"] = run_aiperf(cmd, out)
+                export, run["client_cpu_s"] = run_aiperf(cmd, out, self.client_nice)
             after = await replica_counters(self.stub, self.replica_pid)
             run["smg_cpu_s"] = cpu_seconds(gw.smg.pid) - smg_cpu0
             run["result"] = summarise_aiperf(export, setting.requests)
@@ -636,6 +646,7 @@ async def measure(args: argparse.Namespace, tokenizer: Path, work: Path) -> list
         with servers(threads, args.targets, replica_args, args.n_ctx) as started:
             up = Up(tokenizer, args.seed, gateway=started.get("gateway"))
             up.tick_log, up.py_spy = args.tick_log, args.py_spy
+            up.client_nice = args.client_nice
             if up.tick_log and up.gateway is not None:  # the start's own ticks are not a run's
                 up.log_offset = up.gateway.cluster.members[0].log_path.stat().st_size
             if "llama-server-port" in started:

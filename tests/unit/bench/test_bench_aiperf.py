@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from aiperf import (
     parse_targets,
     pass_mix,
     rows_of,
+    run_aiperf,
     summarise_aiperf,
     summarise_direct,
     tick_mix,
@@ -208,3 +210,15 @@ def test_rows_take_medians_and_ratios_to_llama_server() -> None:
     assert row["smg_ratio"] == pytest.approx(17.0 / 22.0)
     assert row["direct_ratio"] == pytest.approx(20.0 / 22.0)
     assert row["direct"]["passes"] == {"tokens_per_pass": 20.0}
+
+
+def test_the_client_runs_under_nice_when_asked(tmp_path: Path) -> None:
+    """--client-nice N puts `nice -n N` before aiperf; without it the command runs as given (a
+    stand-in command writes the export aiperf would)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    export = out / "profile_export_aiperf.json"
+    write = f"import os, json; json.dump({{'nice': os.nice(0)}}, open({str(export)!r}, 'w'))"
+    assert build_parser().parse_args(["--client-nice", "19"]).client_nice == 19
+    assert run_aiperf([sys.executable, "-c", write], out, nice=19)[0] == {"nice": 19}
+    assert run_aiperf([sys.executable, "-c", write], out)[0] == {"nice": os.nice(0)}
